@@ -1,0 +1,79 @@
+"""Composed config -> the exact DeepSpeed JSON a trial runs with.
+
+Layers, later wins: ds_configs/base.json, zero{stage}.json, offload_*.json, cpu.json (on CPU),
+the values that follow from the config (batch, precision, bucket sizes), then the user's `ds.*` keys.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from zero_bench.config import BenchConfig
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+
+# DeepSpeed's defaults are sized for billion-parameter models; on a small model they dwarf the
+# partitions ZeRO saves (field notes: ZeRO-3 used more RSS than ZeRO-0 with them).
+BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+               "stage3_max_live_parameters", "stage3_param_persistence_threshold")
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if k.startswith("_"):
+            continue  # comments in templates
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def load_template(name: str) -> dict:
+    return json.loads((TEMPLATE_DIR / f"{name}.json").read_text())
+
+
+def scaled_buckets(num_params_per_rank: int) -> dict:
+    """Buckets proportional to the model (1/16 of its parameters, within [5e5, 5e8] elements)."""
+    bucket = int(min(5e8, max(5e5, num_params_per_rank // 16)))
+    return {
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": bucket,
+        "stage3_max_live_parameters": 2 * bucket,
+        "stage3_param_persistence_threshold": int(1e4),
+    }
+
+
+def build(cfg: BenchConfig) -> dict:
+    ds = merge(load_template("base"), load_template(f"zero{cfg.zero}"))
+    if cfg.offload_optimizer:
+        ds = merge(ds, load_template("offload_optimizer"))
+    if cfg.offload_param:
+        ds = merge(ds, load_template("offload_param"))
+    on_cpu = cfg.hardware.device == "cpu"
+    if on_cpu:
+        ds = merge(ds, load_template("cpu"))
+    ds = merge(ds, {
+        "train_micro_batch_size_per_gpu": cfg.batch.micro,
+        "gradient_accumulation_steps": cfg.batch.grad_accum,
+        "train_batch_size": cfg.global_batch,
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "fp16": {"enabled": cfg.precision == "fp16"},
+    })
+    user_zero = (cfg.ds.get("zero_optimization") or {})
+    if on_cpu and cfg.zero > 0:
+        buckets = scaled_buckets(cfg.model.params_per_shard(cfg.parallel.tp))
+        keep = {k: v for k, v in buckets.items() if k not in user_zero}
+        if cfg.zero < 3:
+            keep = {k: v for k, v in keep.items() if not k.startswith("stage3")}
+        ds = merge(ds, {"zero_optimization": keep})
+    return merge(ds, cfg.ds)
+
+
+def write(cfg: BenchConfig, path: Path) -> dict:
+    ds = build(cfg)
+    path.write_text(json.dumps(ds, indent=2) + "\n")
+    return ds

@@ -1,0 +1,284 @@
+"""Run one deepspeed launch (one or more batch sizes) and turn what its ranks wrote into results.
+
+The launch: DeepSpeed's own launcher (`python -m deepspeed.launcher.runner`, so hostfiles and
+multi-node launchers work unchanged) in its own process group, with a free master port, a timeout,
+a memory sampler beside it, and the whole tree killed afterwards whatever happened.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import psutil
+
+from zero_bench import ds_config as dsc
+from zero_bench.config import BenchConfig
+from zero_bench.results import TrialResult
+from zero_bench.sampler import Sampler, summarize
+from zero_bench.worker import OOM_EXIT
+
+# What ranks print when an allocation fails, or what the launcher says when the kernel killed one.
+OOM_PATTERNS = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory|MemoryError|"
+                          r"return code = -9\b|exits with return code = -9|Killed", re.I)
+
+
+@dataclass
+class Entry:
+    micro: int
+    mode: str = "probe"  # "probe" (memory) or "measure" (full timed steps)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def capacity_bytes(cfg: BenchConfig) -> Optional[int]:
+    """Per-rank capacity: the user's figure, else (CPU) this host's RAM shared by its ranks."""
+    if cfg.hardware.memory_gb:
+        return int(cfg.hardware.memory_gb * 2**30)
+    if cfg.hardware.device == "gpu":
+        return None  # the card itself; NVML reports its total
+    local = max(1, cfg.parallel.world_size // cfg.hardware.num_nodes)
+    return psutil.virtual_memory().total // local
+
+
+def trial_env(cfg: BenchConfig) -> dict:
+    """Environment of the rank processes (also written to the env file for remote nodes)."""
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    if cfg.hardware.device == "cpu":
+        # glibc keeps freed blocks otherwise and RSS hides what ZeRO frees (field notes).
+        env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    else:
+        env["DS_ACCELERATOR"] = "cuda"
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+    return env
+
+
+def launcher_cmd(cfg: BenchConfig, spec_path: Path, port: int) -> list[str]:
+    hw = cfg.hardware
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)]
+    if hw.hostfile:
+        ranks_per_node = cfg.parallel.world_size // hw.num_nodes
+        cmd += ["--hostfile", hw.hostfile, "--num_nodes", str(hw.num_nodes), "--num_gpus",
+                str(ranks_per_node), "--launcher", hw.launcher, "--no_ssh_check"]
+    else:
+        cmd += ["--num_gpus", str(cfg.parallel.world_size)]
+    return cmd + ["--no_local_rank", "--module", "zero_bench.worker", "--spec", str(spec_path)]
+
+
+def kill_tree(proc: subprocess.Popen, known: list[psutil.Process]) -> None:
+    """SIGKILL the launch's process group and every worker the sampler saw (even if re-parented)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in known:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+_launch_ids = itertools.count(int(time.time() * 1000))
+
+
+def read_rank_logs(out_dir: Path) -> dict[int, list[dict]]:
+    logs = {}
+    for f in sorted(out_dir.glob("rank*.jsonl")):
+        recs = []
+        for line in f.read_text().splitlines():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+        if recs:
+            logs[recs[0]["rank"]] = recs
+    return logs
+
+
+def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Optional[dict] = None,
+               on_result: Optional[Callable[[TrialResult], None]] = None,
+               sample_interval: float = 0.05) -> list[TrialResult]:
+    """Launch once, run `plan` (ascending micro sizes), return one TrialResult per entry."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for old in run_dir.glob("rank*.jsonl"):
+        old.unlink()
+    ds = dsc.write(cfg, run_dir / "ds_config.json")
+    cap = capacity_bytes(cfg)
+    spec = {"config": cfg.to_dict(), "ds_config": str(run_dir / "ds_config.json"),
+            "out_dir": str(run_dir), "plan": [e.__dict__ for e in plan], "capacity_bytes": cap,
+            "fault": fault}
+    spec_path = run_dir / "trial.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    env = {**os.environ, **trial_env(cfg)}
+    env_file = run_dir / ".deepspeed_env"  # what remote ranks get (only PYTHON* passes otherwise)
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in trial_env(cfg).items()))
+    env["DS_ENV_FILE"] = str(env_file)
+    cmd = launcher_cmd(cfg, spec_path, free_port())
+    cmd_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in trial_env(cfg).items()) + " " + shlex.join(cmd)
+    (run_dir / "cmd.txt").write_text(cmd_text + "\n")
+
+    t0 = time.time()
+    with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=os.getcwd(),
+                                start_new_session=True)
+        stopped = []
+
+        def over_budget(msg: str) -> None:  # stop early: past the budget the batch cannot fit
+            stopped.append(msg)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        sampler = Sampler(proc.pid, sample_interval, use_gpu=cfg.hardware.device == "gpu",
+                          budget=cap if cfg.hardware.device == "cpu" else None, on_over=over_budget)
+        sampler.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=cfg.timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            sampler.stop()
+            kill_tree(proc, list(sampler.procs.values()))
+    sampler.write_csv(run_dir / "memory_timeline.csv")
+    log_tail = _tail(run_dir / "stderr.log") + _tail(run_dir / "stdout.log")
+    results = classify(cfg, plan, read_rank_logs(run_dir), rc=proc.returncode, timed_out=timed_out,
+                       stopped=stopped[0] if stopped else None, log_tail=log_tail, cap=cap)
+    marks = {}
+    for rank, recs in read_rank_logs(run_dir).items():
+        marks[rank] = [m for r in recs for m in r.get("marks", [])]
+    devices = summarize(sampler.samples, marks)
+    launch_id = next(_launch_ids)
+    for r in results:
+        r.launch, r.run_dir, r.cmd, r.ds_config, r.capacity_bytes = launch_id, str(run_dir), cmd_text, ds, cap
+        r.duration_s = round(time.time() - t0, 2)
+        if r.status in ("ok", "oom", "timeout") and not r.devices:
+            r.devices = _window(sampler, r, marks) or devices
+        if sampler.error:
+            r.reason = (r.reason + "; " if r.reason else "") + sampler.error
+        if on_result:
+            on_result(r)
+    return results
+
+
+def _window(sampler: Sampler, r: TrialResult, marks: dict) -> dict:
+    """Device peaks over the time this entry ran (entries of one launch run one after another)."""
+    lo, hi = r.ranks[0].get("t_begin") if r.ranks else None, r.ranks[0].get("t_end") if r.ranks else None
+    if lo is None:
+        return {}
+    return summarize([s for s in sampler.samples if lo <= s.t <= (hi or 1e18)], marks)
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def _base(cfg: BenchConfig, micro: int, mode: str, status: str, **kw) -> TrialResult:
+    c = cfg.with_micro(micro)
+    return TrialResult(search_key=cfg.search_key(), trial_key=c.trial_key(), label=cfg.label(), micro=micro,
+                       global_batch=c.global_batch, status=status, mode=mode, config=c.to_dict(), **kw)
+
+
+def classify(cfg: BenchConfig, plan: list[Entry], logs: dict[int, list[dict]], rc: Optional[int],
+             timed_out: bool, stopped: Optional[str], log_tail: str, cap: Optional[int]) -> list[TrialResult]:
+    """Per entry: ok / oom / error / timeout / not_run, from every rank's records and the exit.
+
+    An entry every rank ended "ok" fits. Any rank "over_capacity" or "oom" -> oom. An entry that
+    began but did not end on some rank failed with the launch: oom if the sampler stopped it over
+    budget, a rank exited with OOM_EXIT or was SIGKILLed, or the logs show an allocation failure;
+    timeout if the clock ran out (a rank that died while peers wait in a collective is also caught
+    by the timeout, and its log decides oom); otherwise error with the log tail.
+    """
+    world = cfg.parallel.world_size
+    results = []
+    failed = False
+    for entry in plan:
+        if failed:
+            results.append(_base(cfg, entry.micro, entry.mode, "not_run", reason="launch ended earlier"))
+            continue
+        ends = {r: next((x for x in recs if x.get("event") == "end" and x.get("micro") == entry.micro), None)
+                for r, recs in logs.items()}
+        begun = any(x.get("event") == "begin" and x.get("micro") == entry.micro
+                    for recs in logs.values() for x in recs)
+        done = [e for e in ends.values() if e]
+        statuses = {e["status"] for e in done}
+        if len(done) == world and statuses == {"ok"}:
+            results.append(_ok(cfg, entry, logs, done))
+            continue
+        failed = True
+        if done and statuses <= {"ok", "over_capacity"} and len(done) == world:
+            peak = max(e["peak_rss_bytes"] if cfg.hardware.device == "cpu" else e.get("torch_peak_reserved", 0)
+                       for e in done)
+            r = _base(cfg, entry.micro, entry.mode, "oom",
+                      reason=f"peak {peak / 2**20:.0f} MiB > capacity {cap / 2**20:.0f} MiB per rank",
+                      phase="step")
+            r.ranks = [_rank_view(e) for e in sorted(done, key=lambda e: e["rank"])]
+            results.append(r)
+            continue
+        inits = [x for recs in logs.values() for x in recs if x.get("event") == "init_failed"]
+        errs = [e for e in done if e["status"] in ("oom", "error")] + inits
+        phase = "init" if (inits or not begun) else "step"
+        status, reason = _failure(errs, rc, timed_out, stopped, log_tail)
+        results.append(_base(cfg, entry.micro, entry.mode, status, reason=reason, phase=phase))
+    return results
+
+
+def _failure(errs: list[dict], rc, timed_out: bool, stopped: Optional[str], log_tail: str) -> tuple[str, str]:
+    if stopped:
+        return "oom", f"stopped early: {stopped}"
+    oom = [e for e in errs if e["status"] == "oom"]
+    if oom:
+        return "oom", f"rank {oom[0]['rank']}: {oom[0]['error']}"
+    if rc is not None and rc in (OOM_EXIT, -9, 137, 247, 256 - OOM_EXIT):
+        return "oom", f"a rank was killed or ran out of memory (launcher exit {rc})"
+    if OOM_PATTERNS.search(log_tail):
+        return "oom", "allocation failure in the logs: " + OOM_PATTERNS.search(log_tail).group(0)
+    if errs:
+        return "error", f"rank {errs[0]['rank']}: {errs[0]['error']}"
+    if timed_out:
+        return "timeout", "no result before timeout_s; logs: " + log_tail[-300:].strip()
+    return "error", f"launcher exit {rc}: " + log_tail[-1500:].strip()
+
+
+def _rank_view(e: dict) -> dict:
+    keep = ("rank", "peak_rss_bytes", "peak_live_bytes", "peak_phase", "model_states",
+            "torch_peak_allocated", "torch_peak_reserved", "time_per_step", "loss")
+    out = {k: e[k] for k in keep if k in e}
+    marks = e.get("marks") or []
+    if marks:
+        out["t_begin"], out["t_end"] = marks[0][0], marks[-1][0]
+    return out
+
+
+def _ok(cfg: BenchConfig, entry: Entry, logs: dict, done: list[dict]) -> TrialResult:
+    c = cfg.with_micro(entry.micro)
+    # The slowest rank sets the pace of a synchronous step.
+    tps = max(e["time_per_step"] for e in done)
+    samples = c.global_batch / tps
+    r = _base(cfg, entry.micro, entry.mode, "ok", time_per_step_s=tps, samples_per_s=samples,
+              tokens_per_s=samples * cfg.model.seq_len, loss=done[0]["loss"])
+    r.ranks = [_rank_view(e) for e in sorted(done, key=lambda e: e["rank"])]
+    return r

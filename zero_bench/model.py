@@ -1,0 +1,110 @@
+"""The GPT under test: megatron-core's GPTModel (local layer spec, no Transformer Engine).
+
+Tensor parallelism comes from megatron.core.parallel_state; data parallelism and ZeRO come from
+DeepSpeed. Everything megatron-core needs to run on DeepSpeed's CPU accelerator, and the adapter
+DeepSpeed needs to see megatron's groups, lives in this one module.
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_bench.config import ModelConfig
+
+
+def install_cpu_shims() -> None:
+    """Let megatron-core run without CUDA.
+
+    megatron's attention takes its scratch buffer from GlobalMemoryBuffer.get_tensor, which always
+    allocates on torch.cuda.current_device(); no flag avoids it, so on CPU we allocate there instead.
+    """
+    from megatron.core import utils
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        numel = 1
+        for n in tensor_shape:
+            numel *= n
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device="cpu")
+        return buf[:numel].view(*tensor_shape)
+
+    utils.GlobalMemoryBuffer.get_tensor = get_tensor
+
+
+class MpuAdapter:
+    """The `mpu` DeepSpeed expects, answered by megatron's parallel_state.
+
+    deepspeed.initialize(mpu=parallel_state) fails: DeepSpeed asks for get_model_parallel_*, which
+    megatron names get_tensor_model_parallel_*. Data-parallel calls pass straight through.
+    """
+
+    def __init__(self):
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+
+    def get_model_parallel_world_size(self):
+        return self.ps.get_tensor_model_parallel_world_size()
+
+    def get_model_parallel_rank(self):
+        return self.ps.get_tensor_model_parallel_rank()
+
+    def get_model_parallel_group(self):
+        return self.ps.get_tensor_model_parallel_group()
+
+    def get_data_parallel_world_size(self):
+        return self.ps.get_data_parallel_world_size()
+
+    def get_data_parallel_rank(self):
+        return self.ps.get_data_parallel_rank()
+
+    def get_data_parallel_group(self):
+        return self.ps.get_data_parallel_group()
+
+
+def init_parallel(tp: int, seed: int, on_cpu: bool) -> MpuAdapter:
+    """Create megatron's TP/DP groups on top of the already initialised torch.distributed."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    # The default RNG tracker calls torch.cuda.get_rng_state; the inference tracker does not.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=on_cpu)
+    if on_cpu:
+        install_cpu_shims()
+    return MpuAdapter()
+
+
+def build_gpt(model: ModelConfig, tp: int, dtype: torch.dtype, on_cpu: bool) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_heads,
+        ffn_hidden_size=4 * model.hidden_size,
+        tensor_model_parallel_size=tp,
+        # Dropout off: the loss is then identical across ZeRO stages and TP degrees (a check).
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=on_cpu,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.seq_len,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+    )
+    return gpt if on_cpu else gpt.cuda()

@@ -1,0 +1,312 @@
+"""One rank of a trial: started by the deepspeed launcher as `python -m zero_bench.worker --spec F`.
+
+The spec (written by launch.py) holds the config and a plan: micro-batch sizes in ascending order,
+each a "probe" (reach steady peak memory: one warm-up optimizer step, one profiled step) or a
+"measure" (warm-up + timed steps). One engine serves the whole plan: model, optimizer states and
+buckets do not depend on the batch. After each entry every rank appends its record to
+rank{R}.jsonl (fsync'ed), so whatever happens later, finished entries are kept. Ranks agree on
+"over capacity" with an all-reduce at the entry boundary, where no collective is in flight; a real
+allocation failure instead ends this process (exit code OOM_EXIT) and the launch.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import signal
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+OOM_EXIT = 86
+PHASES = ("init", "forward", "backward", "step", "idle")
+
+
+class Marks:
+    """Phase timeline of this rank: (unix time, phase) pairs, joined later with memory samples."""
+
+    def __init__(self):
+        self.marks = [(time.time(), "init")]
+
+    def __call__(self, phase: str) -> None:
+        self.marks.append((time.time(), phase))
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return "out of memory" in text.lower() or "can't allocate memory" in text
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage Python can reach, each storage once."""
+    import torch
+
+    seen = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                st = obj.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        except Exception:  # storages of meta/fake tensors and the like
+            continue
+    seen.pop(0, None)
+    return sum(seen.values())
+
+
+def _storage_bytes(tensors) -> dict:
+    out = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            st = t.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def model_state_bytes(engine) -> dict:
+    """Exact bytes of this rank's model states, by walking DeepSpeed's objects (after a step).
+
+    params: what the module holds (ZeRO-3: its partition ds_tensor); master: the tensors the inner
+    optimizer updates when they are not the params themselves (fp32 copies); optimizer: the inner
+    optimizer's state (Adam moments); grads: gradients/partitions still referenced by the params
+    or by ZeRO's flat partition buffers.
+    """
+    params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    p_map = _storage_bytes(params)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    opt_params = [p for g in inner.param_groups for p in g["params"]]
+    m_map = {k: v for k, v in _storage_bytes(opt_params).items() if k not in p_map}
+    states = [v for s in inner.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
+    o_map = _storage_bytes(states)
+    grads = [p.grad for p in engine.module.parameters()] + [p.grad for p in opt_params]
+    g_map = {k: v for k, v in _storage_bytes(grads).items() if k not in p_map and k not in m_map}
+    return {"params": sum(p_map.values()), "master": sum(m_map.values()),
+            "optimizer": sum(o_map.values()), "grads": sum(g_map.values()),
+            "numel_local": sum(p.numel() for p in params)}
+
+
+class Rank:
+    def __init__(self, spec: dict):
+        import deepspeed
+        import torch
+
+        from zero_bench.config import BenchConfig
+        from zero_bench.model import build_gpt, init_parallel
+
+        self.spec = spec
+        self.cfg = BenchConfig.from_dict(spec["config"])
+        self.on_cpu = self.cfg.hardware.device == "cpu"
+        self.out = Path(spec["out_dir"])
+        self.marks = Marks()
+        self.torch = torch
+        deepspeed.init_distributed()
+        self.rank = torch.distributed.get_rank()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.log_path = self.out / f"rank{self.rank}.jsonl"
+        if not self.on_cpu:
+            torch.cuda.set_device(self.local_rank)
+            cap = spec.get("capacity_bytes")
+            total = torch.cuda.get_device_properties(self.local_rank).total_memory
+            if cap and cap < total:
+                # Emulate a smaller card: allocations past the fraction raise a real CUDA OOM.
+                torch.cuda.set_per_process_memory_fraction(cap / total, self.local_rank)
+        self._emit({"event": "start", "pid": os.getpid(), "host": os.uname().nodename,
+                    "local_rank": self.local_rank})
+        mpu = init_parallel(self.cfg.parallel.tp, self.cfg.seed, self.on_cpu)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.cfg.precision]
+        model = build_gpt(self.cfg.model, self.cfg.parallel.tp, dtype, self.on_cpu)
+        ds_config = json.loads(Path(spec["ds_config"]).read_text())
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=ds_config, mpu=mpu)
+        self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", self.local_rank)
+        self.states = None
+
+    # -- records -------------------------------------------------------------------------------
+    def _emit(self, record: dict) -> None:
+        record = {"rank": self.rank, "time": time.time(), **record}
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    # -- one optimizer step ---------------------------------------------------------------------
+    def _batch(self, micro: int):
+        m = self.cfg.model
+        g = self.torch.Generator().manual_seed(self.cfg.seed + self.engine.global_steps)
+        tokens = self.torch.randint(0, m.vocab_size, (micro, m.seq_len + 1), generator=g)
+        tokens = tokens.to(self.device)
+        pos = self.torch.arange(m.seq_len, device=self.device).unsqueeze(0).expand(micro, -1)
+        return tokens[:, :-1].contiguous(), pos, tokens[:, 1:].contiguous()
+
+    def _causal_mask(self):
+        # megatron's default mask is built with device="cuda"; pass our own (True = masked out).
+        if getattr(self, "_mask", None) is None:
+            s = self.cfg.model.seq_len
+            self._mask = self.torch.triu(self.torch.ones(s, s, dtype=self.torch.bool, device=self.device),
+                                         diagonal=1)[None, None]
+        return self._mask
+
+    def _sync(self) -> None:
+        if not self.on_cpu:
+            self.torch.cuda.synchronize()
+        self.torch.distributed.barrier()
+
+    def step(self, micro: int) -> tuple[float, float]:
+        """One optimizer step (grad_accum micro-steps); returns (seconds, mean loss)."""
+        self._maybe_inject(micro)
+        self._sync()
+        t0 = time.perf_counter()
+        losses = []
+        for _ in range(self.cfg.batch.grad_accum):
+            inputs, pos, labels = self._batch(micro)
+            self.marks("forward")
+            loss = self.engine(inputs, pos, self._causal_mask(), labels=labels).float().mean()
+            self.marks("backward")
+            self.engine.backward(loss)
+            self.marks("step")
+            self.engine.step()
+            losses.append(loss.item())
+        self._sync()
+        self.marks("idle")
+        return time.perf_counter() - t0, sum(losses) / len(losses)
+
+    def _maybe_inject(self, micro: int) -> None:
+        """Fault injection for tests: `fault={rank: R, kind: raise|oom|kill, min_micro: M}`."""
+        f = self.spec.get("fault")
+        if not f or f.get("rank", 1) != self.rank or micro < f.get("min_micro", 1):
+            return
+        if f["kind"] == "raise":
+            raise RuntimeError(f"injected fault on rank {self.rank}")
+        if f["kind"] == "oom":  # a real allocator failure, as an oversized batch would cause
+            self.torch.empty(1 << 60, dtype=self.torch.uint8, device=self.device)
+        if f["kind"] == "kill":  # what the kernel's OOM killer does
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def profiled_step(self, micro: int) -> tuple[float, float, int, str]:
+        """A step whose peak live-tensor bytes are measured: (seconds, loss, peak bytes, phase).
+
+        CPU: the live bytes at the start (gc walk) plus the largest net allocation the profiler's
+        memory events show during the step; frees of blocks allocated before the profiler started
+        are invisible to it, so this errs high, never low. GPU: torch's own peak counter.
+        """
+        torch = self.torch
+        if not self.on_cpu:
+            torch.cuda.reset_peak_memory_stats()
+            secs, loss = self.step(micro)
+            return secs, loss, torch.cuda.max_memory_allocated(), ""
+        from torch.profiler import ProfilerActivity, profile
+
+        base = live_tensor_bytes()
+        first = len(self.marks.marks)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            secs, loss = self.step(micro)
+        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]")
+        cur = peak = 0
+        t_peak = None
+        for t, n in events:
+            cur += n
+            if cur > peak:
+                peak, t_peak = cur, t
+        phase = "forward"
+        if t_peak is not None:
+            # Profiler clock and time.time() agree closely enough to name the phase.
+            for t, ph in self.marks.marks[first:]:
+                if t * 1e9 <= t_peak:
+                    phase = ph
+        return secs, loss, base + peak, phase
+
+    def memory_now(self) -> dict:
+        rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out = {"peak_rss_bytes": rss_peak}
+        if not self.on_cpu:
+            out["torch_peak_allocated"] = self.torch.cuda.max_memory_allocated()
+            out["torch_peak_reserved"] = self.torch.cuda.max_memory_reserved()
+        return out
+
+    # -- plan -----------------------------------------------------------------------------------
+    def run_entry(self, micro: int, mode: str) -> dict:
+        steps = self.cfg.steps
+        n_warm = steps.warmup if mode == "measure" else 1
+        n_timed = steps.timed if mode == "measure" else 0
+        if not self.on_cpu:
+            self.torch.cuda.reset_peak_memory_stats()
+        losses, times = [], []
+        for _ in range(n_warm):
+            secs, loss = self.step(micro)
+            losses.append(loss)
+        for _ in range(n_timed):
+            secs, loss = self.step(micro)
+            times.append(secs)
+            losses.append(loss)
+        if self.states is None:  # model states exist once the first optimizer step has run
+            self.states = model_state_bytes(self.engine)
+        secs, loss, peak_live, phase = self.profiled_step(micro)
+        losses.append(loss)
+        if not times:
+            times.append(secs)
+        mem = self.memory_now()
+        return {"micro": micro, "mode": mode, "loss": losses[-1], "losses": losses,
+                "step_times": times, "time_per_step": statistics.median(times),
+                "peak_live_bytes": peak_live, "peak_phase": phase, "model_states": self.states, **mem}
+
+    def over_capacity(self, rec: dict) -> bool:
+        """All ranks agree (max all-reduce) whether any rank's peak passed the capacity."""
+        cap = self.spec.get("capacity_bytes")
+        peak = rec["peak_rss_bytes"] if self.on_cpu else rec["torch_peak_reserved"]
+        flag = self.torch.tensor([1.0 if cap and peak > cap else 0.0], device=self.device)
+        self.torch.distributed.all_reduce(flag, op=self.torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def run(self) -> None:
+        for entry in self.spec["plan"]:
+            micro, mode = entry["micro"], entry["mode"]
+            self._emit({"event": "begin", "micro": micro, "mode": mode})
+            try:
+                rec = self.run_entry(micro, mode)
+            except BaseException as exc:  # noqa: BLE001 - every failure must be recorded
+                kind = "oom" if is_oom(exc) else "error"
+                self._emit({"event": "end", "micro": micro, "mode": mode, "status": kind,
+                            "error": f"{type(exc).__name__}: {exc}"[:2000],
+                            "traceback": traceback.format_exc()[-4000:], "marks": self.marks.marks[-50:]})
+                # Peers may wait in a collective we will never join: leave, the launcher ends them.
+                os._exit(OOM_EXIT if kind == "oom" else 1)
+            over = self.over_capacity(rec)
+            self._emit({"event": "end", "status": "over_capacity" if over else "ok",
+                        "marks": self.marks.marks, **rec})
+            self.marks.marks = self.marks.marks[-1:]
+            if over:
+                break
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--spec", required=True)
+    args = ap.parse_args(argv)
+    spec = json.loads(Path(args.spec).read_text())
+    try:
+        rank = Rank(spec)
+    except BaseException as exc:  # noqa: BLE001 - an init failure is a result ("cannot initialize")
+        out = Path(spec["out_dir"])
+        r = os.environ.get("RANK", "0")
+        with open(out / f"rank{r}.jsonl", "a") as f:
+            f.write(json.dumps({"rank": int(r), "time": time.time(), "event": "init_failed",
+                                "status": "oom" if is_oom(exc) else "error",
+                                "error": f"{type(exc).__name__}: {exc}"[:2000],
+                                "traceback": traceback.format_exc()[-4000:]}) + "\n")
+        os._exit(OOM_EXIT if is_oom(exc) else 1)
+    rank.run()
+    rank._emit({"event": "done"})
+    # Skip interpreter teardown of process groups and threads: it can hang on gloo.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
