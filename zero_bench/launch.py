@@ -116,6 +116,7 @@ def read_rank_logs(out_dir: Path) -> dict[int, list[dict]]:
 
 def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Optional[dict] = None,
                on_result: Optional[Callable[[TrialResult], None]] = None,
+               on_event: Optional[Callable[[dict], None]] = None,
                sample_interval: float = 0.05) -> list[TrialResult]:
     """Launch once, run `plan` (ascending micro sizes), return one TrialResult per entry."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -154,7 +155,7 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Option
         sampler.start()
         timed_out = False
         try:
-            proc.wait(timeout=cfg.timeout_s)
+            _wait(proc, run_dir, cfg.timeout_s, on_event)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
@@ -179,6 +180,24 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Option
         if on_result:
             on_result(r)
     return results
+
+
+def _wait(proc: subprocess.Popen, run_dir: Path, timeout: float, on_event) -> None:
+    """Wait for the launch; pass rank 0's records to `on_event` as they appear (live progress)."""
+    deadline = time.time() + timeout
+    seen = 0
+    while True:
+        try:
+            proc.wait(timeout=0.5)
+            return
+        except subprocess.TimeoutExpired:
+            if time.time() > deadline:
+                raise
+        if on_event:
+            recs = read_rank_logs(run_dir).get(0, [])
+            for rec in recs[seen:]:
+                on_event(rec)
+            seen = len(recs)
 
 
 def _window(sampler: Sampler, r: TrialResult, marks: dict) -> dict:

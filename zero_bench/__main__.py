@@ -1,0 +1,3 @@
+from zero_bench.cli import main
+
+main()
