@@ -257,7 +257,10 @@ def available_devices(device: str) -> int:
 def validate_machine(b: BenchConfig) -> None:
     """Checks against this machine: device count, bf16 support."""
     if b.hardware.hostfile:
-        return  # ranks live on other hosts: DeepSpeed's launcher checks the hostfile
+        from zero_bench.launch import check_hostfile
+
+        check_hostfile(b)  # ranks live on the hostfile's hosts, not here
+        return
     have = available_devices(b.hardware.device)
     # CPU ranks are processes: allow two per core before calling it a mistake.
     limit = have if b.hardware.device == "gpu" else 2 * have

@@ -1,2 +1,552 @@
-def seed_micro(cfg):
-    return None
+"""Memory per device before launching anything: model states, activations, DeepSpeed's buffers.
+
+`zero_bench estimate` prints, per ZeRO stage x offload (or the one stage given with zero=...), the
+bytes one rank needs and the largest micro-batch the capacity allows. The same arithmetic seeds the
+max-batch search (`seed_micro`) and lets the pre-flight refuse a trial the host cannot hold.
+
+Sources
+- Model states: the ZeRO paper (Rajbhandari et al. 2020), mixed-precision Adam, K = 12:
+  stage 0: 16P, stage 1: 4P + 12P/dp, stage 2: 2P + 14P/dp, stage 3: 16P/dp.
+  fp32 training follows what DeepSpeed allocates (checked against the worker's exact counts):
+  stage 0: 16P, stage 1: 8P + 12P/dp, stage 2: 4P + 16P/dp, stage 3: 20P/dp (see model_states_bytes).
+- Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models": per layer and sample, 16-bit, no recompute, tensor parallel without sequence parallel:
+  s*h*(10 + 24/t + 5*a*s/(h*t)) bytes (t = 1: s*h*(34 + 5*a*s/h)); fp32 doubles it. Plus the
+  embedding/output layer (5*s*h) and the logits of the loss, kept in fp32: s*V/t*(4 + bytes).
+- Buffers: DeepSpeed's own, sized from the ds_config a trial runs with (zero_bench.ds_config.build).
+
+A rank's peak, as the search compares it with the capacity (RSS on CPU, reserved bytes on GPU):
+  fixed overhead + model states (incl. gradients) + max(buffers alive in backward + activations(micro),
+  buffers of the optimizer step), and at least the peak of deepspeed.initialize.
+On CPU, everything (offloaded states too) lives in the same host memory, in fp32 by default.
+
+Measured on this machine (2 CPU ranks, fp32, DeepSpeed 0.19.8; tests/test_estimate.py):
+- model states vs the worker's exact counts: 0.0 % at ZeRO 0-3 (gpt-small).
+- per-rank peak RSS, gpt-small micro 1/2: ZeRO-0 -0.0/-1.4 %, ZeRO-1 +1.2/-0.0 %, ZeRO-2 +0.0/-1.1 %,
+  ZeRO-3 -5.2/-5.9 %; gpt-mini (calibration) ZeRO-2 micro 2/4/8 +0.9/+0.2/+0.7 %, ZeRO-0 2/8 +0.3/+1.0 %.
+- GPU figures (bf16, fused Adam, config-bounded ZeRO-3 live parameters) are not checked on hardware.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from zero_bench.config import BenchConfig, ModelConfig
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MiB, GiB = 2**20, 2**30
+
+# Fixed cost of one rank before any model tensor: python + torch + deepspeed + megatron imports,
+# gloo, allocator arenas (RSS of a GPT-tiny rank on this machine: ~410 MiB). On GPU: the CUDA
+# context and cuBLAS/NCCL workspaces (~500 MiB per device).
+CPU_RANK_OVERHEAD = 410 * MiB
+GPU_RANK_OVERHEAD = 500 * MiB
+
+# Per-sample activation memory of a CPU rank's RSS relative to the Korthikanti formula, fitted on
+# model=gpt-mini (2 ranks, fp32, ZeRO-2 micro 2/4/8: 31.7 MiB/sample of RSS vs 43.6 by the formula).
+# gpt-small ZeRO-3 micro 1->2 gave 75 MiB/sample vs 82.9 (0.90): the factor is a CPU fit, not a law.
+CPU_ACTIVATION_FACTOR = 0.73
+GPU_ACTIVATION_FACTOR = 1.0
+
+# DeepSpeed defaults for keys the ds_config leaves out (deepspeed/runtime/zero/config.py, engine.py).
+DS_DEFAULTS = {
+    "reduce_bucket_size": int(5e8),
+    "allgather_bucket_size": int(5e8),
+    "stage3_prefetch_bucket_size": int(5e7),
+    "stage3_max_live_parameters": int(1e9),
+    "stage3_param_persistence_threshold": int(1e5),
+    "overlap_comm_stage3": True,  # stage 3 turns overlap_comm on unless told otherwise
+}
+ZERO0_ALLREDUCE_ELEMENTS = 500_000_000  # engine.MEMORY_OPT_ALLREDUCE_SIZE: flat copy of the grads
+
+# ---------------------------------------------------------------------------------------------
+# Model states
+# ---------------------------------------------------------------------------------------------
+def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1, precision: str = "bf16",
+                       offload_optimizer: bool = False, offload_param: bool = False) -> dict:
+    """Bytes of model states per rank for Adam, split as ZeRO partitions them.
+
+    num_params: parameters of the WHOLE model (all tensor-parallel shards together); this function
+    uses P = num_params / tp, the parameters of one tensor-parallel shard. (To use megatron's exact
+    shard, whose LayerNorms and row biases are replicated, pass ModelConfig.params_per_shard(tp)
+    with tp=1.)
+
+    Mixed precision (bf16/fp16; 2-byte params and grads, fp32 master + Adam m, v: K = 12), the ZeRO
+    paper:
+        stage 0: params 2P,    grads 2P,    optimizer 12P        = 16P
+        stage 1: params 2P,    grads 2P,    optimizer 12P/dp     = 4P + 12P/dp
+        stage 2: params 2P,    grads 2P/dp, optimizer 12P/dp     = 2P + 14P/dp
+        stage 3: params 2P/dp, grads 2P/dp, optimizer 12P/dp     = 16P/dp
+    fp32 (4-byte params and grads; what DeepSpeed allocates, checked with the worker's counts):
+        stage 0: params 4P,    grads 4P,    optimizer 8P (m, v; the params are the master) = 16P
+        stage 1: params 4P,    grads 4P,    optimizer 12P/dp (stage 1/2 clone an fp32 master
+                                            partition even when the params are fp32)    = 8P + 12P/dp
+        stage 2: params 4P,    grads 4P/dp, optimizer 12P/dp                           = 4P + 16P/dp
+        stage 3: params 4P/dp, grads 4P/dp, optimizer 12P/dp (DeepSpeed 0.19 clones the fp32
+                                            partition as master here too)              = 20P/dp
+    Measured (worker's exact counts after the first step, GPT-small, P = 69,385,728, DP=2; the
+    gradients are freed by then, so params + master + moments): stage 0: 12P, stage 1/2: 4P + 12P/2,
+    stage 3: 16P/2 -- equal to these formulas to the byte (+4 bytes per Adam step counter).
+    (The field notes' 77.7M-parameter figures, 889 / 741 / 445 MiB, match stages 0-2; their stage-3
+    figure, 6P, predates the master clone seen here.)
+
+    Offload (stages 1-3): offload_optimizer moves the optimizer part (master + moments) to the host,
+    together with the gradient partition the host optimizer reads, kept in fp32 (4P/dp; stage 1
+    still holds its full gradients on the device); offload_param (stage 3) moves the parameter
+    partition to the host too.
+
+    Returns {"params", "grads", "master", "moments", "optimizer" (= master + moments): bytes per
+    rank wherever they live; "gpu": bytes on the device; "cpu": bytes of host memory per rank}.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage}: allowed 0, 1, 2, 3")
+    if precision not in BYTES:
+        raise ValueError(f"precision={precision}: allowed {', '.join(BYTES)}")
+    if dp < 1 or tp < 1:
+        raise ValueError("dp and tp must be >= 1")
+    P = num_params / tp
+    b = BYTES[precision]
+    mixed = b == 2
+    params = b * P / (dp if zero_stage == 3 else 1)
+    grads = b * P / (dp if zero_stage >= 2 else 1)
+    moments = 8 * P / (dp if zero_stage >= 1 else 1)
+    if mixed:
+        master = 4 * P / (dp if zero_stage >= 1 else 1)
+    elif zero_stage >= 1:
+        master = 4 * P / dp
+    else:
+        master = 0.0
+    gpu = params + grads + master + moments
+    cpu = 0.0
+    if offload_optimizer and zero_stage >= 1:
+        gpu -= master + moments
+        cpu += master + moments
+        if zero_stage >= 2:  # the device keeps no gradient partition, only its reduce buckets
+            gpu -= grads
+            grads = 4 * P / dp
+        else:
+            grads = b * P + 4 * P / dp
+        cpu += 4 * P / dp
+    if offload_param and zero_stage == 3:
+        gpu -= params
+        cpu += params
+    out = {"params": params, "grads": grads, "master": master, "moments": moments,
+           "optimizer": master + moments, "gpu": gpu, "cpu": cpu}
+    return {k: int(round(v)) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------------------------
+def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16") -> dict:
+    """Activation bytes one sample (sequence) keeps for the backward pass, no recompute.
+
+    Per transformer layer (Korthikanti et al. 2022, eq. 2 with tensor parallelism t, no sequence
+    parallelism), 16-bit: s*h*(10 + 24/t + 5*a*s/(h*t)); t = 1 gives s*h*(34 + 5*a*s/h).
+    Embedding and output: the embedding's dropout mask, the final LayerNorm's input and the
+    output projection's input: 5*s*h. Logits for the loss (megatron's vocab-parallel cross entropy):
+    the projection's output in the training dtype plus its fp32 softmax: s*V/t*(bytes + 4).
+    fp32 training doubles every 16-bit term (4 bytes instead of 2); the logits term is exact.
+    """
+    s, h, a, V, L = model.seq_len, model.hidden_size, model.num_heads, model.vocab_size, model.num_layers
+    b = BYTES[precision]
+    scale = b / 2
+    layer = s * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
+    embed = 5 * s * h * scale
+    logits = s * V / tp * (b + 4)
+    return {"per_layer": int(layer), "layers": int(L * layer), "embedding": int(embed),
+            "logits": int(logits), "total": int(L * layer + embed + logits)}
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's buffers
+# ---------------------------------------------------------------------------------------------
+def param_numels(model: ModelConfig, tp: int = 1) -> list[int]:
+    """Element counts of the parameters one tensor-parallel rank holds (megatron GPT, local spec)."""
+    h, V, S = model.hidden_size, model.vocab_size, model.seq_len
+    layer = [h, h,                      # input LayerNorm
+             3 * h * h // tp, 3 * h // tp,  # QKV
+             h * h // tp, h,            # projection (row parallel: bias replicated)
+             h, h,                      # pre-MLP LayerNorm
+             4 * h * h // tp, 4 * h // tp,  # fc1
+             4 * h * h // tp, h]        # fc2
+    return [V // tp * h, S * h] + layer * model.num_layers + [h, h]
+
+
+def _zero_cfg(bench: BenchConfig) -> dict:
+    from zero_bench import ds_config
+
+    return ds_config.build(bench).get("zero_optimization") or {}
+
+
+def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
+    """Bytes of the buffers DeepSpeed (and the optimizer) allocate beyond the model states, per rank.
+
+    Each entry: {"bytes", "phases"}, the phases it is alive in: "act" (forward and the start of the
+    backward pass, with the activations), "bwd_end" (gradients complete, being reduced), "step"
+    (the optimizer step). Sizes come from the ds_config (`ds`: its zero_optimization section;
+    default zero_bench.ds_config.build(bench)) and DeepSpeed's defaults for keys it leaves out.
+    - ZeRO-0: the engine all-reduces the gradients through a flat copy of up to 5e8 elements.
+    - ZeRO-1/2: the contiguous-gradient reduce bucket (reduce_bucket_size elements, two with
+      overlap_comm); ZeRO-1 reduces into an fp32 gradient partition (4P/dp) while the full
+      gradients are alive; at the step both flatten the gradient partition into a new fp32 tensor
+      (4P/dp). allgather_bucket_size is not allocated: DeepSpeed all-gathers the updated
+      partitions in place (all_gather_into_tensor), listed as 0.
+    - ZeRO-3: the reduce bucket; the gathered (live) parameters: the largest parameter plus the
+      prefetch bucket, capped by stage3_max_live_parameters (never below one whole parameter) -- on
+      CPU the whole shard, as measured (see the comment below); the
+      parameters below stage3_param_persistence_threshold that every rank keeps whole.
+    - torch's (non-fused) Adam, which the CPU ds_config selects (torch_adam), makes one temporary
+      the size of the fp32 partition it updates (sqrt of the second moment); fused/CPU Adam: none.
+    """
+    zc = dict(_zero_cfg(bench) if ds is None else ds)
+    full = ds_full(bench) if ds is None else {}
+    stage, dp, tp = bench.zero, bench.parallel.dp, bench.parallel.tp
+    b = BYTES[bench.precision]
+    P = bench.model.params_per_shard(tp)
+    get = lambda k: int(float(zc.get(k, DS_DEFAULTS[k])))  # noqa: E731
+    part = P // dp if stage >= 1 else P
+    out: dict[str, tuple[int, tuple]] = {}
+    if stage == 0:
+        out["allreduce_flat"] = (min(P, ZERO0_ALLREDUCE_ELEMENTS) * b, ("bwd_end",))
+    elif stage in (1, 2):
+        n = 2 if zc.get("overlap_comm") else 1
+        red_b = 4 if stage == 1 else b  # ZeRO-1 stages the fp32 accumulator
+        bucket = n * get("reduce_bucket_size") * red_b if zc.get("contiguous_gradients", True) else 0
+        out["reduce_bucket"] = (bucket, ("act", "bwd_end"))
+        out["allgather_bucket"] = (0, ("step",))
+        if stage == 1 and not bench.offload_optimizer:
+            out["grad_partition_fp32"] = (4 * part, ("bwd_end", "step"))
+        out["grad_flat_fp32"] = (4 * part, ("step",))
+    else:
+        out["reduce_bucket"] = (get("reduce_bucket_size") * b, ("act", "bwd_end"))
+        numels = param_numels(bench.model, tp)
+        largest = max(numels)
+        live = max(largest, min(get("stage3_max_live_parameters"), largest + get("stage3_prefetch_bucket_size")))
+        if bench.hardware.device == "cpu":
+            # Measured on CPU (GPT-small, DP=2): the forward/backward peak holds about one whole
+            # copy of the parameters, not the max_live/prefetch bound (module not built under zero.Init).
+            live = P
+        out["live_params"] = (min(live, P) * b, ("act",))
+        thr = get("stage3_param_persistence_threshold")
+        out["persistent_params"] = (sum(x for x in numels if x <= thr) * b, ("act", "bwd_end", "step"))
+    torch_adam = bool(((full.get("optimizer") or {}).get("params") or {}).get("torch_adam"))
+    if ds is None and torch_adam:
+        out["adam_temp"] = (4 * part, ("step",))
+    return {k: {"bytes": int(v), "phases": list(ph)} for k, (v, ph) in out.items()}
+
+
+def ds_full(bench: BenchConfig) -> dict:
+    from zero_bench import ds_config
+
+    return ds_config.build(bench)
+
+
+# ---------------------------------------------------------------------------------------------
+# One configuration
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Estimate:
+    """Everything predicted for one configuration, per rank (bytes).
+
+    Peak model: overhead + persistent states (params, master, moments) + the largest phase:
+      act:     gradients allocated up front + buffers alive in forward/backward + micro x act/sample
+               (ZeRO-0/1: the first gradient of the backward pass, the tied embedding's, is there too)
+      bwd_end: all gradients + the reduction buffers
+      step:    the gradients the optimizer reads + the step's temporaries
+    and at least the peak of deepspeed.initialize (the model plus its flat / partitioned copy).
+    """
+    label: str
+    device: str
+    precision: str
+    zero: int
+    offload_optimizer: bool
+    offload_param: bool
+    dp: int
+    tp: int
+    num_params: int
+    params_per_shard: int
+    states: dict  # model_states_bytes
+    buffers: dict  # deepspeed_buffers
+    activations: dict  # activation_bytes_per_sample
+    act_per_sample: int  # calibrated for the device
+    overhead: int
+    init_peak: int
+    grads_phase: dict  # gradient bytes counted in each phase (in the memory the capacity is about)
+    local_ranks: int = 1
+    capacity: Optional[int] = None
+
+    @property
+    def states_on_rank(self) -> int:
+        """Model-state bytes in the memory the capacity is about (CPU: device + host; GPU: device)."""
+        return self.states["gpu"] + (self.states["cpu"] if self.device == "cpu" else 0)
+
+    @property
+    def persistent(self) -> int:
+        """States that live through the whole step: everything but the gradients."""
+        dev_grads = self.states["grads"] if self.device == "cpu" else self._dev_grads()
+        return self.states_on_rank - dev_grads
+
+    def _dev_grads(self) -> int:
+        s = self.states
+        if not self.offload_optimizer:
+            return s["grads"]
+        return 0 if self.zero >= 2 else s["grads"] - 4 * self.params_per_shard // self.dp
+
+    def phase_bytes(self, phase: str) -> int:
+        """Gradients + buffers of one phase (no activations, no persistent states)."""
+        return self.grads_phase[phase] + sum(v["bytes"] for v in self.buffers.values() if phase in v["phases"])
+
+    @property
+    def buffers_total(self) -> int:
+        """The buffers of the phase with the most (what the table shows)."""
+        return max(sum(v["bytes"] for v in self.buffers.values() if ph in v["phases"])
+                   for ph in ("act", "bwd_end", "step"))
+
+    def fixed_bytes(self) -> int:
+        """Per-rank peak without activations."""
+        return self.peak_bytes(0)
+
+    def peak_bytes(self, micro: int) -> int:
+        """Predicted per-rank peak at this micro-batch (RSS on CPU, device memory on GPU)."""
+        steady = self.overhead + self.persistent + max(self.phase_bytes("act") + micro * self.act_per_sample,
+                                                       self.phase_bytes("bwd_end"), self.phase_bytes("step"))
+        return max(steady, self.overhead + self.init_peak)
+
+    def max_micro(self, capacity: Optional[int] = None) -> Optional[int]:
+        """Largest micro-batch whose predicted peak fits `capacity` (0: not even one sample)."""
+        cap = capacity if capacity is not None else self.capacity
+        if cap is None or self.act_per_sample <= 0:
+            return None
+        if self.peak_bytes(1) > cap:
+            return 0
+        base = self.overhead + self.persistent + self.phase_bytes("act")
+        return max(1, int((cap - base) // self.act_per_sample))
+
+    def host_bytes(self) -> int:
+        """Host memory the offloaded states need on one node (all its ranks)."""
+        return self.states["cpu"] * self.local_ranks
+
+    def row(self) -> dict:
+        s = self.states
+        m = self.max_micro()
+        return {
+            "config": f"zero{self.zero}" + ("+offload" if self.offload_optimizer else "")
+                      + ("+param" if self.offload_param else ""),
+            "params": s["params"], "grads": s["grads"], "optimizer": s["optimizer"],
+            "device_states": s["gpu"], "host_states": s["cpu"],
+            "buffers": self.buffers_total, "act_per_sample": self.act_per_sample,
+            "overhead": self.overhead, "peak_micro1": self.peak_bytes(1),
+            "host_needed": self.host_bytes(), "capacity": self.capacity,
+            "max_micro": m, "max_global_batch": None if m is None else m * self.dp,
+        }
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["row"] = self.row()
+        return d
+
+
+def local_ranks(bench: BenchConfig) -> int:
+    return max(1, bench.parallel.world_size // max(1, bench.hardware.num_nodes))
+
+
+def device_capacity(bench: BenchConfig) -> Optional[int]:
+    """Per-rank capacity: the launch's (memory_gb / host share on CPU), else the card (if visible)."""
+    from zero_bench.launch import capacity_bytes
+
+    cap = capacity_bytes(bench)
+    if cap is None and bench.hardware.device == "gpu":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                cap = torch.cuda.get_device_properties(0).total_memory
+        except Exception:  # noqa: BLE001 - no GPU: the estimate cannot say
+            cap = None
+    return cap
+
+
+def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Mapping] = None) -> Estimate:
+    """The prediction for one BenchConfig (its device, precision, stage, offload, dp, tp)."""
+    m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp
+    P = m.params_per_shard(tp)
+    states = model_states_bytes(P, bench.zero, dp, 1, bench.precision,
+                                bench.offload_optimizer, bench.offload_param and bench.zero == 3)
+    on_cpu = bench.hardware.device == "cpu"
+    act = activation_bytes_per_sample(m, tp, bench.precision)
+    factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
+    b = BYTES[bench.precision]
+    flat = {0: 0, 1: b * P, 2: b * P, 3: b * P // dp}[bench.zero]
+    grads = states["grads"]
+    if not on_cpu and bench.offload_optimizer:  # the host part of the gradients is not on the device
+        grads = 0 if bench.zero >= 2 else b * P
+    first = b * max(param_numels(m, tp))  # ZeRO-0/1: the tied embedding's gradient comes first
+    grads_phase = {"act": first if bench.zero <= 1 else grads, "bwd_end": grads,
+                   "step": 0 if bench.zero == 1 and not bench.offload_optimizer else grads}
+    return Estimate(
+        label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
+        offload_optimizer=bench.offload_optimizer, offload_param=bench.offload_param, dp=dp, tp=tp,
+        num_params=m.num_params, params_per_shard=P, states=states, buffers=deepspeed_buffers(bench, ds),
+        activations=act, act_per_sample=int(act["total"] * factor),
+        overhead=CPU_RANK_OVERHEAD if on_cpu else GPU_RANK_OVERHEAD, init_peak=b * P + flat,
+        grads_phase={k: int(v) for k, v in grads_phase.items()},
+        local_ranks=local_ranks(bench),
+        capacity=capacity if capacity is not None else device_capacity(bench))
+
+
+def seed_micro(bench: BenchConfig) -> Optional[int]:
+    """First guess for the max-batch search: the predicted largest micro-batch for the capacity.
+
+    None when the estimate cannot say (no capacity known, or not even micro=1 predicted to fit:
+    the search then starts from its minimum).
+    """
+    try:
+        m = estimate(bench).max_micro()
+    except Exception:  # noqa: BLE001 - a first guess must never stop a search
+        return None
+    return m if m else None
+
+
+# ---------------------------------------------------------------------------------------------
+# `zero_bench estimate`
+# ---------------------------------------------------------------------------------------------
+def bench_for_estimate(cfg: Any) -> BenchConfig:
+    """A BenchConfig from the composed config, without checks against this machine.
+
+    config.from_cfg refuses hardware.device=gpu where no GPU is visible; an estimate is for a
+    machine one may not have yet, so it is built as device=cpu and the device put back afterwards
+    (precision auto then resolves as it would there: bf16 on GPU, fp32 on CPU).
+    """
+    from omegaconf import OmegaConf
+
+    from zero_bench.config import ConfigError, cuda_available, from_cfg, validate_static
+
+    c = copy.deepcopy(OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg)
+    device = c["hardware"].get("device", "auto")
+    if device not in ("auto", "cpu", "gpu"):
+        raise ConfigError(f"hardware.device={device}: allowed values are auto, cpu, gpu")
+    if device == "auto":
+        device = "gpu" if cuda_available() else "cpu"
+    precision = c.get("precision", "auto")
+    if precision == "auto":
+        precision = "bf16" if device == "gpu" else "fp32"
+    c["hardware"]["device"] = "cpu"
+    c["precision"] = "fp32" if precision == "fp16" else precision
+    bench = from_cfg(c)
+    bench = dataclasses.replace(bench, hardware=dataclasses.replace(bench.hardware, device=device),
+                                precision=precision)
+    validate_static(bench)
+    return bench
+
+
+def explicit_keys() -> set[str]:
+    """Keys the user set on the command line (Hydra's task overrides); empty outside Hydra."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = HydraConfig.get().overrides.task
+    except Exception:  # noqa: BLE001 - called outside a Hydra app
+        return set()
+    return {ov.lstrip("~+").partition("=")[0] for ov in task}
+
+
+def variants(bench: BenchConfig, explicit: set[str]) -> list[BenchConfig]:
+    """The configurations to show: all stages x offload, or just the configured one when the user
+    gave zero=... (offload=... alone pins the offload and shows every stage)."""
+    from zero_bench.config import ConfigError, validate_static
+
+    stages = [bench.zero] if "zero" in explicit else [0, 1, 2, 3]
+    offloads = [bench.offload_optimizer] if explicit & {"zero", "offload"} else [False, True]
+    out = []
+    for z in stages:
+        for off in offloads:
+            op = bench.offload_param if "offload_param" in explicit else (off and z == 3)
+            v = dataclasses.replace(bench, zero=z, offload_optimizer=off, offload_param=op)
+            try:
+                validate_static(v)
+            except ConfigError:
+                continue  # e.g. ZeRO-0 with offload
+            out.append(v)
+    return out
+
+
+def _measured(cfg: Any, bench: BenchConfig) -> Optional[int]:
+    """max micro a finished search in the store found for this configuration, if any."""
+    try:
+        from zero_bench.results import Store
+
+        store = cfg.get("store") if hasattr(cfg, "get") else None
+        if not store:
+            return None
+        from pathlib import Path
+
+        if not Path(store).exists():
+            return None
+        res = Store(store).search(bench.search_key())
+        return res.max_micro if res and res.status == "done" else None
+    except Exception:  # noqa: BLE001 - the store is optional here
+        return None
+
+
+def _gib(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / GiB:.2f}"
+
+
+def format_table(rows: list[dict]) -> str:
+    import pandas as pd
+
+    cols = {"config": "config", "params": "params GiB", "grads": "grads GiB", "optimizer": "optim GiB",
+            "device_states": "states/dev GiB", "host_states": "host/rank GiB", "buffers": "buffers GiB",
+            "act_per_sample": "act/sample MiB", "peak_micro1": "peak@micro1 GiB", "host_needed": "host/node GiB",
+            "max_micro": "max micro", "max_global_batch": "max global", "measured_max_micro": "measured micro"}
+    df = pd.DataFrame(rows)
+    for k in ("params", "grads", "optimizer", "device_states", "host_states", "buffers", "peak_micro1",
+              "host_needed"):
+        df[k] = df[k].map(_gib)
+    df["act_per_sample"] = df["act_per_sample"].map(lambda x: f"{x / MiB:.1f}")
+    for k in ("max_micro", "max_global_batch", "measured_max_micro"):
+        if k in df:
+            df[k] = df[k].map(lambda x: "?" if x is None or (isinstance(x, float) and math.isnan(x))
+                              else ("does not fit" if x == 0 else str(int(x))))
+    keep = [k for k in cols if k in df]
+    return df[keep].rename(columns=cols).to_string(index=False)
+
+
+def estimate_command(cfg: Any) -> list[dict]:
+    """`zero_bench estimate [overrides] [--json]`: the table (or JSON) for the configured model."""
+    bench = bench_for_estimate(cfg)
+    ests = [(v, estimate(v)) for v in variants(bench, explicit_keys())]
+    rows = []
+    for v, e in ests:
+        row = e.row()
+        row["measured_max_micro"] = _measured(cfg, v)
+        rows.append(row)
+    first = ests[0][1] if ests else None
+    as_json = bool(cfg.get("json", False)) if hasattr(cfg, "get") else False
+    if as_json:
+        doc = {"model": bench.model.name, "num_params": bench.model.num_params,
+               "params_per_shard": bench.model.params_per_shard(bench.parallel.tp),
+               "tp": bench.parallel.tp, "dp": bench.parallel.dp, "device": bench.hardware.device,
+               "precision": bench.precision, "capacity_bytes": first.capacity if first else None,
+               "overhead_bytes": first.overhead if first else None,
+               "configs": [{**r, "buffers_detail": e.buffers, "activations": e.activations}
+                           for r, (_, e) in zip(rows, ests)]}
+        print(json.dumps(doc, indent=2))
+        return rows
+    m = bench.model
+    cap = first.capacity if first else None
+    print(f"zero_bench estimate: {m.name} ({m.num_params / 1e9:.3f}B params, "
+          f"{m.params_per_shard(bench.parallel.tp) / 1e9:.3f}B per TP shard) tp={bench.parallel.tp} "
+          f"dp={bench.parallel.dp} on {bench.hardware.device} {bench.precision}, micro x grad_accum "
+          f"{bench.batch.grad_accum}; capacity {_gib(cap)} GiB per rank; fixed overhead "
+          f"{(first.overhead if first else 0) / MiB:.0f} MiB per rank")
+    print(format_table(rows))
+    print("states/dev: params+grads+optimizer on the device; host/rank: offloaded states per rank "
+          "(on CPU the same memory); peak@micro1 includes overhead and buffers; max micro: predicted "
+          "largest micro-batch per rank for the capacity ('?' when no capacity is known).")
+    return rows

@@ -30,7 +30,7 @@ from zero_bench.worker import OOM_EXIT
 
 # What ranks print when an allocation fails, or what the launcher says when the kernel killed one.
 OOM_PATTERNS = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory|MemoryError|"
-                          r"return code = -9\b|exits with return code = -9|Killed", re.I)
+                          r"return code = -9\b", re.I)
 
 
 @dataclass
@@ -55,8 +55,19 @@ def capacity_bytes(cfg: BenchConfig) -> Optional[int]:
     return psutil.virtual_memory().total // local
 
 
+# Variables a remote rank needs from this process. Over pdsh/ssh only PYTHON*/UCX*/MV2*/MLFLOW*
+# (and NCCL* on CUDA) pass by themselves; the rest must travel in the env file (DS_ENV_FILE).
+REMOTE_PASS = ("LD_LIBRARY_PATH", "TORCH_EXTENSIONS_DIR", "CUDA_DEVICE_ORDER", "HF_HOME")
+
+
 def trial_env(cfg: BenchConfig) -> dict:
-    """Environment of the rank processes (also written to the env file for remote nodes)."""
+    """Environment of the rank processes (also written to the env file for remote nodes).
+
+    Multi-node (a hostfile): remote commands start from a login shell of sshd/srun with its own
+    PATH, so PATH leads with this interpreter's bin directory (the venv: ninja for DeepSpeed's
+    JIT ops, the `deepspeed` scripts) and library/cache paths set here are passed on. The working
+    directory needs nothing: DeepSpeed's pdsh runner itself runs `cd <launch cwd>` on every node.
+    """
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
     if cfg.hardware.device == "cpu":
         # glibc keeps freed blocks otherwise and RSS hides what ZeRO frees (field notes).
@@ -65,23 +76,121 @@ def trial_env(cfg: BenchConfig) -> dict:
         env["DS_ACCELERATOR"] = "cuda"
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+    if cfg.hardware.hostfile:
+        for k in REMOTE_PASS:
+            if os.environ.get(k):
+                env[k] = os.environ[k]
+        bin_dir = os.path.dirname(sys.executable)
+        path = [p for p in os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(os.pathsep) if p]
+        env["PATH"] = os.pathsep.join([bin_dir] + [p for p in path if p != bin_dir])
     return env
 
 
+def read_hostfile(path: str) -> dict[str, int]:
+    """host -> slots, in file order, parsed as DeepSpeed parses it (`host slots=N`, # comments)."""
+    from zero_bench.config import ConfigError
+
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        # DeepSpeed itself would warn and silently run on this host only.
+        raise ConfigError(f"hardware.hostfile={path}: cannot read it ({exc.strerror})") from None
+    hosts: dict[str, int] = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^(\S+)\s+slots=(\d+)", line)
+        if not m:
+            raise ConfigError(f"hardware.hostfile={path}: bad line {line!r}; expected 'HOST slots=N'")
+        if m.group(1) in hosts:
+            raise ConfigError(f"hardware.hostfile={path}: host {m.group(1)} listed twice")
+        hosts[m.group(1)] = int(m.group(2))
+    if not hosts:
+        raise ConfigError(f"hardware.hostfile={path}: no 'HOST slots=N' line")
+    return hosts
+
+
+def check_hostfile(cfg: BenchConfig) -> dict[str, int]:
+    """The hosts a multi-node launch will use; every mismatch with the config is one-line ConfigError."""
+    from zero_bench.config import ConfigError
+
+    hw, world = cfg.hardware, cfg.parallel.world_size
+    hosts = read_hostfile(hw.hostfile)
+    if hw.num_nodes > len(hosts):
+        raise ConfigError(f"hardware.num_nodes={hw.num_nodes}: the hostfile {hw.hostfile} lists only "
+                          f"{len(hosts)} hosts")
+    if world % hw.num_nodes:
+        raise ConfigError(f"hardware.num_nodes={hw.num_nodes}: must divide the world size tp*dp={world}")
+    per_node = world // hw.num_nodes
+    used = dict(list(hosts.items())[:hw.num_nodes])
+    short = {h: s for h, s in used.items() if s < per_node}
+    if short:
+        raise ConfigError(f"hardware.hostfile={hw.hostfile}: {per_node} ranks per node but "
+                          + ", ".join(f"{h} has slots={s}" for h, s in short.items()))
+    return used
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def master_addr(cfg: BenchConfig, hosts: dict[str, int]) -> Optional[str]:
+    """--master_addr for a multi-node launch, or None to let DeepSpeed find it.
+
+    MASTER_ADDR from the environment wins (Slurm scripts set it); a first host written as an IP
+    address is used as is. Otherwise DeepSpeed runs a plain `ssh <first host> hostname -I`, which
+    ignores PDSH_SSH_ARGS_APPEND (ports, config files) - so prefer one of the two above.
+    """
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    first = next(iter(hosts))
+    return first if _is_ip(first) else None
+
+
 def launcher_cmd(cfg: BenchConfig, spec_path: Path, port: int) -> list[str]:
+    """DeepSpeed's own launcher; a hostfile makes it a multi-node launch through hw.launcher.
+
+    --no_ssh_check: DeepSpeed's pre-check runs a plain `ssh host hostname` that ignores the pdsh
+    ssh options (port, -F config); a host that cannot be reached fails the launch anyway, with
+    pdsh's message in stderr.log. Extra launcher flags (e.g. openmpi's --mca ...) come from
+    ZERO_BENCH_LAUNCHER_ARGS.
+    """
     hw = cfg.hardware
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(port)]
     if hw.hostfile:
+        hosts = check_hostfile(cfg)
         ranks_per_node = cfg.parallel.world_size // hw.num_nodes
         cmd += ["--hostfile", hw.hostfile, "--num_nodes", str(hw.num_nodes), "--num_gpus",
                 str(ranks_per_node), "--launcher", hw.launcher, "--no_ssh_check"]
+        addr = master_addr(cfg, hosts)
+        if addr:
+            cmd += ["--master_addr", addr]
+        if os.environ.get("ZERO_BENCH_LAUNCHER_ARGS"):
+            cmd += ["--launcher_args", os.environ["ZERO_BENCH_LAUNCHER_ARGS"]]
     else:
         cmd += ["--num_gpus", str(cfg.parallel.world_size)]
     return cmd + ["--no_local_rank", "--module", "zero_bench.worker", "--spec", str(spec_path)]
 
 
-def kill_tree(proc: subprocess.Popen, known: list[psutil.Process]) -> None:
-    """SIGKILL the launch's process group and every worker the sampler saw (even if re-parented)."""
+def kill_tree(proc: subprocess.Popen, known: list[psutil.Process], multi_node: bool = False) -> None:
+    """SIGKILL the launch's process group and every worker the sampler saw (even if re-parented).
+
+    Multi-node: SIGTERM the runner first, so DeepSpeed's own cleanup (pdsh pkill on every node)
+    reaches the remote ranks before the local tree goes.
+    """
+    if multi_node and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -151,7 +260,8 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Option
                 pass
 
         sampler = Sampler(proc.pid, sample_interval, use_gpu=cfg.hardware.device == "gpu",
-                          budget=cap if cfg.hardware.device == "cpu" else None, on_over=over_budget)
+                          budget=cap if cfg.hardware.device == "cpu" else None, on_over=over_budget,
+                          marker=str(spec_path) if cfg.hardware.hostfile else None)
         sampler.start()
         timed_out = False
         try:
@@ -160,7 +270,7 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Option
             timed_out = True
         finally:
             sampler.stop()
-            kill_tree(proc, list(sampler.procs.values()))
+            kill_tree(proc, list(sampler.procs.values()), multi_node=bool(cfg.hardware.hostfile))
     sampler.write_csv(run_dir / "memory_timeline.csv")
     log_tail = _tail(run_dir / "stderr.log") + _tail(run_dir / "stdout.log")
     results = classify(cfg, plan, read_rank_logs(run_dir), rc=proc.returncode, timed_out=timed_out,
@@ -258,7 +368,8 @@ def classify(cfg: BenchConfig, plan: list[Entry], logs: dict[int, list[dict]], r
             results.append(r)
             continue
         inits = [x for recs in logs.values() for x in recs if x.get("event") == "init_failed"]
-        errs = [e for e in done if e["status"] in ("oom", "error")] + inits
+        # Earliest first: a rank's crash makes its peers fail next ("Connection closed by peer").
+        errs = sorted([e for e in done if e["status"] in ("oom", "error")] + inits, key=lambda e: e["time"])
         phase = "init" if (inits or not begun) else "step"
         status, reason = _failure(errs, rc, timed_out, stopped, log_tail)
         results.append(_base(cfg, entry.micro, entry.mode, status, reason=reason, phase=phase))
@@ -271,7 +382,7 @@ def _failure(errs: list[dict], rc, timed_out: bool, stopped: Optional[str], log_
     oom = [e for e in errs if e["status"] == "oom"]
     if oom:
         return "oom", f"rank {oom[0]['rank']}: {oom[0]['error']}"
-    if rc is not None and rc in (OOM_EXIT, -9, 137, 247, 256 - OOM_EXIT):
+    if not timed_out and rc in (OOM_EXIT, -9, 137, 247, 256 - OOM_EXIT):  # after a timeout, -9 is ours
         return "oom", f"a rank was killed or ran out of memory (launcher exit {rc})"
     if OOM_PATTERNS.search(log_tail):
         return "oom", "allocation failure in the logs: " + OOM_PATTERNS.search(log_tail).group(0)

@@ -35,13 +35,33 @@ class Marks:
         self.marks.append((time.time(), phase))
 
 
-def is_oom(exc: BaseException) -> bool:
-    import torch
+# Messages of allocation failures that do not arrive as torch.cuda.OutOfMemoryError: the CPU
+# allocator, CUDA errors raised as plain RuntimeError (e.g. from a kernel launch or an extension),
+# cuBLAS/cuDNN workspaces, NCCL buffers ("Cuda failure 'out of memory'"), the CUDA runtime's enum.
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory", "cudaerrormemoryallocation",
+             "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cusolver_status_alloc_failed",
+             "cufft_alloc_failed", "error_out_of_memory")
 
-    if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
-        return True
-    text = str(exc)
-    return "out of memory" in text.lower() or "can't allocate memory" in text
+
+def is_oom(exc: BaseException) -> bool:
+    """An allocation failure (the batch does not fit), not a bug: the exception, its message, or
+    any exception it was raised from (DeepSpeed and NCCL wrap the original in RuntimeErrors)."""
+    try:
+        import torch
+
+        oom_types: tuple = (MemoryError, torch.cuda.OutOfMemoryError)
+    except ImportError:
+        oom_types = (MemoryError,)
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, oom_types):
+            return True
+        text = str(exc).lower()
+        if any(t in text for t in _OOM_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def live_tensor_bytes() -> int:
@@ -81,6 +101,9 @@ def model_state_bytes(engine) -> dict:
     p_map = _storage_bytes(params)
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     opt_params = [p for g in inner.param_groups for p in g["params"]]
+    # ZeRO-3 hands its fp32 partitions to the inner optimizer only during step(); read them directly.
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        opt_params += list(getattr(engine.optimizer, attr, None) or [])
     m_map = {k: v for k, v in _storage_bytes(opt_params).items() if k not in p_map}
     states = [v for s in inner.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
     o_map = _storage_bytes(states)
@@ -116,8 +139,17 @@ class Rank:
             if cap and cap < total:
                 # Emulate a smaller card: allocations past the fraction raise a real CUDA OOM.
                 torch.cuda.set_per_process_memory_fraction(cap / total, self.local_rank)
-        self._emit({"event": "start", "pid": os.getpid(), "host": os.uname().nodename,
-                    "local_rank": self.local_rank})
+        self.nvml = None
+        start = {"event": "start", "pid": os.getpid(), "host": os.uname().nodename,
+                 "local_rank": self.local_rank, "node_rank": int(os.environ.get("CROSS_RANK", 0))}
+        if not self.on_cpu:
+            from zero_bench.sampler import Nvml, torch_identity
+
+            # Each node reads NVML for its own GPU, found by UUID / PCI bus id, not by index.
+            self.gpu_id = torch_identity(torch.cuda.get_device_properties(self.local_rank))
+            self.nvml = Nvml()
+            start.update(self.nvml.rank_record(self.local_rank, *self.gpu_id))
+        self._emit(start)
         mpu = init_parallel(self.cfg.parallel.tp, self.cfg.seed, self.on_cpu)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.cfg.precision]
         model = build_gpt(self.cfg.model, self.cfg.parallel.tp, dtype, self.on_cpu)
@@ -229,6 +261,7 @@ class Rank:
         if not self.on_cpu:
             out["torch_peak_allocated"] = self.torch.cuda.max_memory_allocated()
             out["torch_peak_reserved"] = self.torch.cuda.max_memory_reserved()
+            out.update(self.nvml.rank_record(self.local_rank, *self.gpu_id))
         return out
 
     # -- plan -----------------------------------------------------------------------------------
@@ -286,7 +319,21 @@ class Rank:
                 break
 
 
+def adopt_launcher_env() -> None:
+    """openmpi / slurm start ranks with their own variables; torch.distributed reads RANK & co."""
+    if "RANK" in os.environ:
+        return
+    for prefix, names in (("OMPI_COMM_WORLD_", ("RANK", "SIZE", "LOCAL_RANK", None)),
+                          ("SLURM_", ("PROCID", "NTASKS", "LOCALID", "NODEID"))):
+        if prefix + names[0] in os.environ:
+            for ours, theirs in zip(("RANK", "WORLD_SIZE", "LOCAL_RANK", "CROSS_RANK"), names):
+                if theirs and prefix + theirs in os.environ:
+                    os.environ.setdefault(ours, os.environ[prefix + theirs])
+            return
+
+
 def main(argv=None) -> None:
+    adopt_launcher_env()
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--spec", required=True)
     args = ap.parse_args(argv)

@@ -1,0 +1,236 @@
+"""The GPU path, checked without a GPU where it can be (and for real where one is visible):
+CUDA OOM classification, the NCCL backend, per-process memory fraction (capacity emulation),
+NVML mapping against torch's own device identities.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig
+from zero_bench.worker import OOM_EXIT, is_oom
+
+TINY = ModelConfig(name="GPT-tiny", num_layers=2, hidden_size=64, num_heads=4, seq_len=64, vocab_size=1024)
+NO_GPU = "no CUDA device visible: torch.cuda.is_available() is False (torch %s)" % torch.__version__
+
+
+def gpu_cfg(**hw) -> BenchConfig:
+    return BenchConfig(model=TINY, parallel=ParallelConfig(tp=1, dp=2), hardware=HardwareConfig(device="gpu", **hw),
+                       precision="bf16")
+
+
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which "
+            "1.2 GiB is free. Of the allocated memory 75.3 GiB is allocated by PyTorch")
+
+
+@pytest.mark.parametrize("exc,expect", [
+    (torch.cuda.OutOfMemoryError(CUDA_OOM), True),
+    (torch.OutOfMemoryError("x"), True),
+    (MemoryError(), True),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried "
+                  "to allocate 1152921504606846976 bytes. Error code 12 (Cannot allocate memory)"), True),
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+    (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
+    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO for "
+                  "details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+                  "Last error:\nCuda failure 'out of memory'"), True),
+    (RuntimeError("cudaErrorMemoryAllocation"), True),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (RuntimeError("CUDA error: device-side assert triggered"), False),
+    (RuntimeError("NCCL error: remote process exited or there was a network error"), False),
+    (ValueError("Type fp16 is not supported on your device."), False),
+])
+def test_is_oom(exc, expect):
+    assert is_oom(exc) is expect
+
+
+def test_is_oom_follows_the_cause_chain():
+    """DeepSpeed/engine code may re-raise an allocation failure as another error."""
+    try:
+        try:
+            raise torch.cuda.OutOfMemoryError(CUDA_OOM)
+        except torch.cuda.OutOfMemoryError as inner:
+            raise RuntimeError("step failed") from inner
+    except RuntimeError as outer:
+        assert is_oom(outer)
+    try:
+        try:
+            raise MemoryError()
+        except MemoryError:
+            raise KeyError("during handling")  # implicit context
+    except KeyError as outer:
+        assert is_oom(outer)
+    assert not is_oom(RuntimeError("plain"))
+
+
+def test_gpu_trial_env_selects_cuda_and_nccl(tmp_path):
+    """hardware.device=gpu -> DS_ACCELERATOR=cuda -> DeepSpeed's CUDA accelerator: NCCL backend,
+    CUDA_VISIBLE_DEVICES set per node, NCCL_* exported to remote nodes."""
+    from zero_bench.launch import trial_env
+
+    env = trial_env(gpu_cfg())
+    assert env["DS_ACCELERATOR"] == "cuda" and "MALLOC_MMAP_THRESHOLD_" not in env
+    code = ("from deepspeed.accelerator import get_accelerator as g; a = g(); import json; "
+            "print(json.dumps([a.device_name(), a.communication_backend_name(), a.export_envs(), "
+            "a.visible_devices_envs()]))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    name, backend, exports, visible = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (name, backend) == ("cuda", "nccl")
+    assert "NCCL" in exports and visible == ["CUDA_VISIBLE_DEVICES"]
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("cap_gb,total_gb,fraction", [(20, 80, 0.25), (100, 80, None), (None, 80, None)])
+def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, total_gb, fraction):
+    """Capacity emulation: a rank on an 80 GB card told hardware.memory_gb=20 caps its allocator at 1/4
+    of its own device (the local rank's), so a bigger batch raises a real CUDA OOM."""
+    import deepspeed
+
+    import zero_bench.model as model
+    from zero_bench import worker
+
+    calls = {}
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 3)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("device", d))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(total_memory=total_gb * 2**30, name="fake"))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, d=None: calls.setdefault("fraction", (f, d)))
+
+    def stop(*a, **k):
+        raise _Stop()
+    monkeypatch.setattr(model, "init_parallel", stop)
+    cfg = gpu_cfg(memory_gb=cap_gb)
+    spec = {"config": cfg.to_dict(), "out_dir": str(tmp_path), "plan": [],
+            "capacity_bytes": int(cap_gb * 2**30) if cap_gb else None}
+    with pytest.raises(_Stop):
+        worker.Rank(spec)
+    assert calls["device"] == 1
+    if fraction is None:
+        assert "fraction" not in calls
+    else:
+        assert calls["fraction"] == (pytest.approx(fraction), 1)
+    start = json.loads((tmp_path / "rank3.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["local_rank"] == 1
+
+
+def test_gpu_oom_record_classifies_as_oom():
+    """A rank's CUDA OOM (record status oom, exit OOM_EXIT) ends the entry as oom, not error."""
+    from zero_bench.launch import Entry, classify
+
+    cfg = gpu_cfg(memory_gb=20)
+    logs = {0: [{"event": "begin", "micro": 8, "rank": 0},
+                {"event": "end", "micro": 8, "rank": 0, "status": "oom",
+                 "error": "OutOfMemoryError: " + CUDA_OOM}],
+            1: [{"event": "begin", "micro": 8, "rank": 1}]}
+    (r,) = classify(cfg, [Entry(8)], logs, rc=OOM_EXIT, timed_out=False, stopped=None, log_tail="", cap=20 * 2**30)
+    assert r.status == "oom" and "CUDA out of memory" in r.reason and r.phase == "step"
+    # both ranks past capacity by torch's reserved bytes -> oom with the measured peak
+    logs = {i: [{"event": "begin", "micro": 8, "rank": i},
+                {"event": "end", "micro": 8, "rank": i, "status": "over_capacity", "peak_rss_bytes": 2**30,
+                 "torch_peak_reserved": 21 * 2**30}] for i in (0, 1)}
+    (r,) = classify(cfg, [Entry(8)], logs, rc=0, timed_out=False, stopped=None, log_tail="", cap=20 * 2**30)
+    assert r.status == "oom" and "21504 MiB > capacity 20480 MiB" in r.reason
+
+
+# -- with a real GPU ----------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+
+
+@needs_gpu
+def test_real_memory_fraction_raises_classified_oom():
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.05, 0)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError) as info:
+            torch.empty(int(total * 0.2), dtype=torch.uint8, device="cuda:0")
+        assert is_oom(info.value)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        torch.cuda.empty_cache()
+
+
+@needs_gpu
+def test_real_nvml_maps_torch_devices_by_uuid():
+    from zero_bench.sampler import Nvml, torch_identity
+
+    n = Nvml()
+    assert n.error is None, n.error
+    for i in range(torch.cuda.device_count()):
+        uuid, pci = torch_identity(torch.cuda.get_device_properties(i))
+        by_id = n.for_rank(i, uuid=uuid, pci_bus_id=pci)
+        assert by_id is not None and by_id.pci_bus_id == pci
+        if not n.note:  # same order unless mixed models in FASTEST_FIRST order
+            assert n.for_rank(i).uuid == by_id.uuid
+    n.close()
+
+
+@needs_gpu
+def test_real_nccl_available():
+    assert torch.distributed.is_nccl_available()
+
+
+# -- zero_bench doctor ----------------------------------------------------------------------------
+
+def _demo_cfg(**hw):
+    from omegaconf import OmegaConf
+
+    from zero_bench.config import CONF_DIR
+
+    import hydra
+
+    with hydra.initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
+        cfg = hydra.compose("config", overrides=[f"hardware.{k}={v}" for k, v in hw.items()])
+    return OmegaConf.to_container(cfg, resolve=False)
+
+
+def test_doctor_reports_every_area(capsys):
+    from zero_bench.doctor import FIX, doctor_command
+
+    checks = doctor_command(_demo_cfg())
+    names = {c.name for c in checks}
+    for n in ("deepspeed", "GPUs", "NVML", "deepspeed ops", "launcher pdsh", "launcher mpirun", "launcher srun",
+              "launcher sshd", "config", "can run"):
+        assert n in names, n
+    out = capsys.readouterr().out
+    assert "can run" in out and all(c.fix for c in checks if c.status == FIX)
+    if not torch.cuda.is_available():
+        nvml = next(c for c in checks if c.name == "NVML")
+        assert nvml.status == "--" and "NVMLError_LibraryNotFound" in nvml.detail
+
+
+def test_doctor_names_fixes_for_a_multinode_config(tmp_path, monkeypatch):
+    from zero_bench.doctor import FIX, check_launchers
+    from zero_bench.launch import check_hostfile  # noqa: F401 - used through doctor
+
+    monkeypatch.setattr("shutil.which", lambda tool: None)
+    import dataclasses
+
+    from zero_bench.config import BenchConfig
+
+    hf = tmp_path / "hostfile"
+    hf.write_text("a slots=1\n")
+    bench = BenchConfig(model=TINY, hardware=HardwareConfig(device="cpu", hostfile=str(hf), num_nodes=2,
+                                                            launcher="slurm"))
+    checks = {c.name: c for c in check_launchers(bench)}
+    assert checks["launcher srun"].status == FIX and checks["launcher sinfo"].status == FIX
+    assert checks["launcher pdsh"].status == "--"
+    assert checks["hostfile"].status == FIX and "lists only 1 hosts" in checks["hostfile"].detail
+    bench = dataclasses.replace(bench, hardware=dataclasses.replace(bench.hardware, launcher="pdsh"))
+    checks = {c.name: c for c in check_launchers(bench)}
+    assert checks["launcher pdsh"].status == FIX and "ci_provision.sh" in checks["launcher pdsh"].fix

@@ -1,0 +1,301 @@
+"""NVML through the sampler's seam (`zero_bench.sampler.nvml_module`): a fake pynvml module object
+with pynvml's real function names and pynvml's own exception classes, so that what the code catches
+is what a real driver raises. Device mapping follows CUDA_VISIBLE_DEVICES (index, UUID, UUID prefix,
+MIG) and local rank, by UUID or PCI bus id where the rank knows them.
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import pynvml
+import pytest
+
+from zero_bench import sampler
+from zero_bench.sampler import Nvml, Sampler, norm_pci, torch_identity
+
+GiB = 2**30
+
+# name, uuid, (domain, bus, device), total, used
+A100 = [("NVIDIA A100-SXM4-40GB", "GPU-1a2b3c4d-0000-1111-2222-333344445555", (0, 0x07, 0), 40 * GiB, 1 * GiB),
+        ("NVIDIA A100-SXM4-40GB", "GPU-5e6f7a8b-0000-1111-2222-333344445555", (0, 0x0F, 0), 40 * GiB, 2 * GiB),
+        ("NVIDIA A100-SXM4-40GB", "GPU-9c0d1e2f-0000-1111-2222-333344445555", (0, 0x47, 0), 40 * GiB, 3 * GiB),
+        ("NVIDIA A100-SXM4-40GB", "GPU-1a2bffff-0000-1111-2222-333344445555", (0, 0x4E, 0), 40 * GiB, 4 * GiB)]
+
+FAKE_NAMES = ("nvmlInit", "nvmlShutdown", "nvmlSystemGetDriverVersion", "nvmlDeviceGetCount",
+              "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByPciBusId",
+              "nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo", "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo")
+ERRORS = ("NVMLError", "NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded", "NVMLError_Uninitialized",
+          "NVMLError_GpuIsLost", "NVMLError_NotFound", "NVMLError_InvalidArgument", "NVMLError_NoPermission")
+
+
+class FakeHandle:
+    def __init__(self, idx: int):
+        self.idx = idx
+
+
+def fake_pynvml(devices=A100, init_error: str | None = None, mig: dict | None = None) -> types.ModuleType:
+    """A module object shaped like pynvml: same function names, pynvml's exception classes and structs."""
+    nv = types.ModuleType("pynvml")
+    for name in ERRORS:
+        setattr(nv, name, getattr(pynvml, name))  # the real classes: code catching them sees the real thing
+    state = {"init": False, "lost": set(), "calls": []}
+    nv.state = state
+
+    def api(fn):
+        def wrapped(*a):
+            state["calls"].append(fn.__name__)
+            if fn.__name__ not in ("nvmlInit",) and not state["init"]:
+                raise pynvml.NVMLError_Uninitialized()
+            return fn(*a)
+        wrapped.__name__ = fn.__name__
+        setattr(nv, fn.__name__, wrapped)
+        return wrapped
+
+    def _dev(h):
+        if h.idx in state["lost"]:
+            raise pynvml.NVMLError_GpuIsLost()
+        return devices[h.idx]
+
+    @api
+    def nvmlInit():
+        if init_error:
+            raise getattr(pynvml, init_error)()
+        state["init"] = True
+
+    @api
+    def nvmlShutdown():
+        state["init"] = False
+
+    @api
+    def nvmlSystemGetDriverVersion():
+        return "550.54.15"
+
+    @api
+    def nvmlDeviceGetCount():
+        return len(devices)
+
+    @api
+    def nvmlDeviceGetHandleByIndex(i):
+        if not 0 <= i < len(devices):
+            raise pynvml.NVMLError_InvalidArgument()
+        return FakeHandle(i)
+
+    @api
+    def nvmlDeviceGetHandleByUUID(uuid):
+        for i, d in enumerate(devices):
+            if d[1] == uuid:
+                return FakeHandle(i)
+        if mig and uuid in mig:
+            return FakeHandle(mig[uuid])
+        raise pynvml.NVMLError_NotFound()
+
+    @api
+    def nvmlDeviceGetHandleByPciBusId(bus):
+        for i, d in enumerate(devices):
+            if norm_pci(bus) == "%04x:%02x:%02x.0" % d[2]:
+                return FakeHandle(i)
+        raise pynvml.NVMLError_NotFound()
+
+    @api
+    def nvmlDeviceGetUUID(h):
+        return _dev(h)[1]
+
+    @api
+    def nvmlDeviceGetName(h):
+        return _dev(h)[0]
+
+    @api
+    def nvmlDeviceGetPciInfo(h):
+        info = pynvml.nvmlPciInfo_t()
+        dom, bus, dev = _dev(h)[2]
+        info.domain, info.bus, info.device = dom, bus, dev
+        info.busId = b"%08X:%02X:%02X.0" % (dom, bus, dev)  # NVML's spelling: 8-digit domain, upper case
+        return info
+
+    @api
+    def nvmlDeviceGetMemoryInfo(h):
+        d = _dev(h)
+        m = pynvml.c_nvmlMemory_t()
+        m.total, m.used, m.free = d[3], d[4], d[3] - d[4]
+        return m
+
+    return nv
+
+
+@pytest.fixture
+def use_fake(monkeypatch):
+    def install(nv):
+        monkeypatch.setattr(sampler, "nvml_module", lambda: nv)
+        return nv
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    return install
+
+
+def test_fake_has_real_pynvml_names_and_classes():
+    nv = fake_pynvml()
+    for name in FAKE_NAMES:
+        assert hasattr(pynvml, name), name
+        assert callable(getattr(nv, name))
+    for name in ERRORS:
+        assert getattr(nv, name) is getattr(pynvml, name)
+        assert issubclass(getattr(nv, name), pynvml.NVMLError)
+    assert pynvml.NVMLError_LibraryNotFound().value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND == 12
+
+
+def test_device_calls_before_init_raise_uninitialized():
+    nv = fake_pynvml()
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        nv.nvmlDeviceGetCount()
+
+
+def test_real_pynvml_without_gpu_is_library_not_found():
+    """On this machine (no driver) the real module answers as the field notes say, and Nvml copes."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("an NVIDIA driver is present here: the no-GPU case cannot be observed")
+    n = Nvml()
+    assert n.nv is None and "NVMLError_LibraryNotFound" in n.error
+    assert n.read() == [] and n.handles == {}
+    assert n.rank_record(0)["nvml_error"].startswith("memory not sampled by NVML")
+    n.close()
+
+
+@pytest.mark.parametrize("err", ["NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded", "NVMLError_NoPermission"])
+def test_init_failure_leaves_gpu_path_out(use_fake, err):
+    nv = use_fake(fake_pynvml(init_error=err))
+    n = Nvml()
+    assert n.nv is None and err in n.error and n.read() == []
+    assert nv.state["calls"] == ["nvmlInit"]  # nothing else is asked of a library that did not start
+    assert "memory not sampled by NVML" in n.status()
+    s = Sampler(os.getpid(), use_gpu=True)
+    s.sample_once()
+    assert [x for x in s.samples if x.kind == "gpu"] == [] and err in s.error
+    s.stop()
+
+
+def test_import_error_in_seam(monkeypatch):
+    def missing():
+        raise ImportError("No module named 'pynvml'")
+    monkeypatch.setattr(sampler, "nvml_module", missing)
+    n = Nvml()
+    assert n.nv is None and "ImportError" in n.error
+
+
+def test_all_gpus_in_pci_order_without_cuda_visible_devices(use_fake):
+    use_fake(fake_pynvml())
+    n = Nvml()
+    assert n.error is None and n.driver == "550.54.15"
+    assert [g.uuid for g in n.visible] == [d[1] for d in A100]
+    assert n.gpus[1].pci_bus_id == "0000:0f:00.0"
+    assert n.read() == [(i, d[4], d[3]) for i, d in enumerate(A100)]
+    assert n.status() == "NVML driver 550.54.15: 4 GPU(s) (NVIDIA A100-SXM4-40GB), 4 visible"
+    n.close()
+    assert n.nv is None
+
+
+@pytest.mark.parametrize("env,expect", [
+    ("2,0", [2, 0]),                                   # indices: CUDA 0 is NVML device 2
+    ("GPU-9c0d1e2f-0000-1111-2222-333344445555,1", [2, 1]),  # full UUID, then an index
+    ("5e6f7a8b-0000-1111-2222-333344445555", [1]),    # UUID without "GPU-"
+    ("GPU-9c0d", [2]),                                 # unique prefix, as CUDA accepts
+    ("GPU-1a2b,3", []),                                # ambiguous prefix: CUDA stops there
+    ("0,7,1", [0]),                                    # out of range: CUDA stops at the first invalid entry
+    ("1,-1,2", [1]),                                   # -1 hides the rest
+    ("3,3", [3]),                                      # a repeated device is invalid
+    ("", []),                                          # empty: no GPU visible
+    (" 1 , 0 ", [1, 0]),
+])
+def test_cuda_visible_devices_mapping(use_fake, monkeypatch, env, expect):
+    use_fake(fake_pynvml())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
+    n = Nvml()
+    assert [g.nvml_index for g in n.visible] == expect
+    assert [(i, used) for i, used, _ in n.read()] == [(i, A100[j][4]) for i, j in enumerate(expect)]
+    assert n.names == {i: A100[j][0] for i, j in enumerate(expect)}
+
+
+def test_mig_uuid_resolved_by_nvml(use_fake, monkeypatch):
+    mig = "MIG-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
+    use_fake(fake_pynvml(mig={mig: 3}))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig)
+    n = Nvml()
+    assert [g.uuid for g in n.visible] == [mig]
+    assert n.read() == [(0, A100[3][4], A100[3][3])]
+
+
+def test_rank_device_follows_local_rank_uuid_and_pci(use_fake, monkeypatch):
+    """What the launcher gives a rank: CUDA_VISIBLE_DEVICES of its node and LOCAL_RANK; torch knows
+    its device's UUID (printed without "GPU-") and PCI ids (CUDA spelling)."""
+    use_fake(fake_pynvml())
+    n = Nvml(visible="2,3")  # e.g. a node whose launcher was given --include host:2,3
+    assert n.for_rank(0).nvml_index == 2 and n.for_rank(1).nvml_index == 3
+    assert n.for_rank(2) is None
+    assert n.for_rank(0, visible="1,0").nvml_index == 1
+    # by identity, whatever the index says
+    assert n.for_rank(0, uuid="1a2bffff-0000-1111-2222-333344445555").nvml_index == 3
+    assert n.for_rank(0, pci_bus_id="0000:0f:00.0").nvml_index == 1
+    assert n.for_rank(0, pci_bus_id="00000000:47:00.0").nvml_index == 2
+    rec = n.rank_record(1)
+    assert rec == {"gpu_uuid": A100[3][1], "gpu_pci_bus_id": "0000:4e:00.0", "gpu_name": A100[3][0],
+                   "nvml_used_bytes": A100[3][4], "nvml_total_bytes": A100[3][3]}
+    assert "nvml_error" in n.rank_record(5)
+
+
+def test_torch_identity_formats_like_nvml():
+    class Uuid:
+        def __str__(self):
+            return "9c0d1e2f-0000-1111-2222-333344445555"
+    props = types.SimpleNamespace(uuid=Uuid(), pci_domain_id=0, pci_bus_id=0x47, pci_device_id=0)
+    uuid, pci = torch_identity(props)
+    assert (uuid, pci) == ("9c0d1e2f-0000-1111-2222-333344445555", "0000:47:00.0")
+    assert torch_identity(types.SimpleNamespace()) == (None, None)
+
+
+def test_mixed_models_in_default_order_are_flagged(use_fake, monkeypatch):
+    devs = [A100[0], ("NVIDIA H100 80GB HBM3", "GPU-eeee0000-0000-1111-2222-333344445555", (0, 0x10, 0),
+                      80 * GiB, 5 * GiB)]
+    use_fake(fake_pynvml(devs))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    n = Nvml()
+    assert n.visible[0].name.startswith("NVIDIA H100") and "CUDA_DEVICE_ORDER" in n.note
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert Nvml().note is None
+
+
+def test_gpu_lost_mid_run(use_fake):
+    nv = use_fake(fake_pynvml())
+    s = Sampler(os.getpid(), use_gpu=True)
+    s.sample_once()
+    assert sorted(x.ident for x in s.samples if x.kind == "gpu") == [0, 1, 2, 3]
+    nv.state["lost"].add(1)  # "GPU has fallen off the bus"
+    s.sample_once()
+    s.sample_once()
+    gpu = [x for x in s.samples if x.kind == "gpu"]
+    assert sorted(x.ident for x in gpu) == [0, 0, 0, 1, 2, 2, 2, 3, 3, 3]  # gpu1 dropped, others go on
+    assert "GPU 1 lost" in s.error and "NVMLError_GpuIsLost" in s.error
+    assert 1 not in s.nvml.handles
+    s.stop()
+    assert nv.state["init"] is False  # shut down
+
+
+def test_gpu_lost_before_enumeration(use_fake):
+    nv = fake_pynvml()
+    nv.state["lost"].add(0)
+    use_fake(nv)
+    n = Nvml()
+    assert n.handles == {} and "NVMLError_GpuIsLost" in n.error and n.read() == []
+
+
+def test_rank_record_when_its_gpu_is_lost(use_fake):
+    nv = use_fake(fake_pynvml())
+    n = Nvml()
+    nv.state["lost"].add(2)
+    rec = n.rank_record(2)
+    assert rec["gpu_uuid"] == A100[2][1] and "NVMLError_GpuIsLost" in rec["nvml_error"]
+    assert "nvml_used_bytes" not in rec

@@ -1,0 +1,293 @@
+"""`zero_bench doctor`: can this machine run what the config asks? One line per check, each "ok" or
+a fix to apply (or "--" for what this config does not need).
+
+Checks: accelerator and devices (count, memory), NVML, DeepSpeed's op compatibility (through its
+Python API: the builders `ds_report` walks, `installed_ops`, and the JIT cache), launchers and
+ssh (pdsh / mpirun / srun / sshd), the hostfile when one is set, and whether the configured run
+(by default the demo: gpt-tiny, dp=2) passes validation, the memory estimate and its op needs.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import platform
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+OK, FIX, NA = "ok", "FIX", "--"
+
+
+@dataclass
+class Check:
+    status: str  # OK, FIX or NA
+    name: str
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"[{self.status:>3}] {self.name:<22} {self.detail}"
+        return text + (f"\n      {'':<22} fix: {self.fix}" if self.fix else "")
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.1f} GiB"
+
+
+# -- accelerator -------------------------------------------------------------------------------
+
+def check_accelerator(device: str) -> list[Check]:
+    import psutil
+    import torch
+
+    out = [Check(OK, "python / torch", f"Python {platform.python_version()}, torch {torch.__version__}"
+                 + (f", CUDA {torch.version.cuda}" if torch.version.cuda else " (CPU build)"))]
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        out.append(Check(OK, "deepspeed", f"{deepspeed.__version__}, accelerator {acc.device_name()} "
+                         f"({acc.communication_backend_name()})"))
+    except Exception as exc:  # noqa: BLE001
+        out.append(Check(FIX, "deepspeed", f"import failed: {type(exc).__name__}: {exc}",
+                         "pip install deepspeed (see requirements-cpu.txt for the pinned CPU set)"))
+    n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n_cuda:
+        devs = []
+        for i in range(n_cuda):
+            p = torch.cuda.get_device_properties(i)
+            devs.append(f"cuda:{i} {p.name} {_gib(p.total_memory)}")
+        out.append(Check(OK, "GPUs", f"{n_cuda}: " + "; ".join(devs)))
+    else:
+        why = "torch is a CPU build" if torch.version.cuda is None else "CUDA sees no device"
+        st = FIX if device == "gpu" else NA
+        out.append(Check(st, "GPUs", f"none ({why})",
+                         "install a CUDA build of torch and the NVIDIA driver, or use hardware=cpu"
+                         if st == FIX else ""))
+    vm = psutil.virtual_memory()
+    cores = os.cpu_count() or 1
+    out.append(Check(OK, "CPU", f"{cores} cores, RAM {_gib(vm.total)} ({_gib(vm.available)} available); "
+                     f"CPU ranks run on DeepSpeed's CPU accelerator (gloo)"))
+    return out
+
+
+def check_nvml(device: str) -> Check:
+    from zero_bench.sampler import Nvml
+
+    n = Nvml()
+    try:
+        if n.nv is None:
+            if device == "gpu":
+                return Check(FIX, "NVML", n.error or "unavailable",
+                             "install the NVIDIA driver (libnvidia-ml.so.1) and nvidia-ml-py; without it "
+                             "per-GPU memory is not sampled (torch's own peaks still are)")
+            return Check(NA, "NVML", f"not available ({(n.error or '').split(': ', 1)[-1]}): "
+                         "expected without an NVIDIA driver; CPU runs sample RSS instead")
+        detail = n.status() + (f"; note: {n.note}" if n.note else "")
+        if n.error:
+            return Check(FIX, "NVML", f"{detail}; {n.error}", "check the GPUs with nvidia-smi (a lost GPU needs a reset)")
+        return Check(OK, "NVML", detail)
+    finally:
+        n.close()
+
+
+def check_peak_flops(device: str, precision: str) -> Check:
+    import torch
+
+    try:
+        from zero_bench import metrics
+    except ImportError:
+        return Check(NA, "peak FLOP/s", "zero_bench.metrics not present: MFU is not reported")
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_properties(0).name
+        peak = metrics.gpu_peak_flops(name, precision)
+        if peak is None:
+            return Check(FIX, "peak FLOP/s", f"{name} is not in the table (A100/H100/H200/L40S/V100)",
+                         "add it to zero_bench/metrics.py PEAK_FLOPS to get MFU")
+        return Check(OK, "peak FLOP/s", f"{name} {precision}: {peak / 1e12:.0f} TFLOP/s (for MFU)")
+    return Check(NA, "peak FLOP/s", "CPU: measured by a matmul benchmark when a report needs MFU")
+
+
+# -- DeepSpeed ops -------------------------------------------------------------------------------
+
+def _jit_cached(op: str) -> Optional[str]:
+    """Path of a JIT-built op in the torch extensions cache, if one was built."""
+    try:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    except Exception:  # noqa: BLE001
+        return None
+    hits = glob.glob(os.path.join(root, "*", op, "*.so")) + glob.glob(os.path.join(root, op, "*.so"))
+    return hits[0] if hits else None
+
+
+def op_status() -> dict[str, dict]:
+    """What `ds_report` shows, from DeepSpeed's Python API: per op, installed / compatible / cached."""
+    import io
+    from contextlib import redirect_stdout
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    from deepspeed.ops.op_builder.builder import probe_is_compatible
+
+    import logging
+
+    out = {}
+    for name, builder in ALL_OPS.items():
+        buf = io.StringIO()
+        logging.disable(logging.INFO)  # probes compile test programs and log each gcc line
+        try:
+            with redirect_stdout(buf):  # probe warnings go to stdout
+                compatible = bool(probe_is_compatible(builder, False))
+        finally:
+            logging.disable(logging.NOTSET)
+        out[name] = {"installed": bool(installed_ops.get(name, False)) and accelerator_name == get_accelerator()._name,
+                     "compatible": compatible, "cached": _jit_cached(name),
+                     "note": buf.getvalue().strip()[-200:]}
+    return out
+
+
+def needed_ops(bench) -> dict[str, str]:
+    """Ops a run of this config builds on first use, with why."""
+    need = {}
+    if bench.hardware.device == "cpu":
+        need["deepspeed_shm_comm"] = "init_distributed on CPU (~34 s to JIT-build once)"
+        if bench.offload_optimizer:
+            need["cpu_adam"] = "optimizer offload (~58 s to JIT-build once)"
+    elif bench.offload_optimizer:
+        need["cpu_adam"] = "optimizer offload"
+    return need
+
+
+def check_ops(bench=None) -> list[Check]:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    out = []
+    ninja = is_ninja_available()
+    cc = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    jit_ok = ninja and cc
+    out.append(Check(OK if jit_ok else FIX, "JIT toolchain", f"ninja {'found' if ninja else 'missing'}, "
+                     f"C++ compiler {cc or 'missing'}",
+                     "" if jit_ok else "pip install ninja; apt-get install g++ (DeepSpeed JIT-compiles its ops)"))
+    try:
+        ops = op_status()
+    except Exception as exc:  # noqa: BLE001
+        return out + [Check(FIX, "deepspeed ops", f"cannot query op builders: {type(exc).__name__}: {exc}",
+                            "run ds_report and fix what it reports")]
+    need = needed_ops(bench) if bench is not None else {}
+    compat = [n for n, o in ops.items() if o["compatible"]]
+    ready = [n for n, o in ops.items() if o["installed"] or o["cached"]]
+    out.append(Check(OK, "deepspeed ops", f"{len(compat)}/{len(ops)} compatible ({', '.join(compat)}); "
+                     f"prebuilt or JIT-cached: {', '.join(ready) or 'none'}"))
+    for name, why in need.items():
+        o = ops.get(name)
+        if o is None:
+            out.append(Check(FIX, f"op {name}", f"unknown to this DeepSpeed, needed for {why}", "upgrade deepspeed"))
+        elif o["installed"] or o["cached"]:
+            out.append(Check(OK, f"op {name}", "prebuilt" if o["installed"] else f"JIT-cached ({o['cached']})"))
+        elif o["compatible"] and jit_ok:
+            out.append(Check(OK, f"op {name}", f"compatible, will be JIT-built at first use: {why}"))
+        else:
+            out.append(Check(FIX, f"op {name}", f"not compatible here ({o['note'] or 'see ds_report'}); needed for {why}",
+                             "install what ds_report lists for this op, or DS_BUILD_OPS=1 pip install deepspeed"))
+    return out
+
+
+# -- launchers -------------------------------------------------------------------------------------
+
+LAUNCHER_BINARIES = {"pdsh": ["pdsh", "ssh"], "openmpi": ["mpirun"], "mpich": ["mpirun"], "impi": ["mpirun"],
+                     "mvapich": ["mpirun_rsh", "mpiname"], "slurm": ["srun", "sinfo"]}
+HOW = {"pdsh": "apt-get install pdsh openssh-client (or bash launch/ci_provision.sh)",
+       "ssh": "apt-get install openssh-client", "sshd": "apt-get install openssh-server (each node runs sshd)",
+       "mpirun": "apt-get install openmpi-bin (or load your cluster's MPI module)",
+       "srun": "run inside a Slurm allocation (sbatch launch/slurm_maxbatch.sbatch)", "sinfo": "install Slurm clients",
+       "mpirun_rsh": "load MVAPICH2", "mpiname": "load MVAPICH2"}
+
+
+def _which(tool: str) -> Optional[str]:
+    return shutil.which(tool) or next((p for p in (f"/usr/sbin/{tool}", f"/usr/local/sbin/{tool}")
+                                       if os.access(p, os.X_OK)), None)
+
+
+def check_launchers(bench=None) -> list[Check]:
+    multi = bench is not None and bench.hardware.hostfile
+    chosen = bench.hardware.launcher if multi else None
+    needed = set(LAUNCHER_BINARIES.get(chosen, [])) if chosen else set()
+    out = []
+    for tool in ("pdsh", "ssh", "sshd", "mpirun", "srun", "sinfo"):
+        path = _which(tool)
+        if path:
+            out.append(Check(OK, f"launcher {tool}", path))
+        elif tool in needed:
+            out.append(Check(FIX, f"launcher {tool}", f"missing; hardware.launcher={chosen} needs it", HOW[tool]))
+        else:
+            out.append(Check(NA, f"launcher {tool}", "missing (only multi-node runs need it)"
+                             + (f"; to add it: {HOW[tool]}" if tool in HOW else "")))
+    if multi:
+        from zero_bench.config import ConfigError
+        from zero_bench.launch import check_hostfile, master_addr
+
+        try:
+            hosts = check_hostfile(bench)
+            addr = master_addr(bench, hosts) or f"found by DeepSpeed via `ssh {next(iter(hosts))} hostname -I`"
+            out.append(Check(OK, "hostfile", f"{bench.hardware.hostfile}: {len(hosts)} nodes x "
+                             f"{bench.parallel.world_size // bench.hardware.num_nodes} ranks; master {addr}"))
+        except ConfigError as exc:
+            out.append(Check(FIX, "hostfile", str(exc), "see launch/hostfile.example"))
+        if chosen == "pdsh" and not os.environ.get("PDSH_SSH_ARGS_APPEND") and not _which("sshd"):
+            out.append(Check(FIX, "ssh", "pdsh reaches nodes over ssh; no sshd here",
+                             "passwordless ssh to every host in the hostfile (keys in ~/.ssh)"))
+    return out
+
+
+# -- the configured run (the demo by default) --------------------------------------------------------
+
+def check_run(cfg: Any) -> tuple[list[Check], Optional[object]]:
+    from zero_bench.config import ConfigError, from_cfg, validate_machine
+
+    try:
+        bench = from_cfg(cfg)
+        validate_machine(bench)
+    except ConfigError as exc:
+        return [Check(FIX, "config", str(exc), "change the override named above")], None
+    out = [Check(OK, "config", f"{bench.label()}, {bench.hardware.device}, world size {bench.parallel.world_size}"
+                 + (f" over {bench.hardware.num_nodes} nodes" if bench.hardware.hostfile else ""))]
+    try:
+        from zero_bench.preflight import preflight
+
+        refused = preflight(bench)
+    except Exception as exc:  # noqa: BLE001 - the estimate is advice, not a gate
+        out.append(Check(NA, "memory estimate", f"not available: {type(exc).__name__}: {exc}"))
+    else:
+        if refused is not None:
+            out.append(Check(FIX, "memory estimate", refused.reason,
+                             "a smaller model or batch, more ZeRO/offload, or force=true to try anyway"))
+        else:
+            out.append(Check(OK, "memory estimate", f"micro={bench.batch.micro} fits this host by the estimate"))
+    return out, bench
+
+
+def doctor_checks(cfg: Any) -> list[Check]:
+    run_checks, bench = check_run(cfg)
+    device = bench.hardware.device if bench is not None else "cpu"
+    precision = bench.precision if bench is not None else "bf16"
+    checks = check_accelerator(device) + [check_nvml(device), check_peak_flops(device, precision)]
+    checks += check_ops(bench) + check_launchers(bench) + run_checks
+    blocking = [c for c in checks if c.status == FIX]
+    demo = "the configured run" if bench is None or bench.model.name != "GPT-tiny" else "the default demo"
+    checks.append(Check(OK if not blocking else FIX, "can run",
+                        f"{demo} can run here" if not blocking else
+                        f"{demo} needs {len(blocking)} fix(es) first: {', '.join(c.name for c in blocking)}"))
+    return checks
+
+
+def doctor_command(cfg: Any) -> list[Check]:
+    print(f"zero_bench doctor ({platform.node()}, {platform.system()} {platform.machine()}, {sys.executable})")
+    checks = doctor_checks(cfg)
+    for c in checks:
+        print(c.line(), flush=True)
+    return checks
