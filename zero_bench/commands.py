@@ -55,7 +55,19 @@ def run(cfg: DictConfig, out: Path) -> TrialResult:
 def search_spec(cfg: DictConfig):
     from zero_bench.search import SearchSpec
 
-    return SearchSpec(**OmegaConf.to_container(cfg.search))
+    d = OmegaConf.to_container(cfg.search)
+    d.pop("cpu_budget_gb", None)
+    return SearchSpec(**d)
+
+
+def with_cpu_budget(bench: BenchConfig, cfg: DictConfig) -> BenchConfig:
+    """On CPU a search needs a per-rank budget; the host's whole RAM would take hours to fill."""
+    import dataclasses
+
+    if bench.hardware.device != "cpu" or bench.hardware.memory_gb:
+        return bench
+    hw = dataclasses.replace(bench.hardware, memory_gb=cfg.search.cpu_budget_gb)
+    return dataclasses.replace(bench, hardware=hw)
 
 
 def maxbatch(cfg: DictConfig, out: Path) -> SearchResult:
@@ -65,13 +77,13 @@ def maxbatch(cfg: DictConfig, out: Path) -> SearchResult:
 
     store = _store(cfg)
     try:
-        bench = _bench(cfg)
+        bench = with_cpu_budget(_bench(cfg), cfg)
     except ConfigError as exc:  # inside a grid, a bad combination is recorded, never fatal
         res = skipped_search(cfg, str(exc))
         store.put_search(res)
         print(f"zero_bench maxbatch: skipped {res.label}: {exc}", file=sys.stderr)
         return res
-    refused = preflight(bench, force=cfg.force)
+    refused = preflight(bench, force=cfg.force, micro=cfg.search.min)
     if refused:
         res = SearchResult(search_key=bench.search_key(), label=bench.label(), status="estimated_oom",
                            note=refused.reason, config=bench.to_dict())

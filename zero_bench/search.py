@@ -85,25 +85,36 @@ def done(known: Known, spec: SearchSpec) -> bool:
 
 
 def predict(known: Known, cap: Optional[int], spec: SearchSpec) -> Optional[int]:
-    """Last fitting batch from the two largest fitting measurements (linear memory per sample)."""
+    """Last fitting batch, extrapolated linearly from two fitting measurements far apart.
+
+    Neighbouring batch sizes differ by less than RSS's own noise, so the slope is taken between
+    the largest fitting batch and the largest one at most half of it.
+    """
     pts = sorted((m, p) for m, p in known.peak.items() if known.fits.get(m))
     if cap is None or len(pts) < 2:
         return None
-    (m1, p1), (m2, p2) = pts[-2], pts[-1]
+    m2, p2 = pts[-1]
+    m1, p1 = max((pt for pt in pts[:-1] if pt[0] <= m2 / 2), default=pts[0])
     slope = (p2 - p1) / (m2 - m1)
     if slope <= 0:
         return None
     return snap(m2 + (cap - p2) / slope, spec)
 
 
-def next_plan(known: Known, spec: SearchSpec, cap: Optional[int], seed: Optional[int] = None) -> list[Entry]:
-    """The next launch: ascending micro sizes, empty when the boundary is confirmed."""
+def next_plan(known: Known, spec: SearchSpec, cap: Optional[int], seed: Optional[int] = None,
+              allow_fit: bool = True) -> list[Entry]:
+    """The next launch: ascending micro sizes, empty when the boundary is confirmed.
+
+    `allow_fit` is cleared by the caller after two predictions that did not close the bracket:
+    from then on plain bisection guarantees the end.
+    """
     if done(known, spec):
         return []
     g = spec.granularity
     lo, hi = known.lo, known.hi
-    guess = predict(known, cap, spec) if spec.strategy == "fit" else None
-    if guess is None and spec.strategy == "fit" and seed and not known.fits:
+    fit = spec.strategy == "fit" and allow_fit
+    guess = predict(known, cap, spec) if fit else None
+    if guess is None and fit and seed and not known.fits:
         guess = snap(seed, spec)
     if guess is not None:
         low = lo + g if lo is not None else spec.min
@@ -158,7 +169,7 @@ def run_search(cfg: BenchConfig, spec: SearchSpec, store: Store, run_dir: Path, 
     if trials:
         progress(f"[{cfg.label()}] resuming from {len(trials)} stored trials")
     cap = capacity_bytes(cfg)
-    launches = 0
+    launches = fit_launches = 0
 
     def record(t: TrialResult) -> None:
         store.add_trial(t)
@@ -181,10 +192,12 @@ def run_search(cfg: BenchConfig, spec: SearchSpec, store: Store, run_dir: Path, 
     while True:
         known = Known.from_trials(trials)
         n_trials = sum(t.status != "not_run" for t in trials)
-        plan = [e for e in next_plan(known, spec, cap, seed) if e.micro not in known.fits]
+        plan = [e for e in next_plan(known, spec, cap, seed, allow_fit=fit_launches < 2)
+                if e.micro not in known.fits]
         if not plan or n_trials >= spec.max_trials:
             break
         launches += 1
+        fit_launches += any(e.mode == "measure" for e in plan)  # only predicted launches measure
         results = run_launch(cfg.with_micro(plan[0].micro), plan, run_dir / f"launch{launches:02d}",
                              fault=fault, on_result=record, on_event=live)
         errs = [r for r in results if r.status == "error"]
@@ -217,8 +230,8 @@ def _finish(cfg, spec, store, trials, run_dir, launches, t0, error, repeats, fau
             res.note = res.note or f"OOM at global batch {hi * cfg.batch.grad_accum * cfg.parallel.dp}"
         elif lo >= spec.max:
             res.note = res.note or f"search.max={spec.max} reached"
-        res.measure, res.repeats = _measure(cfg, store, trials, lo, repeats, run_dir, fault, progress)
-        res.launches = launches + len(res.repeats) - (1 if _measured(trials, lo) else 0)
+        res.measure, res.repeats, extra = _measure(cfg, store, trials, lo, repeats, run_dir, fault, progress)
+        res.launches = launches + extra
     res.trials = sum(t.status != "not_run" for t in trials)
     res.wall_s = round(time.time() - t0, 1)
     store.put_search(res)
@@ -233,7 +246,9 @@ def _measured(trials: list[TrialResult], micro: int) -> list[TrialResult]:
 
 
 def _measure(cfg, store, trials, micro, repeats, run_dir, fault, progress):
-    """Full timed steps at the found batch, `repeats` times in all (fresh launches)."""
+    """Full timed steps at the found batch, `repeats` times in all (fresh launches).
+
+    Returns (the median run as a dict, time/step of every run, launches made here)."""
     got = _measured(trials, micro)
     i = 0
     while len(got) < repeats:
@@ -247,6 +262,6 @@ def _measure(cfg, store, trials, micro, repeats, run_dir, fault, progress):
         trials.append(res[0])
         got.append(res[0])
     if not got:
-        return None, []
+        return None, [], i
     best = sorted(got, key=lambda t: t.time_per_step_s)[len(got) // 2]  # the median run
-    return best.__dict__, [t.time_per_step_s for t in got]
+    return best.__dict__, [t.time_per_step_s for t in got], i

@@ -1,0 +1,86 @@
+"""MFU/HFU against published tables, the peak-FLOP/s table, and the cached CPU microbenchmark."""
+import json
+
+import pytest
+
+from zero_bench import metrics
+from zero_bench.config import ModelConfig
+from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, matmul_flops, mfu_hfu, model_flops_per_seq
+
+A100, H100 = 312e12, 989.5e12
+
+# Rows of the MPT training benchmark tables (mosaicml/llm-foundry scripts/train/benchmarking/README.md),
+# each from its own columns: NumParams, n_layers/d_model of the size's yaml, SeqLen, Throughput (T/s),
+# # GPUs, Activation Checkpointing -> the published MFU and HFU (%).
+MPT_ROWS = [
+    # name,              n_params,    layers, d_model, seq, tokens/s, gpus, peak, ckpt, MFU, HFU
+    ("7b 8xH100", 6658859008, 32, 4096, 2048, 85144, 8, H100, False, 46.44, 46.44),
+    ("13b 8xH100", 12853954560, 40, 5120, 2048, 38336, 8, H100, False, 39.79, 39.79),
+    ("30b 32xH100 ckpt", 29975214080, 48, 7168, 2048, 73860, 32, H100, True, 43.92, 58.57),
+    ("70b 64xH100 ckpt", 64862437376, 80, 8192, 2048, 66523, 64, H100, True, 42.57, 56.76),
+    ("760m 8xH100", 760470528, 24, 1536, 2048, 505177, 8, H100, False, 34.90, 34.90),
+    ("7b 8xA100-80", 6658859008, 32, 4096, 2048, 37130, 8, A100, False, 64.23, 64.23),
+    ("13b 8xA100-80 seq4096 ckpt", 12864440320, 40, 5120, 4096, 16482, 8, A100, True, 57.62, 76.82),
+    ("3b 8xA100-80", 2651837440, 32, 2560, 2048, 86491, 8, A100, False, 62.11, 62.11),
+    ("1b 8xA100-80", 1315950592, 24, 2048, 2048, 164109, 8, A100, False, 59.86, 59.86),
+    ("7b 8xA100-40 ckpt", 6658859008, 32, 4096, 2048, 29436, 8, A100, True, 50.92, 67.89),
+]
+
+
+@pytest.mark.parametrize("row", MPT_ROWS, ids=[r[0] for r in MPT_ROWS])
+def test_mfu_hfu_reproduces_published_mpt_rows(row):
+    _, n_params, layers, d_model, seq, tokens_s, gpus, peak, ckpt, mfu_pct, hfu_pct = row
+    mfu, hfu = mfu_hfu(n_params, layers, d_model, seq, tokens_s / seq, gpus, peak, activation_checkpointing=ckpt)
+    assert round(mfu * 100, 2) == pytest.approx(mfu_pct, abs=0.005)
+    assert round(hfu * 100, 2) == pytest.approx(hfu_pct, abs=0.005)
+
+
+def test_hfu_counts_the_recomputed_forward():
+    args = (125_000_000, 12, 768, 1024, 100.0, 8, A100)
+    mfu, hfu = mfu_hfu(*args)
+    assert hfu == mfu
+    mfu_c, hfu_c = mfu_hfu(*args, activation_checkpointing=True)
+    assert mfu_c == mfu and hfu_c == pytest.approx(mfu * 4 / 3)
+
+
+def test_model_flops_match_the_config_formula():
+    m = ModelConfig(name="GPT-345M", num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024, vocab_size=50304)
+    assert model_flops_per_seq(m.num_params, m.num_layers, m.hidden_size, m.seq_len) == m.flops_per_sample()
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+    ("NVIDIA A100-PCIE-40GB", "fp16", 312e12),
+    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5e12),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.5e12),
+    ("NVIDIA H100 PCIe", "bf16", 756e12),
+    ("NVIDIA H200", "bf16", 989.5e12),
+    ("NVIDIA GH200 480GB", "bf16", 989.5e12),
+    ("NVIDIA L40S", "bf16", 362e12),
+    ("Tesla V100-SXM2-32GB", "fp16", 125e12),
+    ("Tesla V100-SXM2-32GB", "bf16", None),  # no bf16 on Volta
+    ("NVIDIA A10G", "bf16", None),  # not the A10's figure
+    ("Some Future GPU", "bf16", None),
+])
+def test_gpu_peak_table(name, precision, peak):
+    assert gpu_peak_flops(name, precision) == peak
+
+
+def test_cpu_peak_is_measured_once_then_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZERO_BENCH_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(metrics, "matmul_flops", lambda p, t: calls.append((p, t)) or 5e10)
+    first = cpu_peak_flops("fp32", threads=1)
+    second = cpu_peak_flops("fp32", threads=1)
+    assert calls == [("fp32", 1)]
+    assert first["flops"] == second["flops"] == 5e10
+    assert (first["cached"], second["cached"]) == (False, True)
+    stored = json.loads((tmp_path / "cpu_peak.json").read_text())
+    assert [v["flops"] for v in stored.values()] == [5e10]
+    cpu_peak_flops("fp32", threads=2)  # another thread count is another figure
+    assert len(calls) == 2
+
+
+def test_matmul_microbenchmark_measures_something():
+    flops = matmul_flops("fp32", threads=1, n=128, seconds=0.05)
+    assert 1e8 < flops < 1e13

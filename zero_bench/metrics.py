@@ -1,0 +1,138 @@
+"""FLOPs, MFU/HFU and the peak FLOP/s they are measured against.
+
+One formula for every place that shows utilisation (the report's columns, its charts, the CLI):
+the MPT benchmark convention (llm-foundry scripts/train/benchmarking), so our figures can be
+compared with published tables. Normalisation, activations and residuals are left out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Optional
+
+# Dense (no sparsity) peak FLOP/s per GPU. fp32 is the plain CUDA-core figure: PyTorch leaves TF32
+# matmuls off by default, so an fp32 run is held to what fp32 can reach.
+# H100/H200 bf16: 1979 TFLOP/s with sparsity / 2; MPT's tables divide by 989.5e12, so do we.
+# Order matters: the first key found in the device name wins (H100 PCIe before H100, GH200 before H200).
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("GH200", {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12}),
+    ("H200", {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12}),
+    ("H100 PCIE", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
+    ("H100 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
+    ("H100", {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12}),  # SXM
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
+    ("A10G", {}),  # AWS part: NVIDIA publishes no peak; unknown rather than the A10 figure
+    ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+    ("L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}),
+    ("V100", {"fp16": 125e12, "fp32": 15.7e12}),  # no bf16 tensor cores
+]
+
+
+def model_flops_per_seq(n_params: int, n_layers: int, d_model: int, seq_len: int, passes: int = 3) -> float:
+    """FLOPs to train on one sequence: `passes` = 3 (forward, backward, weight gradient), 4 with recompute."""
+    flops_per_seq = 2 * n_params * seq_len
+    attn_flops_per_seq = n_layers * 2 * 2 * d_model * seq_len ** 2
+    return passes * flops_per_seq + passes * attn_flops_per_seq
+
+
+def mfu_hfu(n_params: int, n_layers: int, d_model: int, seq_len: int, samples_per_sec: float, n_gpus: int,
+            peak_flops_per_gpu: float, activation_checkpointing: bool = False) -> tuple[float, float]:
+    """(MFU, HFU) as fractions of the peak. HFU counts the forward pass that checkpointing recomputes."""
+    available = n_gpus * peak_flops_per_gpu
+    mfu = model_flops_per_seq(n_params, n_layers, d_model, seq_len, 3) * samples_per_sec / available
+    if not activation_checkpointing:
+        return mfu, mfu
+    hfu = model_flops_per_seq(n_params, n_layers, d_model, seq_len, 4) * samples_per_sec / available
+    return mfu, hfu
+
+
+def gpu_peak_flops(device_name: str, precision: str) -> Optional[float]:
+    """Peak FLOP/s of one GPU from its name ("NVIDIA A100-SXM4-80GB"), or None when not in the table."""
+    name = device_name.upper().replace("-", " ")
+    for key, peaks in PEAK_FLOPS:
+        if key in name:
+            return peaks.get(precision)
+    return None
+
+
+# -- CPU: no datasheet figure fits a VM's share of a host, so measure it -------------------------
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ZERO_BENCH_CACHE", Path.home() / ".cache" / "zero_bench"))
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def rank_threads() -> int:
+    """Threads one CPU rank computes with: the launcher gives each rank OMP_NUM_THREADS (default 1)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+def matmul_flops(precision: str = "fp32", threads: int = 1, n: int = 1024, seconds: float = 0.5) -> float:
+    """Best FLOP/s of an n x n matmul over about `seconds` with `threads` threads."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)  # warm-up: first call pays for allocation and kernel selection
+        best, end = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+        return best
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_peak_flops(precision: str = "fp32", threads: Optional[int] = None) -> dict:
+    """Measured matmul peak of one CPU rank, cached per machine in cache_dir()/cpu_peak.json.
+
+    Returns {"flops", "cpu", "threads", "precision", "measured_at", "cached", "path"}.
+    """
+    threads = threads or rank_threads()
+    key = f"{cpu_model()}|cores={os.cpu_count()}|threads={threads}|{precision}"
+    path = cache_dir() / "cpu_peak.json"
+    cache = _read_json(path)
+    if key in cache:
+        return {**cache[key], "cached": True, "path": str(path)}
+    entry = {"flops": matmul_flops(precision, threads), "cpu": cpu_model(), "threads": threads,
+             "precision": precision, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    cache[key] = entry
+    _write_json_atomic(path, cache)
+    return {**entry, "cached": False, "path": str(path)}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
