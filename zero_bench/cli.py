@@ -5,7 +5,9 @@ One Hydra app serves every sub-command (a `command` key), so `python -m zero_ben
 """
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -34,6 +36,25 @@ def app(cfg: DictConfig) -> None:
         raise SystemExit(2)
 
 
+def sweep_size(args: list[str]) -> int:
+    """Jobs a multirun will launch: the product of swept values (command line over preset)."""
+    import math
+
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params: dict[str, int] = {}
+    for a in args:
+        if a.startswith("+sweep="):
+            preset = yaml.safe_load((CONF_DIR / "sweep" / f"{a.split('=', 1)[1]}.yaml").read_text())
+            for k, v in ((preset.get("hydra") or {}).get("sweeper") or {}).get("params", {}).items():
+                params[k] = len(str(v).split(","))
+    for o in OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")]):
+        if o.is_sweep_override():
+            params[o.key_or_group] = len(list(o.sweep_iterator()))
+    return math.prod(params.values()) if params else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     command = args.pop(0) if args and args[0] in COMMANDS else "run"
@@ -43,7 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         print(f"zero_bench: error: {exc}", file=sys.stderr)
         raise SystemExit(2)
-    sys.argv = [sys.argv[0], f"command={command}", *args]
+    if any(a in ("-m", "--multirun") or a.startswith("+sweep=") for a in args):
+        os.environ["ZERO_BENCH_SWEEP_TOTAL"] = str(sweep_size(args))
+        os.environ["ZERO_BENCH_SWEEP_T0"] = str(time.time())
+    sys.argv = [sys.argv[0], *args, f"command={command}"]  # after flags: argparse wants positionals together
     app()
 
 

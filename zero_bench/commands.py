@@ -72,6 +72,14 @@ def with_cpu_budget(bench: BenchConfig, cfg: DictConfig) -> BenchConfig:
 
 def maxbatch(cfg: DictConfig, out: Path) -> SearchResult:
     """Largest global batch for one configuration (Hydra -m sweeps call this once per config)."""
+    sweep_progress(f"model={cfg.model.name} {OmegaConf.to_container(cfg.parallel)} zero={cfg.zero} "
+                   f"offload={cfg.offload}", finished=False)
+    res = _maxbatch(cfg, out)
+    sweep_progress(f"{res.label}: {res.status} max global batch {res.max_global_batch}", finished=True)
+    return res
+
+
+def _maxbatch(cfg: DictConfig, out: Path) -> SearchResult:
     from zero_bench.preflight import preflight, skipped_search
     from zero_bench.search import run_search
 
@@ -100,6 +108,25 @@ def maxbatch(cfg: DictConfig, out: Path) -> SearchResult:
     if res.measure:
         print(result_row(TrialResult(**res.measure)))
     return res
+
+
+def sweep_progress(label: str, finished: bool) -> None:
+    """Under multirun: which config of how many, elapsed, and an estimate of the time left."""
+    import os
+    import time
+
+    from hydra.core.hydra_config import HydraConfig
+
+    total = int(os.environ.get("ZERO_BENCH_SWEEP_TOTAL", 0))
+    if not total:
+        return
+    num = HydraConfig.get().job.num
+    elapsed = time.time() - float(os.environ["ZERO_BENCH_SWEEP_T0"])
+    done = num + 1 if finished else num
+    left = f" | ~{elapsed / done * (total - done) / 60:.1f} min left" if done else ""
+    state = "done" if finished else "starting"
+    print(f"[sweep] config {num + 1}/{total} {state}: {label} | {done}/{total} done | "
+          f"elapsed {elapsed / 60:.1f} min{left}", flush=True)
 
 
 def report(cfg: DictConfig, out: Path):

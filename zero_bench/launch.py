@@ -242,11 +242,30 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Option
     env_file = run_dir / ".deepspeed_env"  # what remote ranks get (only PYTHON* passes otherwise)
     env_file.write_text("".join(f"{k}={v}\n" for k, v in trial_env(cfg).items()))
     env["DS_ENV_FILE"] = str(env_file)
+    if not cfg.hardware.hostfile:
+        env["ZERO_BENCH_PARENT_PID"] = str(os.getpid())  # ranks end themselves if we are killed
     cmd = launcher_cmd(cfg, spec_path, free_port())
     cmd_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in trial_env(cfg).items()) + " " + shlex.join(cmd)
     (run_dir / "cmd.txt").write_text(cmd_text + "\n")
 
     t0 = time.time()
+    launch_id = next(_launch_ids)
+    emitted: list[TrialResult] = []
+
+    def emit(results: list[TrialResult], sampler: Sampler, logs: dict) -> None:
+        """Hand each entry's result on the moment it is final (the store writes it at once)."""
+        marks = {rank: [m for r in recs for m in r.get("marks", [])] for rank, recs in logs.items()}
+        for r in results[len(emitted):]:
+            r.launch, r.run_dir, r.cmd, r.ds_config, r.capacity_bytes = launch_id, str(run_dir), cmd_text, ds, cap
+            r.duration_s = round(time.time() - t0, 2)
+            if r.status in ("ok", "oom", "timeout"):
+                r.devices = _window(sampler, r, marks) or summarize(sampler.samples, marks)
+            if sampler.error:
+                r.reason = (r.reason + "; " if r.reason else "") + sampler.error
+            emitted.append(r)
+            if on_result:
+                on_result(r)
+
     with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=os.getcwd(),
                                 start_new_session=True)
@@ -263,9 +282,15 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Option
                           budget=cap if cfg.hardware.device == "cpu" else None, on_over=over_budget,
                           marker=str(spec_path) if cfg.hardware.hostfile else None)
         sampler.start()
+
+        def poll(logs: dict) -> None:
+            done = finished_prefix(plan, logs, cfg.parallel.world_size)
+            if done > len(emitted):
+                emit(classify(cfg, plan[:done], logs, None, False, None, "", cap), sampler, logs)
+
         timed_out = False
         try:
-            _wait(proc, run_dir, cfg.timeout_s, on_event)
+            _wait(proc, run_dir, cfg.timeout_s, on_event, poll)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
@@ -273,27 +298,28 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Option
             kill_tree(proc, list(sampler.procs.values()), multi_node=bool(cfg.hardware.hostfile))
     sampler.write_csv(run_dir / "memory_timeline.csv")
     log_tail = _tail(run_dir / "stderr.log") + _tail(run_dir / "stdout.log")
-    results = classify(cfg, plan, read_rank_logs(run_dir), rc=proc.returncode, timed_out=timed_out,
+    logs = read_rank_logs(run_dir)
+    results = classify(cfg, plan, logs, rc=proc.returncode, timed_out=timed_out,
                        stopped=stopped[0] if stopped else None, log_tail=log_tail, cap=cap)
-    marks = {}
-    for rank, recs in read_rank_logs(run_dir).items():
-        marks[rank] = [m for r in recs for m in r.get("marks", [])]
-    devices = summarize(sampler.samples, marks)
-    launch_id = next(_launch_ids)
-    for r in results:
-        r.launch, r.run_dir, r.cmd, r.ds_config, r.capacity_bytes = launch_id, str(run_dir), cmd_text, ds, cap
-        r.duration_s = round(time.time() - t0, 2)
-        if r.status in ("ok", "oom", "timeout") and not r.devices:
-            r.devices = _window(sampler, r, marks) or devices
-        if sampler.error:
-            r.reason = (r.reason + "; " if r.reason else "") + sampler.error
-        if on_result:
-            on_result(r)
-    return results
+    emit(results, sampler, logs)
+    return emitted
 
 
-def _wait(proc: subprocess.Popen, run_dir: Path, timeout: float, on_event) -> None:
-    """Wait for the launch; pass rank 0's records to `on_event` as they appear (live progress)."""
+def finished_prefix(plan: list[Entry], logs: dict[int, list[dict]], world: int) -> int:
+    """How many leading entries every rank has ended "ok" (final whatever happens next)."""
+    n = 0
+    for entry in plan:
+        ok = [x for recs in logs.values() for x in recs
+              if x.get("event") == "end" and x.get("micro") == entry.micro and x.get("status") == "ok"]
+        if len(ok) < world:
+            break
+        n += 1
+    return n
+
+
+def _wait(proc: subprocess.Popen, run_dir: Path, timeout: float, on_event, poll) -> None:
+    """Wait for the launch; meanwhile pass rank 0's new records to `on_event` (live progress)
+    and all ranks' records to `poll` (results final before the launch ends)."""
     deadline = time.time() + timeout
     seen = 0
     while True:
@@ -303,11 +329,13 @@ def _wait(proc: subprocess.Popen, run_dir: Path, timeout: float, on_event) -> No
         except subprocess.TimeoutExpired:
             if time.time() > deadline:
                 raise
+        logs = read_rank_logs(run_dir)
         if on_event:
-            recs = read_rank_logs(run_dir).get(0, [])
+            recs = logs.get(0, [])
             for rec in recs[seen:]:
                 on_event(rec)
             seen = len(recs)
+        poll(logs)
 
 
 def _window(sampler: Sampler, r: TrialResult, marks: dict) -> dict:
@@ -371,17 +399,29 @@ def classify(cfg: BenchConfig, plan: list[Entry], logs: dict[int, list[dict]], r
         # Earliest first: a rank's crash makes its peers fail next ("Connection closed by peer").
         errs = sorted([e for e in done if e["status"] in ("oom", "error")] + inits, key=lambda e: e["time"])
         phase = "init" if (inits or not begun) else "step"
-        status, reason = _failure(errs, rc, timed_out, stopped, log_tail)
+        silent = [r for r in range(world) if not ends.get(r)
+                  and not any(x.get("event") == "init_failed" for x in logs.get(r, []))]
+        status, reason = _failure(errs, rc, timed_out, stopped, log_tail, silent)
         results.append(_base(cfg, entry.micro, entry.mode, status, reason=reason, phase=phase))
     return results
 
 
-def _failure(errs: list[dict], rc, timed_out: bool, stopped: Optional[str], log_tail: str) -> tuple[str, str]:
+# What peers of a dead rank raise: consequences, not causes.
+PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote worker|NCCL communicator was aborted",
+                       re.I)
+
+
+def _failure(errs: list[dict], rc, timed_out: bool, stopped: Optional[str], log_tail: str,
+             silent: list[int]) -> tuple[str, str]:
     if stopped:
         return "oom", f"stopped early: {stopped}"
     oom = [e for e in errs if e["status"] == "oom"]
     if oom:
         return "oom", f"rank {oom[0]['rank']}: {oom[0]['error']}"
+    if silent and errs and all(PEER_LOST.search(e["error"]) for e in errs):
+        # A rank vanished without a word (every exception is recorded, so: SIGKILL, as the kernel's
+        # OOM killer sends) and its peers only lost the connection to it.
+        return "oom", f"rank {silent[0]} died without a result (killed, e.g. by the OOM killer); peers: {errs[0]['error'][:200]}"
     if not timed_out and rc in (OOM_EXIT, -9, 137, 247, 256 - OOM_EXIT):  # after a timeout, -9 is ours
         return "oom", f"a rank was killed or ran out of memory (launcher exit {rc})"
     if OOM_PATTERNS.search(log_tail):

@@ -344,6 +344,8 @@ class Sampler(threading.Thread):
                 self.samples.append(Sample(now, "gpu", idx, used, total))
 
     def run(self) -> None:
+        if not self.interval:  # sampling off (benchmarks/sampler_overhead.py compares the two)
+            return
         while not self._stop_evt.is_set():
             self.sample_once()
             self._stop_evt.wait(self.interval)

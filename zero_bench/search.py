@@ -121,9 +121,13 @@ def next_plan(known: Known, spec: SearchSpec, cap: Optional[int], seed: Optional
         high = hi - g if hi is not None else spec.max
         guess = max(low, min(guess, high))
         if lo is None and guess > spec.min and not known.fits:
-            # first launch from a seed: the seed and its neighbour, after the smallest as a safety net
-            return [Entry(spec.min), Entry(guess, "measure"), Entry(min(guess + g, spec.max))] if spec.multi \
-                else [Entry(guess, "measure")]
+            # First launch from a seed: the smallest batch and half the seed (so an overshooting seed
+            # still leaves two points to fit a line through), then the seed and its neighbour.
+            if not spec.multi:
+                return [Entry(guess, "measure")]
+            micros = sorted({spec.min, snap(guess / 2, spec)} - {guess})
+            above = [Entry(guess + g)] if guess + g <= spec.max else []
+            return [Entry(m) for m in micros] + [Entry(guess, "measure")] + above
         plan = [Entry(guess, "measure")]
         if spec.multi and guess + g <= (hi - g if hi else spec.max):
             plan.append(Entry(guess + g))

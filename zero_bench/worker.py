@@ -319,6 +319,26 @@ class Rank:
                 break
 
 
+def watch_parent() -> None:
+    """End this rank when the process that ran the trial is gone (e.g. a sweep killed with SIGKILL):
+    the launcher runs in its own session, so nothing else would stop an orphaned rank."""
+    import threading
+
+    pid = int(os.environ.get("ZERO_BENCH_PARENT_PID", 0))
+    if not pid:
+        return
+
+    def watch():
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True, name="zero_bench-parent-watch").start()
+
+
 def adopt_launcher_env() -> None:
     """openmpi / slurm start ranks with their own variables; torch.distributed reads RANK & co."""
     if "RANK" in os.environ:
@@ -334,6 +354,7 @@ def adopt_launcher_env() -> None:
 
 def main(argv=None) -> None:
     adopt_launcher_env()
+    watch_parent()
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--spec", required=True)
     args = ap.parse_args(argv)
