@@ -265,7 +265,7 @@ def validate_machine(b: BenchConfig) -> None:
     # CPU ranks are processes: allow two per core before calling it a mistake.
     limit = have if b.hardware.device == "gpu" else 2 * have
     if b.parallel.world_size > limit:
-        raise ConfigError(f"parallel: world size tp*dp={b.parallel.world_size} exceeds the "
+        raise ConfigError(f"parallel.dp={b.parallel.dp}: world size tp*dp={b.parallel.world_size} exceeds the "
                           f"{have} {b.hardware.device.upper()} devices here (max {limit})")
     if b.precision == "bf16" and b.hardware.device == "gpu":
         import torch

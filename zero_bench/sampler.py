@@ -333,6 +333,8 @@ class Sampler(threading.Thread):
                 rss = p.memory_info().rss
             except psutil.Error:
                 continue
+            if not rss:  # an exited rank not yet reaped (zombie) reads as 0: no sample, not a zero
+                continue
             rank = self.ranks[p.pid]
             self.samples.append(Sample(now, "rank", rank, rss, self.budget or self.total_ram))
             if self.budget and rss > self.budget and self.over_msg is None:
