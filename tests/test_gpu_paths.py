@@ -216,7 +216,6 @@ def test_doctor_reports_every_area(capsys):
 
 def test_doctor_names_fixes_for_a_multinode_config(tmp_path, monkeypatch):
     from zero_bench.doctor import FIX, check_launchers
-    from zero_bench.launch import check_hostfile  # noqa: F401 - used through doctor
 
     monkeypatch.setattr("shutil.which", lambda tool: None)
     import dataclasses

@@ -4,7 +4,6 @@ Two real CPU searches (one module fixture, marked slow) give the measured rows; 
 GPU configurations are added to the store directly, since they only test how a report renders them.
 """
 import dataclasses
-import os
 import shutil
 from pathlib import Path
 

@@ -24,6 +24,7 @@ import psutil
 
 from zero_bench import ds_config as dsc
 from zero_bench.config import BenchConfig
+from zero_bench.environment import machine_environment_cached
 from zero_bench.results import TrialResult
 from zero_bench.sampler import Sampler, summarize
 from zero_bench.worker import OOM_EXIT
@@ -257,6 +258,7 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Option
         marks = {rank: [m for r in recs for m in r.get("marks", [])] for rank, recs in logs.items()}
         for r in results[len(emitted):]:
             r.launch, r.run_dir, r.cmd, r.ds_config, r.capacity_bytes = launch_id, str(run_dir), cmd_text, ds, cap
+            r.env = dict(machine_environment_cached())
             r.duration_s = round(time.time() - t0, 2)
             if r.status in ("ok", "oom", "timeout"):
                 r.devices = _window(sampler, r, marks) or summarize(sampler.samples, marks)
@@ -397,7 +399,7 @@ def classify(cfg: BenchConfig, plan: list[Entry], logs: dict[int, list[dict]], r
             continue
         inits = [x for recs in logs.values() for x in recs if x.get("event") == "init_failed"]
         # Earliest first: a rank's crash makes its peers fail next ("Connection closed by peer").
-        errs = sorted([e for e in done if e["status"] in ("oom", "error")] + inits, key=lambda e: e["time"])
+        errs = sorted([e for e in done if e["status"] in ("oom", "error")] + inits, key=lambda e: e.get("time", 0))
         phase = "init" if (inits or not begun) else "step"
         silent = [r for r in range(world) if not ends.get(r)
                   and not any(x.get("event") == "init_failed" for x in logs.get(r, []))]

@@ -10,7 +10,6 @@ import glob
 import json
 import math
 import os
-import platform
 import re
 import time
 from contextlib import contextmanager
@@ -21,7 +20,8 @@ from typing import Iterator, Optional
 import pandas as pd
 
 from zero_bench.config import ConfigError, ModelConfig
-from zero_bench.metrics import cpu_model, cpu_peak_flops, gpu_peak_flops, mfu_hfu, model_flops_per_seq
+from zero_bench.environment import machine_environment
+from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu, model_flops_per_seq
 from zero_bench.results import SearchResult, Store, TrialResult
 
 MiB = 2 ** 20
@@ -207,47 +207,6 @@ def _offload_text(s: Setup) -> str:
 
 
 # -- environment and peak FLOP/s ------------------------------------------------------------------
-
-def machine_environment() -> dict:
-    """This machine: GPUs (NVML), CPU, memory, library versions."""
-    from importlib import metadata
-
-    import psutil
-
-    env = {"cpu": cpu_model(), "cpu cores": os.cpu_count(), "RAM (MiB)": round(psutil.virtual_memory().total / MiB),
-           "python": platform.python_version(), "hostname": platform.node()}
-    for pkg in ("torch", "deepspeed", "megatron-core"):
-        try:
-            env[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            env[pkg] = "not installed"
-    env.update(_gpu_environment())
-    return env
-
-
-def _gpu_environment() -> dict:
-    try:
-        from zero_bench.sampler import nvml_module
-
-        nv = nvml_module()
-        nv.nvmlInit()
-    except Exception:  # no driver / no library: a CPU machine
-        return {"gpu": "none visible", "gpu count": 0}
-    try:
-        handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
-        names = [_text(nv.nvmlDeviceGetName(h)) for h in handles]
-        return {"gpu": names[0] if names else "none visible", "gpu count": len(handles),
-                "gpu memory (MiB)": round(nv.nvmlDeviceGetMemoryInfo(handles[0]).total / MiB) if handles else None,
-                "driver": _text(nv.nvmlSystemGetDriverVersion())}
-    except Exception as exc:
-        return {"gpu": f"NVML error: {exc}", "gpu count": 0}
-    finally:
-        nv.nvmlShutdown()
-
-
-def _text(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
 
 def recorded_environment(loaded: Loaded) -> Optional[dict]:
     """An environment the trials carry themselves (TrialResult.env), when the launcher records one."""

@@ -42,6 +42,7 @@ class TrialResult:
     cmd: str = ""
     config: dict = field(default_factory=dict)
     ds_config: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)  # the machine: CPU/GPU, memory, library versions
     created: float = field(default_factory=time.time)
 
     @property
