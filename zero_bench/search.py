@@ -110,44 +110,48 @@ def next_plan(known: Known, spec: SearchSpec, cap: Optional[int], seed: Optional
     """
     if done(known, spec):
         return []
-    g = spec.granularity
-    lo, hi = known.lo, known.hi
     fit = spec.strategy == "fit" and allow_fit
     guess = predict(known, cap, spec) if fit else None
     if guess is None and fit and seed and not known.fits:
-        guess = snap(seed, spec)
+        return _from_seed(snap(seed, spec), spec)
     if guess is not None:
-        low = lo + g if lo is not None else spec.min
-        high = hi - g if hi is not None else spec.max
-        guess = max(low, min(guess, high))
-        if lo is None and guess > spec.min and not known.fits:
-            # First launch from a seed: the smallest batch and half the seed (so an overshooting seed
-            # still leaves two points to fit a line through), then the seed and its neighbour.
-            if not spec.multi:
-                return [Entry(guess, "measure")]
-            micros = sorted({spec.min, snap(guess / 2, spec)} - {guess})
-            above = [Entry(guess + g)] if guess + g <= spec.max else []
-            return [Entry(m) for m in micros] + [Entry(guess, "measure")] + above
-        plan = [Entry(guess, "measure")]
-        if spec.multi and guess + g <= (hi - g if hi else spec.max):
-            plan.append(Entry(guess + g))
-        return plan
-    if lo is None:
-        start = spec.min
-    elif hi is None:
-        start = min(snap(lo * 2, spec), spec.max)
-        if start <= lo:
-            start = lo + g
-    else:
-        return [Entry(snap((lo + hi) / 2, spec) if snap((lo + hi) / 2, spec) > lo else lo + g)]
-    if hi is not None or not spec.multi:
+        return _around(guess, known, spec)
+    return _grow_or_bisect(known, spec)
+
+
+def _from_seed(guess: int, spec: SearchSpec) -> list[Entry]:
+    """First launch from an estimate: the smallest batch and half the seed (so an overshooting
+    seed still leaves two points to fit a line through), then the seed and its neighbour."""
+    guess = max(guess, spec.min)
+    if not spec.multi:
+        return [Entry(guess, "measure")]
+    below = sorted({spec.min, snap(guess / 2, spec)} - {guess})
+    above = [Entry(guess + spec.granularity)] if guess + spec.granularity <= spec.max else []
+    return [Entry(m) for m in below] + [Entry(guess, "measure")] + above
+
+
+def _around(guess: int, known: Known, spec: SearchSpec) -> list[Entry]:
+    """The predicted boundary, measured in full, and the size above it (to confirm it fails)."""
+    g, lo, hi = spec.granularity, known.lo, known.hi
+    guess = max(lo + g if lo is not None else spec.min, min(guess, hi - g if hi is not None else spec.max))
+    plan = [Entry(guess, "measure")]
+    if spec.multi and guess + g < (hi if hi is not None else spec.max + 1):
+        plan.append(Entry(guess + g))
+    return plan
+
+
+def _grow_or_bisect(known: Known, spec: SearchSpec) -> list[Entry]:
+    """Doubling until a failure (all in one launch when `multi`), then bisection."""
+    g, lo, hi = spec.granularity, known.lo, known.hi
+    if hi is not None:
+        return [Entry(max(snap((lo + hi) / 2, spec), lo + g))]
+    start = spec.min if lo is None else max(min(snap(lo * 2, spec), spec.max), lo + g)
+    if not spec.multi:
         return [Entry(start)]
-    # growth phase in one launch: start, 2 start, 4 start ... up to max (the first failure ends it)
     plan, m = [], start
     while m <= spec.max and len(plan) < spec.max_trials:
         plan.append(Entry(m))
-        nxt = snap(m * 2, spec)
-        m = nxt if nxt > m else m + g
+        m = max(snap(m * 2, spec), m + g)
     return plan
 
 
