@@ -77,15 +77,16 @@ def test_model_state_bytes_fall_as_stage_rises(runs):
     assert total[3] == pytest.approx(16 * p / dp, rel=0.01)
 
 
+def first_loss(run_dir) -> float:
+    """Loss of the first step (before any update: same weights, same tokens in every variant)."""
+    recs = [json.loads(line) for line in (run_dir / "rank0.jsonl").read_text().splitlines()]
+    return next(r for r in recs if r.get("event") == "end")["losses"][0]
+
+
 def test_fp32_loss_identical_across_stages_and_tp(runs):
     """With dropout off and the same tokens, ZeRO and TP change where tensors live, not the math."""
-    first = [runs[n][1].ranks[0]["loss"] for n in ("zero0", "zero1", "zero2", "zero3")]
-    assert max(first) - min(first) < 1e-4
-    tp2, dp2 = json.loads((runs["tp2"][2] / "rank0.jsonl").read_text().splitlines()[-1]), None
-    assert tp2["event"] == "end"
-    dp_losses = [json.loads(l) for l in (runs["zero1"][2] / "rank0.jsonl").read_text().splitlines()]
-    dp2 = next(r for r in dp_losses if r.get("event") == "end")["losses"][0]
-    assert tp2["losses"][0] == pytest.approx(dp2, rel=1e-4)
+    first = [first_loss(runs[n][2]) for n in ("zero0", "zero1", "zero2", "zero3", "tp2")]
+    assert max(first) - min(first) < 1e-4 * abs(first[0]), first
 
 
 def test_bf16_zero1_peak_memory_below_zero0(tmp_path):
