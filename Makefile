@@ -12,7 +12,7 @@ $(STAMP): requirements-cpu.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
-	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
 	touch $(STAMP)
 
 # The main job on the CPU default: a real max-batch search over ZeRO 0-3 x offload, then the report.

@@ -37,7 +37,10 @@ def worker_processes(marker: str = "") -> list[psutil.Process]:
 
 @pytest.fixture
 def no_leftovers(tmp_path):
-    """Fails the test if any rank or launcher process of its trials (under tmp_path) outlives it."""
+    """Fails the test if any rank or launcher process of its trials (under tmp_path) outlives it,
+    or if a launch left DeepSpeed's shared-memory buffers in /dev/shm (RAM, 66 MiB per rank)."""
+    shm_before = set(Path("/dev/shm").glob("deepspeed_*"))
     yield tmp_path
+    assert not set(Path("/dev/shm").glob("deepspeed_*")) - shm_before, "shm buffers left in /dev/shm"
     left = [p for p in worker_processes(str(tmp_path)) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left behind: {[' '.join(p.cmdline()) for p in left]}"

@@ -115,9 +115,9 @@ def check_peak_flops(device: str, precision: str) -> Check:
 def _jit_cached(op: str) -> Optional[str]:
     """Path of a JIT-built op in the torch extensions cache, if one was built."""
     try:
-        from torch.utils.cpp_extension import get_default_build_root
+        from zero_bench.launch import extensions_dir
 
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        root = extensions_dir()
     except Exception:  # noqa: BLE001
         return None
     hits = glob.glob(os.path.join(root, "*", op, "*.so")) + glob.glob(os.path.join(root, op, "*.so"))

@@ -58,7 +58,13 @@ def capacity_bytes(cfg: BenchConfig) -> Optional[int]:
 
 # Variables a remote rank needs from this process. Over pdsh/ssh only PYTHON*/UCX*/MV2*/MLFLOW*
 # (and NCCL* on CUDA) pass by themselves; the rest must travel in the env file (DS_ENV_FILE).
-REMOTE_PASS = ("LD_LIBRARY_PATH", "TORCH_EXTENSIONS_DIR", "CUDA_DEVICE_ORDER", "HF_HOME")
+REMOTE_PASS = ("LD_LIBRARY_PATH", "CUDA_DEVICE_ORDER", "HF_HOME")
+
+
+def extensions_dir() -> str:
+    """Where DeepSpeed JIT-builds its ops: one cache per virtualenv unless the user chose one.
+    A cache shared by two venvs rebuilds on every switch and can be left locked by a killed build."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
 
 
 def trial_env(cfg: BenchConfig) -> dict:
@@ -75,8 +81,7 @@ def trial_env(cfg: BenchConfig) -> dict:
         env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     else:
         env["DS_ACCELERATOR"] = "cuda"
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+    env["TORCH_EXTENSIONS_DIR"] = extensions_dir()
     if cfg.hardware.hostfile:
         for k in REMOTE_PASS:
             if os.environ.get(k):
@@ -207,6 +212,19 @@ def kill_tree(proc: subprocess.Popen, known: list[psutil.Process], multi_node: b
         pass
 
 
+def remove_shm_buffers(port: int) -> None:
+    """Unlink this launch's /dev/shm buffers of DeepSpeed's CPU collective (66 MiB per rank).
+
+    Ranks that end by os._exit or SIGKILL never unlink them, and /dev/shm is RAM: left alone, a
+    test suite's worth of launches fills the machine's memory.
+    """
+    for f in Path("/dev/shm").glob(f"deepspeed_*_{port}_*"):
+        try:
+            f.unlink()
+        except OSError:
+            pass
+
+
 _launch_ids = itertools.count(int(time.time() * 1000))
 
 
@@ -245,7 +263,8 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Option
     env["DS_ENV_FILE"] = str(env_file)
     if not cfg.hardware.hostfile:
         env["ZERO_BENCH_PARENT_PID"] = str(os.getpid())  # ranks end themselves if we are killed
-    cmd = launcher_cmd(cfg, spec_path, free_port())
+    port = free_port()
+    cmd = launcher_cmd(cfg, spec_path, port)
     cmd_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in trial_env(cfg).items()) + " " + shlex.join(cmd)
     (run_dir / "cmd.txt").write_text(cmd_text + "\n")
 
@@ -298,6 +317,7 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, fault: Option
         finally:
             sampler.stop()
             kill_tree(proc, list(sampler.procs.values()), multi_node=bool(cfg.hardware.hostfile))
+            remove_shm_buffers(port)
     sampler.write_csv(run_dir / "memory_timeline.csv")
     log_tail = _tail(run_dir / "stderr.log") + _tail(run_dir / "stdout.log")
     logs = read_rank_logs(run_dir)
