@@ -45,16 +45,6 @@ class TrialResult:
     env: dict = field(default_factory=dict)  # the machine: CPU/GPU, memory, library versions
     created: float = field(default_factory=time.time)
 
-    @property
-    def fits(self) -> bool:
-        return self.status == "ok"
-
-    def peak_bytes(self) -> Optional[int]:
-        """The figure compared with capacity: the largest per-device peak seen."""
-        vals = [d["peak_bytes"] for d in self.devices.values()]
-        vals += [r.get("peak_rss_bytes", 0) for r in self.ranks if "gpu0" not in self.devices]
-        return max(vals) if vals else None
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=str)
 
