@@ -67,6 +67,9 @@ def init_parallel(tp: int, seed: int, on_cpu: bool) -> MpuAdapter:
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    # use_cpu_initialization draws from torch's default generator: seed it, or every run (and so
+    # every ZeRO stage compared) starts from different weights.
+    torch.manual_seed(seed)
     # The default RNG tracker calls torch.cuda.get_rng_state; the inference tracker does not.
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=on_cpu)
     if on_cpu:
