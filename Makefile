@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q tests/unit
 
 doctor: $(STAMP)
 	$(PY) -m zero_bench doctor

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
-from zero_bench.launch import Entry, run_launch
+from zero_bench.launch import Entry, Hooks, run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,12 +32,12 @@ def main() -> None:
         for i in range(pairs):
             for mode, interval in (("on", 0.05), ("off", 0.0)):
                 (r,) = run_launch(cfg, [Entry(micro, "measure")], Path(tmp) / f"{mode}{i}",
-                                  sample_interval=interval)
+                                  Hooks(sample_interval=interval))
                 assert r.status == "ok", r.reason
                 # every timed step of every rank: the sampler would slow all of them
-                times[mode] += [t for rk in r.ranks for t in [rk["time_per_step"]]]
+                times[mode] += [rk.time_per_step for rk in r.ranks]
                 if mode == "on":
-                    samples.append(sum(d["samples"] for d in r.devices.values()))
+                    samples.append(sum(d.samples for d in r.devices))
                 print(f"{mode:>3} #{i}: time/it {r.time_per_step_s * 1e3:.1f} ms", flush=True)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     print(f"\n{cfg.label()} micro={micro}: median time/it sampler on {on * 1e3:.1f} ms, off {off * 1e3:.1f} ms, "

@@ -12,7 +12,6 @@ import glob
 import os
 import platform
 import shutil
-import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -74,7 +73,7 @@ def check_accelerator(device: str) -> list[Check]:
 
 
 def check_nvml(device: str) -> Check:
-    from zero_bench.sampler import Nvml
+    from zero_bench.nvml import Nvml
 
     n = Nvml()
     try:
@@ -151,16 +150,48 @@ def op_status() -> dict[str, dict]:
     return out
 
 
+# op name -> the accelerator's builder class (deepspeed/ops/op_builder)
+BUILDERS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder"}
+
+
 def needed_ops(bench) -> dict[str, str]:
-    """Ops a run of this config builds on first use, with why."""
-    need = {}
+    """Ops a run of this config builds on first use, with why.
+
+    ds_configs/base.json asks for "AdamW": on GPU DeepSpeed's engine makes that FusedAdam, or
+    DeepSpeedCPUAdam with optimizer offload (engine._configure_basic_optimizer); on CPU
+    ds_configs/cpu.json sets torch_adam, so only the shared-memory collective is built.
+    """
     if bench.hardware.device == "cpu":
-        need["deepspeed_shm_comm"] = "init_distributed on CPU (~34 s to JIT-build once)"
-        if bench.offload_optimizer:
-            need["cpu_adam"] = "optimizer offload (~58 s to JIT-build once)"
-    elif bench.offload_optimizer:
-        need["cpu_adam"] = "optimizer offload"
-    return need
+        return {"deepspeed_shm_comm": "init_distributed on CPU (~34 s to JIT-build once)"}
+    if bench.offload_optimizer:
+        return {"cpu_adam": "DeepSpeedCPUAdam for optimizer offload (JIT-built with the host compiler)"}
+    return {"fused_adam": "FusedAdam for AdamW (JIT-built with nvcc)"}
+
+
+def prebuild_ops(bench, say=print) -> list[str]:
+    """Build the ops a GPU trial of `bench` needs, once, here: outside every trial's timeout, and a
+    machine that cannot build them gets one line before any launch instead of failed trials."""
+    if bench.hardware.device != "gpu":
+        return []  # CPU: make builds the shared-memory op at install time
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    from zero_bench.errors import ConfigError
+    from zero_bench.launch import extensions_dir
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())  # where the ranks will look
+    built = []
+    for name, why in needed_ops(bench).items():
+        if installed_ops.get(name) or _jit_cached(name):
+            continue
+        say(f"zero_bench: building DeepSpeed op {name} once, before the first trial ({why})")
+        try:
+            get_accelerator().create_op_builder(BUILDERS[name]).load()
+        except Exception as exc:  # noqa: BLE001 - no nvcc, no compiler, wrong CUDA: one line
+            raise ConfigError(f"DeepSpeed op {name} cannot be built here ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:300]}); `zero_bench doctor` says what is missing") from None
+        built.append(name)
+    return built
 
 
 def check_ops(bench=None) -> list[Check]:
@@ -179,6 +210,12 @@ def check_ops(bench=None) -> list[Check]:
         return out + [Check(FIX, "deepspeed ops", f"cannot query op builders: {type(exc).__name__}: {exc}",
                             "run ds_report and fix what it reports")]
     need = needed_ops(bench) if bench is not None else {}
+    if bench is None or bench.hardware.device == "cpu":
+        import torch
+
+        cuda = torch.version.cuda
+        out.append(Check(NA, "GPU ops", "a GPU trial needs fused_adam (AdamW) or cpu_adam (offload), built with "
+                         f"nvcc once before its first trial; {'CUDA ' + cuda if cuda else 'this torch has no CUDA'}"))
     compat = [n for n, o in ops.items() if o["compatible"]]
     ready = [n for n, o in ops.items() if o["installed"] or o["cached"]]
     out.append(Check(OK, "deepspeed ops", f"{len(compat)}/{len(ops)} compatible ({', '.join(compat)}); "
@@ -190,7 +227,7 @@ def check_ops(bench=None) -> list[Check]:
         elif o["installed"] or o["cached"]:
             out.append(Check(OK, f"op {name}", "prebuilt" if o["installed"] else f"JIT-cached ({o['cached']})"))
         elif o["compatible"] and jit_ok:
-            out.append(Check(OK, f"op {name}", f"compatible, will be JIT-built at first use: {why}"))
+            out.append(Check(OK, f"op {name}", f"compatible; run and maxbatch build it once before the first trial: {why}"))
         else:
             out.append(Check(FIX, f"op {name}", f"not compatible here ({o['note'] or 'see ds_report'}); needed for {why}",
                              "install what ds_report lists for this op, or DS_BUILD_OPS=1 pip install deepspeed"))
@@ -229,11 +266,11 @@ def check_launchers(bench=None) -> list[Check]:
                              + (f"; to add it: {HOW[tool]}" if tool in HOW else "")))
     if multi:
         from zero_bench.config import ConfigError
-        from zero_bench.launch import check_hostfile, master_addr
+        from zero_bench.hosts import check_hostfile, master_addr
 
         try:
             hosts = check_hostfile(bench)
-            addr = master_addr(bench, hosts) or f"found by DeepSpeed via `ssh {next(iter(hosts))} hostname -I`"
+            addr = master_addr(hosts) or f"found by DeepSpeed via `ssh {next(iter(hosts))} hostname -I`"
             out.append(Check(OK, "hostfile", f"{bench.hardware.hostfile}: {len(hosts)} nodes x "
                              f"{bench.parallel.world_size // bench.hardware.num_nodes} ranks; master {addr}"))
         except ConfigError as exc:
@@ -282,12 +319,4 @@ def doctor_checks(cfg: Any) -> list[Check]:
     checks.append(Check(OK if not blocking else FIX, "can run",
                         f"{demo} can run here" if not blocking else
                         f"{demo} needs {len(blocking)} fix(es) first: {', '.join(c.name for c in blocking)}"))
-    return checks
-
-
-def doctor_command(cfg: Any) -> list[Check]:
-    print(f"zero_bench doctor ({platform.node()}, {platform.system()} {platform.machine()}, {sys.executable})")
-    checks = doctor_checks(cfg)
-    for c in checks:
-        print(c.line(), flush=True)
     return checks

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 from zero_bench.config import BenchConfig
@@ -77,3 +78,42 @@ def write(cfg: BenchConfig, path: Path) -> dict:
     ds = build(cfg)
     path.write_text(json.dumps(ds, indent=2) + "\n")
     return ds
+
+
+def check_with_deepspeed(cfg: BenchConfig) -> None:
+    """Validate the JSON with DeepSpeed's own config model, in this process, before any launch:
+    a bad `ds.*` key is then one line here instead of a failure inside every rank 15 s later."""
+    import logging
+
+    from zero_bench.errors import ConfigError
+
+    ds = build(cfg)
+    # DeepSpeedConfig checks train_batch_size against the world size it finds (1 here).
+    ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+    # Say which accelerator, or importing DeepSpeed guesses and announces it on stdout.
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    from deepspeed.utils.logging import logger
+
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        DeepSpeedConfig(ds)
+    except Exception as exc:  # noqa: BLE001 - pydantic ValidationError, AssertionError, ValueError ...
+        raise ConfigError(f"ds: DeepSpeed refuses the config: {_one_line(exc)}") from None
+    finally:
+        logger.setLevel(level)
+
+
+def _one_line(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):  # pydantic: name the section and the key
+        e = errors()[0]
+        section = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16",
+                   "DeepSpeedBF16Config": "bf16"}.get(getattr(exc, "title", ""), getattr(exc, "title", ""))
+        key = ".".join(str(x) for x in (section, *e.get("loc", ())) if x)
+        return f"{key}={e.get('input')!r}: {e.get('msg')}"
+    return " ".join(str(exc).split())[:300] or type(exc).__name__

@@ -38,7 +38,7 @@ def machine_environment() -> dict:
 
 def _gpu_environment() -> dict:
     try:
-        from zero_bench.sampler import nvml_module
+        from zero_bench.nvml import nvml_module
 
         nv = nvml_module()
         nv.nvmlInit()

@@ -20,21 +20,16 @@ A rank's peak, as the search compares it with the capacity (RSS on CPU, reserved
   buffers of the optimizer step), and at least the peak of deepspeed.initialize.
 On CPU, everything (offloaded states too) lives in the same host memory, in fp32 by default.
 
-Measured on this machine (2 CPU ranks, fp32, DeepSpeed 0.19.8; tests/test_estimate.py):
-- model states vs the worker's exact counts: 0.0 % at ZeRO 0-3 (gpt-small).
-- per-rank peak RSS, gpt-small micro 1/2: ZeRO-0 -0.0/-1.4 %, ZeRO-1 +1.2/-0.0 %, ZeRO-2 +0.0/-1.1 %,
-  ZeRO-3 -5.2/-5.9 %; gpt-mini (calibration) ZeRO-2 micro 2/4/8 +0.9/+0.2/+0.7 %, ZeRO-0 2/8 +0.3/+1.0 %.
-- GPU figures (bf16, fused Adam, config-bounded ZeRO-3 live parameters) are not checked on hardware.
+How close this is to measurements on CPU: README.md, "Measured on this machine" (one place, so
+the figures cannot drift); tests/integration/test_estimate_vs_measured.py checks them.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
-import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
+from zero_bench.capacity import device_capacity, local_ranks
 from zero_bench.config import BenchConfig, ModelConfig
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -351,26 +346,6 @@ class Estimate:
         return d
 
 
-def local_ranks(bench: BenchConfig) -> int:
-    return max(1, bench.parallel.world_size // max(1, bench.hardware.num_nodes))
-
-
-def device_capacity(bench: BenchConfig) -> Optional[int]:
-    """Per-rank capacity: the launch's (memory_gb / host share on CPU), else the card (if visible)."""
-    from zero_bench.launch import capacity_bytes
-
-    cap = capacity_bytes(bench)
-    if cap is None and bench.hardware.device == "gpu":
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                cap = torch.cuda.get_device_properties(0).total_memory
-        except Exception:  # noqa: BLE001 - no GPU: the estimate cannot say
-            cap = None
-    return cap
-
-
 def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Mapping] = None) -> Estimate:
     """The prediction for one BenchConfig (its device, precision, stage, offload, dp, tp)."""
     m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp
@@ -410,143 +385,3 @@ def seed_micro(bench: BenchConfig) -> Optional[int]:
     except Exception:  # noqa: BLE001 - a first guess must never stop a search
         return None
     return m if m else None
-
-
-# ---------------------------------------------------------------------------------------------
-# `zero_bench estimate`
-# ---------------------------------------------------------------------------------------------
-def bench_for_estimate(cfg: Any) -> BenchConfig:
-    """A BenchConfig from the composed config, without checks against this machine.
-
-    config.from_cfg refuses hardware.device=gpu where no GPU is visible; an estimate is for a
-    machine one may not have yet, so it is built as device=cpu and the device put back afterwards
-    (precision auto then resolves as it would there: bf16 on GPU, fp32 on CPU).
-    """
-    from omegaconf import OmegaConf
-
-    from zero_bench.config import ConfigError, cuda_available, from_cfg, validate_static
-
-    c = copy.deepcopy(OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg)
-    device = c["hardware"].get("device", "auto")
-    if device not in ("auto", "cpu", "gpu"):
-        raise ConfigError(f"hardware.device={device}: allowed values are auto, cpu, gpu")
-    if device == "auto":
-        device = "gpu" if cuda_available() else "cpu"
-    precision = c.get("precision", "auto")
-    if precision == "auto":
-        precision = "bf16" if device == "gpu" else "fp32"
-    c["hardware"]["device"] = "cpu"
-    c["precision"] = "fp32" if precision == "fp16" else precision
-    bench = from_cfg(c)
-    bench = dataclasses.replace(bench, hardware=dataclasses.replace(bench.hardware, device=device),
-                                precision=precision)
-    validate_static(bench)
-    return bench
-
-
-def explicit_keys() -> set[str]:
-    """Keys the user set on the command line (Hydra's task overrides); empty outside Hydra."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        task = HydraConfig.get().overrides.task
-    except Exception:  # noqa: BLE001 - called outside a Hydra app
-        return set()
-    return {ov.lstrip("~+").partition("=")[0] for ov in task}
-
-
-def variants(bench: BenchConfig, explicit: set[str]) -> list[BenchConfig]:
-    """The configurations to show: all stages x offload, or just the configured one when the user
-    gave zero=... (offload=... alone pins the offload and shows every stage)."""
-    from zero_bench.config import ConfigError, validate_static
-
-    stages = [bench.zero] if "zero" in explicit else [0, 1, 2, 3]
-    offloads = [bench.offload_optimizer] if explicit & {"zero", "offload"} else [False, True]
-    out = []
-    for z in stages:
-        for off in offloads:
-            op = bench.offload_param if "offload_param" in explicit else (off and z == 3)
-            v = dataclasses.replace(bench, zero=z, offload_optimizer=off, offload_param=op)
-            try:
-                validate_static(v)
-            except ConfigError:
-                continue  # e.g. ZeRO-0 with offload
-            out.append(v)
-    return out
-
-
-def _measured(cfg: Any, bench: BenchConfig) -> Optional[int]:
-    """max micro a finished search in the store found for this configuration, if any."""
-    try:
-        from zero_bench.results import Store
-
-        store = cfg.get("store") if hasattr(cfg, "get") else None
-        if not store:
-            return None
-        from pathlib import Path
-
-        if not Path(store).exists():
-            return None
-        res = Store(store).search(bench.search_key())
-        return res.max_micro if res and res.status == "done" else None
-    except Exception:  # noqa: BLE001 - the store is optional here
-        return None
-
-
-def _gib(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x / GiB:.2f}"
-
-
-def format_table(rows: list[dict]) -> str:
-    import pandas as pd
-
-    cols = {"config": "config", "params": "params GiB", "grads": "grads GiB", "optimizer": "optim GiB",
-            "device_states": "states/dev GiB", "host_states": "host/rank GiB", "buffers": "buffers GiB",
-            "act_per_sample": "act/sample MiB", "peak_micro1": "peak@micro1 GiB", "host_needed": "host/node GiB",
-            "max_micro": "max micro", "max_global_batch": "max global", "measured_max_micro": "measured micro"}
-    df = pd.DataFrame(rows)
-    for k in ("params", "grads", "optimizer", "device_states", "host_states", "buffers", "peak_micro1",
-              "host_needed"):
-        df[k] = df[k].map(_gib)
-    df["act_per_sample"] = df["act_per_sample"].map(lambda x: f"{x / MiB:.1f}")
-    for k in ("max_micro", "max_global_batch", "measured_max_micro"):
-        if k in df:
-            df[k] = df[k].map(lambda x: "?" if x is None or (isinstance(x, float) and math.isnan(x))
-                              else ("does not fit" if x == 0 else str(int(x))))
-    keep = [k for k in cols if k in df]
-    return df[keep].rename(columns=cols).to_string(index=False)
-
-
-def estimate_command(cfg: Any) -> list[dict]:
-    """`zero_bench estimate [overrides] [--json]`: the table (or JSON) for the configured model."""
-    bench = bench_for_estimate(cfg)
-    ests = [(v, estimate(v)) for v in variants(bench, explicit_keys())]
-    rows = []
-    for v, e in ests:
-        row = e.row()
-        row["measured_max_micro"] = _measured(cfg, v)
-        rows.append(row)
-    first = ests[0][1] if ests else None
-    as_json = bool(cfg.get("json", False)) if hasattr(cfg, "get") else False
-    if as_json:
-        doc = {"model": bench.model.name, "num_params": bench.model.num_params,
-               "params_per_shard": bench.model.params_per_shard(bench.parallel.tp),
-               "tp": bench.parallel.tp, "dp": bench.parallel.dp, "device": bench.hardware.device,
-               "precision": bench.precision, "capacity_bytes": first.capacity if first else None,
-               "overhead_bytes": first.overhead if first else None,
-               "configs": [{**r, "buffers_detail": e.buffers, "activations": e.activations}
-                           for r, (_, e) in zip(rows, ests)]}
-        print(json.dumps(doc, indent=2))
-        return rows
-    m = bench.model
-    cap = first.capacity if first else None
-    print(f"zero_bench estimate: {m.name} ({m.num_params / 1e9:.3f}B params, "
-          f"{m.params_per_shard(bench.parallel.tp) / 1e9:.3f}B per TP shard) tp={bench.parallel.tp} "
-          f"dp={bench.parallel.dp} on {bench.hardware.device} {bench.precision}, micro x grad_accum "
-          f"{bench.batch.grad_accum}; capacity {_gib(cap)} GiB per rank; fixed overhead "
-          f"{(first.overhead if first else 0) / MiB:.0f} MiB per rank")
-    print(format_table(rows))
-    print("states/dev: params+grads+optimizer on the device; host/rank: offloaded states per rank "
-          "(on CPU the same memory); peak@micro1 includes overhead and buffers; max micro: predicted "
-          "largest micro-batch per rank for the capacity ('?' when no capacity is known).")
-    return rows

@@ -35,31 +35,24 @@ class MpuAdapter:
     """The `mpu` DeepSpeed expects, answered by megatron's parallel_state.
 
     deepspeed.initialize(mpu=parallel_state) fails: DeepSpeed asks for get_model_parallel_*, which
-    megatron names get_tensor_model_parallel_*. Data-parallel calls pass straight through.
+    megatron names get_tensor_model_parallel_*. Data-parallel calls pass straight through; any
+    other name raises AttributeError, so DeepSpeed's hasattr() probes see what megatron lacks.
     """
+
+    RENAMED = {f"get_model_parallel_{x}": f"get_tensor_model_parallel_{x}" for x in ("world_size", "rank", "group")}
+    PASSED = ("get_data_parallel_world_size", "get_data_parallel_rank", "get_data_parallel_group")
 
     def __init__(self):
         from megatron.core import parallel_state as ps
 
         self.ps = ps
 
-    def get_model_parallel_world_size(self):
-        return self.ps.get_tensor_model_parallel_world_size()
-
-    def get_model_parallel_rank(self):
-        return self.ps.get_tensor_model_parallel_rank()
-
-    def get_model_parallel_group(self):
-        return self.ps.get_tensor_model_parallel_group()
-
-    def get_data_parallel_world_size(self):
-        return self.ps.get_data_parallel_world_size()
-
-    def get_data_parallel_rank(self):
-        return self.ps.get_data_parallel_rank()
-
-    def get_data_parallel_group(self):
-        return self.ps.get_data_parallel_group()
+    def __getattr__(self, name: str):
+        if name in self.RENAMED:
+            return getattr(self.ps, self.RENAMED[name])
+        if name in self.PASSED:
+            return getattr(self.ps, name)
+        raise AttributeError(name)
 
 
 def init_parallel(tp: int, seed: int, on_cpu: bool) -> MpuAdapter:

@@ -1,12 +1,18 @@
 """Before any launch: refuse what cannot fit this host, and label grid entries that are invalid."""
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Optional
 
-from omegaconf import DictConfig, OmegaConf
+import psutil
 
-from zero_bench.config import BenchConfig
-from zero_bench.results import SearchResult, TrialResult
+from zero_bench.capacity import device_capacity, local_ranks
+from zero_bench.config import BenchConfig, make_label
+from zero_bench.outcome import Entry, trial
+from zero_bench.records import SearchResult, SearchStatus, Status, TrialResult
+
+GiB = 2**30
 
 
 def preflight(bench: BenchConfig, force: bool = False, micro: Optional[int] = None) -> Optional[TrialResult]:
@@ -19,19 +25,16 @@ def preflight(bench: BenchConfig, force: bool = False, micro: Optional[int] = No
     Multi-node (hostfile) skips the host checks: the ranks' hosts are not this one.
     None when it fits, when force=true, or when the estimate cannot be made.
     """
+    from zero_bench.estimate import estimate
+
     if force:
         return None
-    import psutil
-
-    from zero_bench.estimate import GiB, device_capacity, estimate, local_ranks
-
     try:
         est = estimate(bench, capacity=device_capacity(bench))
     except Exception:  # noqa: BLE001 - no estimate: let the launch decide
         return None
     micro = micro or bench.batch.micro
-    ranks = local_ranks(bench)
-    avail = psutil.virtual_memory().available
+    ranks, avail = local_ranks(bench), psutil.virtual_memory().available
     reason = ""
     if bench.hardware.device == "cpu":
         need = est.peak_bytes(micro)
@@ -48,20 +51,16 @@ def preflight(bench: BenchConfig, force: bool = False, micro: Optional[int] = No
                       f"{ranks} ranks > {avail / GiB:.1f} GiB available on this host; force=true launches anyway")
     if not reason:
         return None
-    c = bench.with_micro(micro)
-    return TrialResult(search_key=bench.search_key(), trial_key=c.trial_key(), label=bench.label(), micro=micro,
-                       global_batch=c.global_batch, status="estimated_oom", mode="probe", reason=reason,
-                       phase="init", capacity_bytes=est.capacity, config=c.to_dict())
+    return trial(bench, Entry(micro), 0, Status.ESTIMATED_OOM, reason=reason, phase="init",
+                 capacity_bytes=est.capacity)
 
 
-def skipped_search(cfg: DictConfig, reason: str) -> SearchResult:
-    """A grid entry that failed validation: recorded with its reason, shown in the report."""
-    c = OmegaConf.to_container(cfg, resolve=True)
+def skipped_search(c: dict, reason: str) -> SearchResult:
+    """A grid entry that failed validation (`c`: the composed config as a dict), recorded with its
+    reason and shown in the report."""
     m, p = c["model"], c["parallel"]
-    label = f"{m['name']} tp{p['tp']} dp{p['dp']} zero{c['zero']}{'+offload' if c['offload'] else ''} {c['precision']}"
-    import hashlib, json
-
+    label = make_label(m["name"], p["tp"], p["dp"], c["zero"], c["offload"], c["precision"])
     key = "skip-" + hashlib.sha256(json.dumps({k: c[k] for k in ("model", "parallel", "zero", "offload",
                                                                     "precision", "batch")},
-                                              sort_keys=True).encode()).hexdigest()[:12]
-    return SearchResult(search_key=key, label=label, status="skipped", note=reason, config=c)
+                                              sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return SearchResult(search_key=key, label=label, status=SearchStatus.SKIPPED, note=reason, config=c)

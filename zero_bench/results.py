@@ -1,84 +1,24 @@
-"""One record type from worker to report, and the durable store every run shares (SQLite).
+"""The durable store every run shares (SQLite): trials and search summaries, each in its own
+transaction the moment it is known, so a killed search or sweep loses nothing that finished.
 
-A TrialResult is one batch size tried for one configuration. A search's summary is a SearchResult.
-Both are written in their own transaction the moment they are known; a killed search or sweep
-loses nothing that finished and resumes from what is here.
+The store carries a schema version (PRAGMA user_version); one written by a newer zero_bench is
+refused, and so is a file that is not a SQLite store. A search being written is claimed in the
+store (host, pid): a second process writing the same search is refused with who holds it.
 """
 from __future__ import annotations
 
-import json
+import os
+import socket
 import sqlite3
-import time
 from contextlib import closing
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-# fits / oom / error / timeout, plus the outcomes no launch produced
-STATUSES = ("ok", "oom", "error", "timeout", "not_run", "skipped", "estimated_oom")
+from zero_bench.errors import ConfigError
+from zero_bench.records import SearchResult, TrialResult
 
-
-@dataclass
-class TrialResult:
-    search_key: str
-    trial_key: str
-    label: str
-    micro: int
-    global_batch: int
-    status: str
-    mode: str = "probe"  # probe: memory only; measure: full timed steps
-    reason: str = ""
-    phase: str = ""  # where a failure happened: "init" = before the first step
-    time_per_step_s: Optional[float] = None
-    samples_per_s: Optional[float] = None
-    tokens_per_s: Optional[float] = None
-    loss: Optional[float] = None
-    capacity_bytes: Optional[int] = None
-    ranks: list = field(default_factory=list)  # per rank: peak RSS, live tensors, model states, phase
-    devices: dict = field(default_factory=dict)  # per device: sampled peak, total, phase
-    duration_s: float = 0.0
-    launch: int = 0  # trials sharing a launch id ran in one deepspeed launch
-    run_dir: str = ""
-    cmd: str = ""
-    config: dict = field(default_factory=dict)
-    ds_config: dict = field(default_factory=dict)
-    env: dict = field(default_factory=dict)  # the machine: CPU/GPU, memory, library versions
-    created: float = field(default_factory=time.time)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), default=str)
-
-    @classmethod
-    def from_json(cls, text: str) -> "TrialResult":
-        return cls(**json.loads(text))
-
-
-@dataclass
-class SearchResult:
-    search_key: str
-    label: str
-    status: str  # "done" / "error" / "cannot_initialize" / "skipped" / "estimated_oom"
-    max_micro: Optional[int] = None
-    max_global_batch: Optional[int] = None
-    first_fail_micro: Optional[int] = None
-    note: str = ""
-    trials: int = 0
-    launches: int = 0
-    wall_s: float = 0.0
-    strategy: str = ""
-    config: dict = field(default_factory=dict)
-    measure: Optional[dict] = None  # the TrialResult (as dict) measured at max_micro with full steps
-    repeats: list = field(default_factory=list)  # time/step of each repeat at max_micro
-    created: float = field(default_factory=time.time)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), default=str)
-
-    @classmethod
-    def from_json(cls, text: str) -> "SearchResult":
-        return cls(**json.loads(text))
-
-
+# 1: the first landing (devices keyed "rank0" / "gpu0", no version); 2: typed records, claims.
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS trials (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -87,15 +27,30 @@ CREATE TABLE IF NOT EXISTS trials (
 CREATE INDEX IF NOT EXISTS trials_search ON trials(search_key);
 CREATE TABLE IF NOT EXISTS searches (
     search_key TEXT PRIMARY KEY, status TEXT NOT NULL, created REAL NOT NULL, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS claims (
+    search_key TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, label TEXT NOT NULL);
 """
 
 
 class Store:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, key: str = "store"):
+        """Open (or create) the store; `key` names the config key in error messages."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._conn() as c:
-            c.executescript(SCHEMA)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with closing(self._conn()) as c, c:
+                version = c.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise ConfigError(f"{key}={path}: written by a newer zero_bench (schema {version}, this one "
+                                      f"reads up to {SCHEMA_VERSION}); upgrade, or choose another store")
+                c.executescript(SCHEMA)
+                c.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except sqlite3.OperationalError as exc:  # unable to open / readonly database
+            raise ConfigError(f"{key}={path}: cannot write there ({exc})") from None
+        except sqlite3.DatabaseError as exc:  # file is not a database
+            raise ConfigError(f"{key}={path}: not a zero_bench SQLite store ({exc})") from None
+        except OSError as exc:
+            raise ConfigError(f"{key}={path}: cannot write there ({exc.strerror})") from None
 
     def _conn(self) -> sqlite3.Connection:
         c = sqlite3.connect(self.path, timeout=30)
@@ -107,7 +62,7 @@ class Store:
         with closing(self._conn()) as c, c:
             c.execute("INSERT INTO trials(search_key, trial_key, micro, status, mode, created, body) "
                       "VALUES (?,?,?,?,?,?,?)",
-                      (t.search_key, t.trial_key, t.micro, t.status, t.mode, t.created, t.to_json()))
+                      (t.search_key, t.trial_key, t.micro, str(t.status), t.mode, t.created, t.to_json()))
 
     def trials(self, search_key: Optional[str] = None) -> list[TrialResult]:
         q, args = "SELECT body FROM trials", ()
@@ -119,7 +74,7 @@ class Store:
     def put_search(self, s: SearchResult) -> None:
         with closing(self._conn()) as c, c:
             c.execute("INSERT OR REPLACE INTO searches(search_key, status, created, body) VALUES (?,?,?,?)",
-                      (s.search_key, s.status, s.created, s.to_json()))
+                      (s.search_key, str(s.status), s.created, s.to_json()))
 
     def search(self, search_key: str) -> Optional[SearchResult]:
         with closing(self._conn()) as c:
@@ -135,3 +90,35 @@ class Store:
         with closing(self._conn()) as c, c:
             c.execute("DELETE FROM trials WHERE search_key = ?", (search_key,))
             c.execute("DELETE FROM searches WHERE search_key = ?", (search_key,))
+            c.execute("DELETE FROM claims WHERE search_key = ?", (search_key,))
+
+    # -- one writer per search ----------------------------------------------------------------------
+    def claim(self, search_key: str, label: str) -> None:
+        """Mark this process as the writer of a search; ConfigError if a live process has it."""
+        me = (socket.gethostname(), os.getpid())
+        with closing(self._conn()) as c, c:
+            c.execute("BEGIN IMMEDIATE")
+            row = c.execute("SELECT host, pid FROM claims WHERE search_key = ?", (search_key,)).fetchone()
+            if row and tuple(row) != me and _alive(*row):
+                raise ConfigError(f"store={self.path}: search '{label}' is being written by pid {row[1]} on "
+                                  f"{row[0]}; wait for it, or use another store")
+            c.execute("INSERT OR REPLACE INTO claims(search_key, host, pid, label) VALUES (?,?,?,?)",
+                      (search_key, *me, label))
+
+    def release(self, search_key: str) -> None:
+        with closing(self._conn()) as c, c:
+            c.execute("DELETE FROM claims WHERE search_key = ? AND host = ? AND pid = ?",
+                      (search_key, socket.gethostname(), os.getpid()))
+
+
+def _alive(host: str, pid: int) -> bool:
+    """A claim on another host counts as alive (we cannot see it); here, the pid must exist."""
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,16 +1,21 @@
-"""`zero_bench maxbatch`: the largest micro-batch per rank that fits, confirmed at the boundary.
+"""`zero_bench maxbatch`: the largest micro-batch per rank that fits, decided in fresh processes.
 
-The arithmetic (what to try next, when to stop) is pure: `next_plan` reads what is known and
-returns the next launch's ascending batch sizes. `run_search` drives launches, writes every trial
-to the store the moment it is known, and resumes from the store.
+Two kinds of evidence. A *probe* is any entry of a launch; a launch may run several ascending
+sizes in one engine (`search.multi`), which finds the bracket quickly but lets memory left by
+earlier sizes inflate later peaks. A *fresh* trial is the first entry of its launch: nothing ran
+in its processes before it. The answer b is final only when b fitted fresh (with full timed
+steps: it is also the measurement) and b + granularity failed fresh; if b + g fits fresh, the
+search goes on upward. Where fresh and probe evidence disagree on a size, the latest fresh one
+wins, so the answer is the same whether the search ran in one go, was resumed, or ran with
+`search.multi=false`.
 
-Strategies:
-- doubling: the baseline. Grow x2 until a failure, then bisect (about 2 log2 N trials).
-- fit: grow x2 too, but stop bisecting as soon as two measurements give memory per sample:
-  predict the last fitting batch b from the capacity, and try b and b + granularity together.
-  An analytic estimate or a previous result seeds the first guess.
-With `multi`, one launch probes several ascending sizes (a size over capacity ends the launch
-cleanly; a real OOM ends it too and later sizes are tried in fresh processes).
+The arithmetic is pure: `Known` reads the trials, `next_plan` returns the next launch's sizes
+and `verdict` says when the search has an answer. `Search` drives launches and the store.
+
+Strategies for the bracket:
+- doubling: grow x2 until a failure, then bisect.
+- fit: grow x2 too, but as soon as two measurements give memory per sample, predict the boundary
+  from the capacity and try it with the size above. An analytic estimate seeds the first guess.
 """
 from __future__ import annotations
 
@@ -20,37 +25,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from zero_bench.config import BenchConfig
-from zero_bench.launch import Entry, capacity_bytes, run_launch
-from zero_bench.results import SearchResult, Store, TrialResult
-
-
-@dataclass
-class SearchSpec:
-    min: int = 1
-    max: int = 4096
-    granularity: int = 1
-    max_trials: int = 24
-    strategy: str = "fit"  # fit | doubling
-    multi: bool = True
+from zero_bench.capacity import capacity_bytes, trial_peak
+from zero_bench.config import BenchConfig, SearchConfig
+from zero_bench.launch import Entry, Hooks, run_launch
+from zero_bench.records import RankRecord, SearchResult, SearchStatus, Status, TrialResult
+from zero_bench.results import Store
 
 
 @dataclass
 class Known:
     """What the trials of this search have shown so far."""
-    fits: dict[int, bool] = field(default_factory=dict)
-    peak: dict[int, int] = field(default_factory=dict)  # micro -> measured per-rank peak bytes
+    fits: dict[int, bool] = field(default_factory=dict)  # latest fresh outcome, else any probe's
+    fresh: dict[int, list[bool]] = field(default_factory=dict)  # fresh outcomes per size, in order
+    measured: set[int] = field(default_factory=set)  # sizes with a fresh, fitting, full-step trial
+    peak: dict[int, int] = field(default_factory=dict)  # micro -> per-rank peak (fresh preferred)
+    timeouts: dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def from_trials(cls, trials: list[TrialResult]) -> "Known":
+    def from_trials(cls, trials: list[TrialResult], device: str = "cpu") -> "Known":
         k = cls()
         for t in trials:
-            if t.status in ("ok", "oom", "timeout"):
-                k.fits[t.micro] = t.status == "ok"
-                p = measured_peak(t)
-                if p:
-                    k.peak[t.micro] = p
+            if t.status == Status.TIMEOUT:
+                k.timeouts[t.micro] = k.timeouts.get(t.micro, 0) + 1
+            if not t.status.decides_fit:
+                continue
+            k.add(t.micro, t.status == Status.OK, t.fresh, trial_peak(t.ranks, device))
+            if t.fresh and t.status == Status.OK and t.mode == "measure":
+                k.measured.add(t.micro)
         return k
+
+    def add(self, micro: int, ok: bool, fresh: bool, peak: Optional[int] = None) -> None:
+        if fresh:
+            self.fresh.setdefault(micro, []).append(ok)
+        if fresh or micro not in self.fresh:
+            self.fits[micro] = ok
+            if peak:
+                self.peak[micro] = peak
+        if fresh and not ok:
+            self.measured.discard(micro)
 
     @property
     def lo(self) -> Optional[int]:
@@ -63,28 +75,47 @@ class Known:
         bad = [m for m, f in self.fits.items() if not f and m > lo]
         return min(bad) if bad else None
 
+    @property
+    def contradiction(self) -> Optional[int]:
+        """The smallest size that failed below one that fitted."""
+        lo = self.lo or 0
+        bad = [m for m, f in self.fits.items() if not f and m < lo]
+        return min(bad) if bad else None
 
-def measured_peak(t: TrialResult) -> Optional[int]:
-    """Per-rank peak compared with capacity: RSS on CPU, torch's reserved bytes on GPU."""
-    vals = [r.get("torch_peak_reserved") or r.get("peak_rss_bytes") or 0 for r in t.ranks]
-    return max(vals) if vals and max(vals) > 0 else None
 
-
-def snap(m: float, spec: SearchSpec) -> int:
+def snap(m: float, spec: SearchConfig) -> int:
     """Round down onto the grid min, min+g, min+2g, ... within [min, max]."""
     g = spec.granularity
     k = max(0, math.floor((m - spec.min) / g))
     return min(spec.min + k * g, spec.max)
 
 
-def done(known: Known, spec: SearchSpec) -> bool:
+def bracketed(known: Known, spec: SearchConfig) -> bool:
+    """The probes (and fresh trials) put the boundary within one granularity step."""
     lo, hi = known.lo, known.hi
     if lo is None:
-        return known.fits.get(spec.min) is False  # even the smallest batch fails
+        return known.fits.get(spec.min) is False
     return (hi is not None and hi - lo <= spec.granularity) or lo >= spec.max
 
 
-def predict(known: Known, cap: Optional[int], spec: SearchSpec) -> Optional[int]:
+def verdict(known: Known, spec: SearchConfig) -> Optional[SearchStatus]:
+    """The search's answer once the evidence decides it, else None."""
+    if any(n >= 2 and m not in known.fits for m, n in known.timeouts.items()):
+        return SearchStatus.TIMEOUT
+    c, lo = known.contradiction, known.lo
+    if c is not None:
+        return SearchStatus.FLAKY if len(known.fresh.get(c, [])) >= 2 and len(known.fresh.get(lo, [])) >= 2 else None
+    if not bracketed(known, spec):
+        return None
+    hi = known.hi
+    if lo is None:
+        return SearchStatus.DOES_NOT_FIT if spec.min in known.fresh else None
+    if hi is not None and hi not in known.fresh:
+        return None
+    return SearchStatus.DONE if lo in known.measured else None
+
+
+def predict(known: Known, cap: Optional[int], spec: SearchConfig) -> Optional[int]:
     """Last fitting batch, extrapolated linearly from two fitting measurements far apart.
 
     Neighbouring batch sizes differ by less than RSS's own noise, so the slope is taken between
@@ -101,15 +132,22 @@ def predict(known: Known, cap: Optional[int], spec: SearchSpec) -> Optional[int]
     return snap(m2 + (cap - p2) / slope, spec)
 
 
-def next_plan(known: Known, spec: SearchSpec, cap: Optional[int], seed: Optional[int] = None,
+def next_plan(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[int] = None,
               allow_fit: bool = True) -> list[Entry]:
-    """The next launch: ascending micro sizes, empty when the boundary is confirmed.
+    """The next launch: ascending micro sizes; empty when `verdict` has the answer.
 
     `allow_fit` is cleared by the caller after two predictions that did not close the bracket:
     from then on plain bisection guarantees the end.
     """
-    if done(known, spec):
+    if verdict(known, spec) is not None:
         return []
+    retry = [m for m, n in known.timeouts.items() if n == 1 and m not in known.fits]
+    if retry:  # a timeout is retried once, fresh
+        return [Entry(min(retry), "measure")]
+    if known.contradiction is not None:
+        return _retest(known)
+    if bracketed(known, spec):
+        return _confirm(known)
     fit = spec.strategy == "fit" and allow_fit
     guess = predict(known, cap, spec) if fit else None
     if guess is None and fit and seed and not known.fits:
@@ -119,32 +157,50 @@ def next_plan(known: Known, spec: SearchSpec, cap: Optional[int], seed: Optional
     return _grow_or_bisect(known, spec)
 
 
-def _from_seed(guess: int, spec: SearchSpec) -> list[Entry]:
+def _retest(known: Known) -> list[Entry]:
+    """A smaller size failed where a larger one fitted: test each once more, fresh."""
+    c, lo = known.contradiction, known.lo
+    if len(known.fresh.get(c, [])) < 2:
+        return [Entry(c, "probe")]
+    return [Entry(lo, "measure")]
+
+
+def _confirm(known: Known) -> list[Entry]:
+    """The bracket is closed: decide it fresh. The size above first (full steps: if it fits after
+    all, it is the next candidate and already measured), then the candidate itself."""
+    lo, hi = known.lo, known.hi
+    if hi is not None and hi not in known.fresh:
+        return [Entry(hi, "measure")]
+    return [Entry(lo, "measure")]
+
+
+def _from_seed(guess: int, spec: SearchConfig) -> list[Entry]:
     """First launch from an estimate: the smallest batch and half the seed (so an overshooting
     seed still leaves two points to fit a line through), then the seed and its neighbour."""
     guess = max(guess, spec.min)
     if not spec.multi:
-        return [Entry(guess, "measure")]
+        return [Entry(guess)]
     below = sorted({spec.min, snap(guess / 2, spec)} - {guess})
     above = [Entry(guess + spec.granularity)] if guess + spec.granularity <= spec.max else []
-    return [Entry(m) for m in below] + [Entry(guess, "measure")] + above
+    return [Entry(m) for m in below] + [Entry(guess)] + above
 
 
-def _around(guess: int, known: Known, spec: SearchSpec) -> list[Entry]:
-    """The predicted boundary, measured in full, and the size above it (to confirm it fails)."""
+def _around(guess: int, known: Known, spec: SearchConfig) -> list[Entry]:
+    """The predicted boundary and the size above it (to see it fail)."""
     g, lo, hi = spec.granularity, known.lo, known.hi
     guess = max(lo + g if lo is not None else spec.min, min(guess, hi - g if hi is not None else spec.max))
-    plan = [Entry(guess, "measure")]
+    plan = [Entry(guess)]
     if spec.multi and guess + g < (hi if hi is not None else spec.max + 1):
         plan.append(Entry(guess + g))
     return plan
 
 
-def _grow_or_bisect(known: Known, spec: SearchSpec) -> list[Entry]:
+def _grow_or_bisect(known: Known, spec: SearchConfig) -> list[Entry]:
     """Doubling until a failure (all in one launch when `multi`), then bisection."""
     g, lo, hi = spec.granularity, known.lo, known.hi
     if hi is not None:
-        return [Entry(max(snap((lo + hi) / 2, spec), lo + g))]
+        base = lo if lo is not None else spec.min - g
+        return [Entry(max(snap((base + hi) / 2, spec), base + g))]
     start = spec.min if lo is None else max(min(snap(lo * 2, spec), spec.max), lo + g)
     if not spec.multi:
         return [Entry(start)]
@@ -155,121 +211,157 @@ def _grow_or_bisect(known: Known, spec: SearchSpec) -> list[Entry]:
     return plan
 
 
-Progress = Callable[[str], None]
+@dataclass
+class SearchOptions:
+    """How one invocation runs a search (beyond the config and the search keys)."""
+    seed: Optional[int] = None  # first guess of the micro-batch (the analytic estimate)
+    repeats: int = 1  # fresh full-step measurements at the answer (median reported)
+    force: bool = False  # forget stored trials and measure again
+    progress: Callable[[str], None] = print
 
 
-def _fmt_mib(b: Optional[int]) -> str:
+def _mib(b: Optional[int]) -> str:
     return f"{b / 2**20:.0f}" if b else "?"
 
 
-def run_search(cfg: BenchConfig, spec: SearchSpec, store: Store, run_dir: Path, force: bool = False,
-               repeats: int = 1, fault: Optional[dict] = None, seed: Optional[int] = None,
-               progress: Progress = print) -> SearchResult:
-    key = cfg.search_key()
-    if force:
-        store.forget(key)
-    prev = store.search(key)
-    if prev and prev.status in ("done", "cannot_initialize", "does_not_fit"):
-        progress(f"[{cfg.label()}] already measured: max global batch {prev.max_global_batch} (force=true re-measures)")
-        return prev
-    t0 = time.time()
-    trials = store.trials(key)
-    if trials:
-        progress(f"[{cfg.label()}] resuming from {len(trials)} stored trials")
-    cap = capacity_bytes(cfg)
-    launches = fit_launches = 0
+class Search:
+    """One max-batch search: its trials (stored and new), launches, and the store it writes."""
 
-    def record(t: TrialResult) -> None:
-        store.add_trial(t)
-        trials.append(t)
-        if t.status == "not_run":
-            return
-        known = Known.from_trials(trials)
-        progress(f"[{cfg.label()}] trial {sum(x.status != 'not_run' for x in trials)}: micro={t.micro} "
-                 f"(global {t.global_batch}) -> {t.status}"
-                 f"{' (' + t.reason + ')' if t.status != 'ok' and t.reason else ''} | peak "
-                 f"{_fmt_mib(measured_peak(t))}/{_fmt_mib(cap)} MiB | elapsed {time.time() - t0:.0f}s | "
-                 f"best so far {known.lo if known.lo else '-'}")
+    def __init__(self, cfg: BenchConfig, spec: SearchConfig, store: Store, run_dir: Path,
+                 opts: Optional[SearchOptions] = None):
+        self.cfg, self.spec, self.store, self.run_dir = cfg, spec, store, run_dir
+        self.opts = opts or SearchOptions()
+        self.key, self.label = cfg.search_key(), cfg.label()
+        self.cap = capacity_bytes(cfg)
+        self.trials: list[TrialResult] = []
+        self.new_trials = self.launches = self.fit_launches = 0
+        self.error: Optional[TrialResult] = None
+        self.t0 = time.time()
 
-    def live(rec: dict) -> None:
-        if rec.get("event") == "begin":
-            progress(f"[{cfg.label()}]   launch {launches}: running micro={rec['micro']} ({rec['mode']}) "
-                     f"| elapsed {time.time() - t0:.0f}s")
+    def say(self, text: str) -> None:
+        self.opts.progress(f"[{self.label}] {text}")
 
-    error = None
-    while True:
-        known = Known.from_trials(trials)
-        n_trials = sum(t.status != "not_run" for t in trials)
-        plan = [e for e in next_plan(known, spec, cap, seed, allow_fit=fit_launches < 2)
-                if e.micro not in known.fits]
-        if not plan or n_trials >= spec.max_trials:
-            break
-        launches += 1
-        fit_launches += any(e.mode == "measure" for e in plan)  # only predicted launches measure
-        results = run_launch(cfg.with_micro(plan[0].micro), plan, run_dir / f"launch{launches:02d}",
-                             fault=fault, on_result=record, on_event=live)
-        errs = [r for r in results if r.status == "error"]
+    def known(self) -> Known:
+        return Known.from_trials(self.trials, self.cfg.hardware.device)
+
+    # -- driving launches -------------------------------------------------------------------------
+    def run(self) -> SearchResult:
+        if self.opts.force:
+            self.store.forget(self.key)
+        prev = self.store.search(self.key)
+        if prev and prev.status.finished:
+            self.say(f"already measured: {prev.status}, max global batch {prev.max_global_batch} "
+                     "(force=true re-measures)")
+            return prev
+        self.store.claim(self.key, self.label)
+        try:
+            self.trials = self.store.trials(self.key)
+            if self.trials:
+                self.say(f"resuming from {len(self.trials)} stored trials")
+            while self.error is None and self.new_trials < self.spec.max_trials:
+                plan = self.plan()
+                if not plan:
+                    break
+                self.launch(plan)
+            return self.finish()
+        finally:
+            self.store.release(self.key)
+
+    def plan(self) -> list[Entry]:
+        known = self.known()
+        plan = next_plan(known, self.spec, self.cap, self.opts.seed, allow_fit=self.fit_launches < 2)
+        if not plan and verdict(known, self.spec) == SearchStatus.DONE:
+            done = sum(1 for t in self.trials if t.micro == known.lo and t.fresh and t.mode == "measure"
+                       and t.status == Status.OK)
+            if done < self.opts.repeats:
+                plan = [Entry(known.lo, "measure")]
+        return plan
+
+    def launch(self, plan: list[Entry]) -> None:
+        known = self.known()
+        self.launches += 1
+        # after two launches placed by prediction that did not close the bracket, bisect
+        self.fit_launches += not bracketed(known, self.spec) and predict(known, self.cap, self.spec) is not None
+        name = f"launch{self.launches:02d}"
+        if len(plan) == 1:
+            self.say(f"launch {self.launches}: micro={plan[0].micro} fresh ({plan[0].mode})")
+        results = run_launch(self.cfg.with_micro(plan[0].micro), plan, self.run_dir / name,
+                             Hooks(on_result=self.record, on_event=self.live))
+        errs = [r for r in results if r.status == Status.ERROR]
         if errs:  # a bigger batch will not fix it
-            error = errs[0]
-            break
-    return _finish(cfg, spec, store, trials, run_dir, launches, t0, error, repeats, fault, progress)
+            self.error = errs[0]
+
+    def record(self, t: TrialResult) -> None:
+        self.store.add_trial(t)
+        self.trials.append(t)
+        if t.status == Status.NOT_RUN:
+            return
+        self.new_trials += 1
+        known = self.known()
+        why = f" ({t.reason})" if t.status != Status.OK and t.reason else ""
+        # a launch stopped over budget has no rank record: its sampled peak says how far it got
+        peak = trial_peak(t.ranks, self.cfg.hardware.device) or max((d.peak_bytes for d in t.devices), default=None)
+        self.say(f"trial {self.new_trials}: micro={t.micro} (global {t.global_batch}){' fresh' if t.fresh else ''}"
+                 f" -> {t.status}{why} | peak {_mib(peak)}/{_mib(self.cap)} MiB | elapsed "
+                 f"{time.time() - self.t0:.0f}s | best so far {known.lo or '-'}")
+
+    def live(self, rec: RankRecord) -> None:
+        if rec.event == "begin":
+            self.say(f"  launch {self.launches}: running micro={rec.micro} ({rec.mode}) "
+                     f"| elapsed {time.time() - self.t0:.0f}s")
+
+    # -- the answer ---------------------------------------------------------------------------------
+    def finish(self) -> SearchResult:
+        known = self.known()
+        res = SearchResult(search_key=self.key, label=self.label, status=SearchStatus.INCOMPLETE,
+                           strategy=self.spec.strategy, config=self.cfg.to_dict(), launches=self.launches)
+        status = verdict(known, self.spec)
+        if self.error is not None:
+            res.status, res.note = SearchStatus.ERROR, f"error at micro={self.error.micro}: {self.error.reason}"
+        elif status is not None:
+            res.status = status
+        else:
+            res.note = f"max_trials={self.spec.max_trials} reached between {known.lo} and {known.hi}"
+        self._fill(res, known)
+        res.trials = sum(t.status != Status.NOT_RUN for t in self.trials)
+        res.wall_s = round(time.time() - self.t0, 1)
+        self.store.put_search(res)
+        self.say(f"{res.status}: max global batch {res.max_global_batch} (micro {res.max_micro} x dp "
+                 f"{self.cfg.parallel.dp}) | {res.note} | {res.trials} trials, {self.launches} launches, "
+                 f"{res.wall_s:.0f}s")
+        return res
+
+    def _fill(self, res: SearchResult, known: Known) -> None:
+        lo, hi, dp = known.lo, known.hi, self.cfg.batch.grad_accum * self.cfg.parallel.dp
+        if res.status == SearchStatus.TIMEOUT:
+            m = min(m for m, n in known.timeouts.items() if n >= 2 and m not in known.fits)
+            res.note = f"micro={m} timed out twice (timeout_s={self.cfg.timeout_s:g} per batch size)"
+        if res.status == SearchStatus.FLAKY:
+            res.note = (f"micro={known.contradiction} failed twice while micro={lo} fitted twice, "
+                        "each in fresh processes: memory use is not repeatable here")
+        if res.status == SearchStatus.DOES_NOT_FIT:
+            first = next(t for t in reversed(self.trials) if t.micro == self.spec.min and t.fresh
+                         and t.status == Status.OOM)
+            init = first.phase == "init"
+            res.status = SearchStatus.CANNOT_INITIALIZE if init else SearchStatus.DOES_NOT_FIT
+            res.note = ("cannot even initialize model" if init else f"batch {self.spec.min * dp} does not fit") + \
+                f" ({first.reason})"
+            res.first_fail_micro = self.spec.min
+        if lo is None or res.status in (SearchStatus.CANNOT_INITIALIZE, SearchStatus.DOES_NOT_FIT):
+            return
+        res.max_micro, res.first_fail_micro, res.max_global_batch = lo, hi, lo * dp
+        if res.status == SearchStatus.DONE:
+            res.note = (f"OOM at global batch {hi * dp} (fresh)" if hi is not None
+                        else f"search.max={self.spec.max} reached")
+        elif res.status == SearchStatus.ERROR:
+            res.note += f"; before it, micro {lo} fitted{'' if lo in known.measured else ' (not confirmed fresh)'}"
+        got = [t for t in self.trials if t.micro == lo and t.fresh and t.mode == "measure" and t.status == Status.OK]
+        if got:
+            got.sort(key=lambda t: t.time_per_step_s)
+            res.measure = got[len(got) // 2]  # the median run
+            res.repeats = [t.time_per_step_s for t in got]
 
 
-def _finish(cfg, spec, store, trials, run_dir, launches, t0, error, repeats, fault, progress) -> SearchResult:
-    key = cfg.search_key()
-    known = Known.from_trials(trials)
-    lo, hi = known.lo, known.hi
-    res = SearchResult(search_key=key, label=cfg.label(), status="done", strategy=spec.strategy,
-                       config=cfg.to_dict(), launches=launches)
-    if error is not None:
-        res.status, res.note = "error", f"error at micro={error.micro}: {error.reason}"
-    elif lo is None and known.fits.get(spec.min) is False:
-        first = next(t for t in trials if t.micro == spec.min and t.status != "not_run")
-        res.status = "cannot_initialize" if first.phase == "init" else "does_not_fit"
-        res.note = ("cannot even initialize model" if first.phase == "init"
-                    else f"batch {spec.min * cfg.parallel.dp} does not fit") + f" ({first.reason})"
-        res.first_fail_micro = spec.min
-    elif not done(known, spec):
-        res.status, res.note = "incomplete", f"max_trials={spec.max_trials} reached between {lo} and {hi}"
-    if lo is not None and res.status in ("done", "incomplete"):
-        res.max_micro, res.first_fail_micro = lo, hi
-        res.max_global_batch = lo * cfg.batch.grad_accum * cfg.parallel.dp
-        if hi is not None:
-            res.note = res.note or f"OOM at global batch {hi * cfg.batch.grad_accum * cfg.parallel.dp}"
-        elif lo >= spec.max:
-            res.note = res.note or f"search.max={spec.max} reached"
-        res.measure, res.repeats, extra = _measure(cfg, store, trials, lo, repeats, run_dir, fault, progress)
-        res.launches = launches + extra
-    res.trials = sum(t.status != "not_run" for t in trials)
-    res.wall_s = round(time.time() - t0, 1)
-    store.put_search(res)
-    progress(f"[{cfg.label()}] {res.status}: max global batch {res.max_global_batch} "
-             f"(micro {res.max_micro} x dp {cfg.parallel.dp}) | {res.note} | "
-             f"{res.trials} trials, {res.wall_s:.0f}s")
-    return res
-
-
-def _measured(trials: list[TrialResult], micro: int) -> list[TrialResult]:
-    return [t for t in trials if t.micro == micro and t.mode == "measure" and t.status == "ok"]
-
-
-def _measure(cfg, store, trials, micro, repeats, run_dir, fault, progress):
-    """Full timed steps at the found batch, `repeats` times in all (fresh launches).
-
-    Returns (the median run as a dict, time/step of every run, launches made here)."""
-    got = _measured(trials, micro)
-    i = 0
-    while len(got) < repeats:
-        i += 1
-        progress(f"[{cfg.label()}] measuring micro={micro} (repeat {len(got) + 1}/{repeats})")
-        res = run_launch(cfg.with_micro(micro), [Entry(micro, "measure")], run_dir / f"measure{i:02d}",
-                         fault=fault, on_result=store.add_trial)
-        if res[0].status != "ok":
-            progress(f"[{cfg.label()}] measurement at micro={micro} failed: {res[0].status} {res[0].reason}")
-            break
-        trials.append(res[0])
-        got.append(res[0])
-    if not got:
-        return None, [], i
-    best = sorted(got, key=lambda t: t.time_per_step_s)[len(got) // 2]  # the median run
-    return best.__dict__, [t.time_per_step_s for t in got], i
+def run_search(cfg: BenchConfig, spec: SearchConfig, store: Store, run_dir: Path,
+               opts: Optional[SearchOptions] = None) -> SearchResult:
+    return Search(cfg, spec, store, run_dir, opts).run()

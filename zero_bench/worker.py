@@ -1,16 +1,19 @@
 """One rank of a trial: started by the deepspeed launcher as `python -m zero_bench.worker --spec F`.
 
 The spec (written by launch.py) holds the config and a plan: micro-batch sizes in ascending order,
-each a "probe" (reach steady peak memory: one warm-up optimizer step, one profiled step) or a
-"measure" (warm-up + timed steps). One engine serves the whole plan: model, optimizer states and
-buckets do not depend on the batch. After each entry every rank appends its record to
-rank{R}.jsonl (fsync'ed), so whatever happens later, finished entries are kept. Ranks agree on
+each a "probe" (reach steady peak memory: steps.probe optimizer steps, then one profiled step) or
+a "measure" (warm-up + timed steps + the profiled step). One engine serves the whole plan: model,
+optimizer states and buckets do not depend on the batch (memory earlier sizes leave behind can
+inflate later peaks, which is why the search decides its answer with fresh launches). After each
+entry every rank appends a RankRecord to rank{R}.jsonl (fsync'ed), so whatever happens later,
+finished entries are kept. Ranks agree on
 "over capacity" with an all-reduce at the entry boundary, where no collective is in flight; a real
 allocation failure instead ends this process (exit code OOM_EXIT) and the launch.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -21,7 +24,9 @@ import time
 import traceback
 from pathlib import Path
 
-OOM_EXIT = 86
+from zero_bench.capacity import compared_peak, over_capacity
+from zero_bench.records import OOM_EXIT, RankRecord
+
 PHASES = ("init", "forward", "backward", "step", "idle")
 
 
@@ -40,7 +45,10 @@ class Marks:
 # cuBLAS/cuDNN workspaces, NCCL buffers ("Cuda failure 'out of memory'"), the CUDA runtime's enum.
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory", "cudaerrormemoryallocation",
              "cublas_status_alloc_failed", "cudnn_status_alloc_failed", "cusolver_status_alloc_failed",
-             "cufft_alloc_failed", "error_out_of_memory")
+             "cufft_alloc_failed", "error_out_of_memory",
+             # NCCL's own allocation failures (include/alloc.h: "Failed to CUDA calloc %ld bytes"),
+             # and CUDA's error 2 as NCCL prints it ("Cuda failure 2 ...")
+             "failed to cuda calloc", "failed to cuda malloc", "failed to cuda host alloc", "cuda failure 2 ")
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -114,6 +122,19 @@ def model_state_bytes(engine) -> dict:
             "numel_local": sum(p.numel() for p in params)}
 
 
+def append_record(path: Path, record: RankRecord) -> None:
+    """One JSON line, fsync'ed: whatever happens to the process next, this record is kept."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record.to_dict()) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def failure_record(rank: int, exc: BaseException, event: str, **kw) -> RankRecord:
+    return RankRecord(rank=rank, event=event, status="oom" if is_oom(exc) else "error",
+                      error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-4000:], **kw)
+
+
 class Rank:
     def __init__(self, spec: dict):
         import deepspeed
@@ -132,23 +153,16 @@ class Rank:
         self.rank = torch.distributed.get_rank()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.log_path = self.out / f"rank{self.rank}.jsonl"
+        self.gpu = None
         if not self.on_cpu:
-            torch.cuda.set_device(self.local_rank)
-            cap = spec.get("capacity_bytes")
-            total = torch.cuda.get_device_properties(self.local_rank).total_memory
-            if cap and cap < total:
-                # Emulate a smaller card: allocations past the fraction raise a real CUDA OOM.
-                torch.cuda.set_per_process_memory_fraction(cap / total, self.local_rank)
-        self.nvml = None
-        start = {"event": "start", "pid": os.getpid(), "host": os.uname().nodename,
-                 "local_rank": self.local_rank, "node_rank": int(os.environ.get("CROSS_RANK", 0))}
-        if not self.on_cpu:
-            from zero_bench.sampler import Nvml, torch_identity
+            from zero_bench.gpu import RankGpu
 
-            # Each node reads NVML for its own GPU, found by UUID / PCI bus id, not by index.
-            self.gpu_id = torch_identity(torch.cuda.get_device_properties(self.local_rank))
-            self.nvml = Nvml()
-            start.update(self.nvml.rank_record(self.local_rank, *self.gpu_id))
+            # Emulate a smaller card: allocations past the fraction raise a real CUDA OOM.
+            self.gpu = RankGpu(torch, self.local_rank, spec.get("capacity_bytes"))
+            self.gpu.emulate()
+        start = RankRecord(rank=self.rank, event="start", pid=os.getpid(), host=os.uname().nodename,
+                           local_rank=self.local_rank, node_rank=int(os.environ.get("CROSS_RANK", 0)),
+                           **(self.gpu.record() if self.gpu else {}))
         self._emit(start)
         mpu = init_parallel(self.cfg.parallel.tp, self.cfg.seed, self.on_cpu)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.cfg.precision]
@@ -156,16 +170,14 @@ class Rank:
         ds_config = json.loads(Path(spec["ds_config"]).read_text())
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=ds_config, mpu=mpu)
+        if self.gpu:
+            self.gpu.emulate()  # again, now that NCCL's buffers exist
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", self.local_rank)
         self.states = None
 
     # -- records -------------------------------------------------------------------------------
-    def _emit(self, record: dict) -> None:
-        record = {"rank": self.rank, "time": time.time(), **record}
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+    def _emit(self, record: RankRecord) -> None:
+        append_record(self.log_path, record)
 
     # -- one optimizer step ---------------------------------------------------------------------
     def _batch(self, micro: int):
@@ -209,8 +221,8 @@ class Rank:
         return time.perf_counter() - t0, sum(losses) / len(losses)
 
     def _maybe_inject(self, micro: int) -> None:
-        """Fault injection for tests: `fault={rank: R, kind: raise|oom|kill, min_micro: M}`."""
-        f = self.spec.get("fault")
+        """Fault injection for tests: `fault={rank: R, kind: raise|oom|kill|hang, min_micro: M}`."""
+        f = self.cfg.fault
         if not f or f.get("rank", 1) != self.rank or micro < f.get("min_micro", 1):
             return
         if f["kind"] == "raise":
@@ -219,6 +231,8 @@ class Rank:
             self.torch.empty(1 << 60, dtype=self.torch.uint8, device=self.device)
         if f["kind"] == "kill":  # what the kernel's OOM killer does
             os.kill(os.getpid(), signal.SIGKILL)
+        if f["kind"] == "hang":  # a rank stuck in a collective that never completes
+            time.sleep(1e6)
 
     # -- memory ---------------------------------------------------------------------------------
     def profiled_step(self, micro: int) -> tuple[float, float, int, str]:
@@ -256,21 +270,22 @@ class Rank:
         return secs, loss, base + peak, phase
 
     def memory_now(self) -> dict:
-        rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        out = {"peak_rss_bytes": rss_peak}
+        out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "host": os.uname().nodename}
         if not self.on_cpu:
             out["torch_peak_allocated"] = self.torch.cuda.max_memory_allocated()
             out["torch_peak_reserved"] = self.torch.cuda.max_memory_reserved()
-            out.update(self.nvml.rank_record(self.local_rank, *self.gpu_id))
+            out.update(self.gpu.record())
         return out
 
     # -- plan -----------------------------------------------------------------------------------
-    def run_entry(self, micro: int, mode: str) -> dict:
+    def run_entry(self, micro: int, mode: str) -> RankRecord:
         steps = self.cfg.steps
-        n_warm = steps.warmup if mode == "measure" else 1
+        n_warm = steps.warmup if mode == "measure" else steps.probe
         n_timed = steps.timed if mode == "measure" else 0
         if not self.on_cpu:
             self.torch.cuda.reset_peak_memory_stats()
+            self.gpu.reset_peak()
         losses, times = [], []
         for _ in range(n_warm):
             secs, loss = self.step(micro)
@@ -285,35 +300,32 @@ class Rank:
         losses.append(loss)
         if not times:
             times.append(secs)
-        mem = self.memory_now()
-        return {"micro": micro, "mode": mode, "loss": losses[-1], "losses": losses,
-                "step_times": times, "time_per_step": statistics.median(times),
-                "peak_live_bytes": peak_live, "peak_phase": phase, "model_states": self.states, **mem}
+        return RankRecord(rank=self.rank, event="end", status="ok", micro=micro, mode=mode, loss=losses[-1],
+                          losses=losses, step_times=times, time_per_step=statistics.median(times),
+                          peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
+                          marks=self.marks.marks, **self.memory_now())
 
-    def over_capacity(self, rec: dict) -> bool:
+    def over_capacity(self, rec: RankRecord) -> bool:
         """All ranks agree (max all-reduce) whether any rank's peak passed the capacity."""
-        cap = self.spec.get("capacity_bytes")
-        peak = rec["peak_rss_bytes"] if self.on_cpu else rec["torch_peak_reserved"]
-        flag = self.torch.tensor([1.0 if cap and peak > cap else 0.0], device=self.device)
+        over = over_capacity(compared_peak(rec, self.cfg.hardware.device), self.spec.get("capacity_bytes"))
+        flag = self.torch.tensor([1.0 if over else 0.0], device=self.device)
         self.torch.distributed.all_reduce(flag, op=self.torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
     def run(self) -> None:
         for entry in self.spec["plan"]:
             micro, mode = entry["micro"], entry["mode"]
-            self._emit({"event": "begin", "micro": micro, "mode": mode})
+            self._emit(RankRecord(rank=self.rank, event="begin", micro=micro, mode=mode))
             try:
                 rec = self.run_entry(micro, mode)
             except BaseException as exc:  # noqa: BLE001 - every failure must be recorded
                 kind = "oom" if is_oom(exc) else "error"
-                self._emit({"event": "end", "micro": micro, "mode": mode, "status": kind,
-                            "error": f"{type(exc).__name__}: {exc}"[:2000],
-                            "traceback": traceback.format_exc()[-4000:], "marks": self.marks.marks[-50:]})
+                self._emit(failure_record(self.rank, exc, "end", micro=micro, mode=mode,
+                                          marks=self.marks.marks[-50:]))
                 # Peers may wait in a collective we will never join: leave, the launcher ends them.
                 os._exit(OOM_EXIT if kind == "oom" else 1)
             over = self.over_capacity(rec)
-            self._emit({"event": "end", "status": "over_capacity" if over else "ok",
-                        "marks": self.marks.marks, **rec})
+            self._emit(dataclasses.replace(rec, status="over_capacity" if over else "ok"))
             self.marks.marks = self.marks.marks[-1:]
             if over:
                 break
@@ -353,6 +365,9 @@ def adopt_launcher_env() -> None:
 
 
 def main(argv=None) -> None:
+    from zero_bench.gpu import select_devices
+
+    select_devices()  # before anything starts CUDA
     adopt_launcher_env()
     watch_parent()
     ap = argparse.ArgumentParser(description=__doc__)
@@ -362,16 +377,11 @@ def main(argv=None) -> None:
     try:
         rank = Rank(spec)
     except BaseException as exc:  # noqa: BLE001 - an init failure is a result ("cannot initialize")
-        out = Path(spec["out_dir"])
-        r = os.environ.get("RANK", "0")
-        with open(out / f"rank{r}.jsonl", "a") as f:
-            f.write(json.dumps({"rank": int(r), "time": time.time(), "event": "init_failed",
-                                "status": "oom" if is_oom(exc) else "error",
-                                "error": f"{type(exc).__name__}: {exc}"[:2000],
-                                "traceback": traceback.format_exc()[-4000:]}) + "\n")
+        r = int(os.environ.get("RANK", "0"))
+        append_record(Path(spec["out_dir"]) / f"rank{r}.jsonl", failure_record(r, exc, "init_failed"))
         os._exit(OOM_EXIT if is_oom(exc) else 1)
     rank.run()
-    rank._emit({"event": "done"})
+    rank._emit(RankRecord(rank=rank.rank, event="done"))
     # Skip interpreter teardown of process groups and threads: it can hang on gloo.
     os._exit(0)
 

@@ -25,7 +25,7 @@ def sweep(tmp: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "zero_bench", "maxbatch", "-m", *GRID, f"store={tmp / 'store.sqlite'}",
            f"hydra.sweep.dir={tmp / 'sweep'}", *extra]
     return subprocess.Popen(cmd, stdout=open(tmp / "sweep.log", "a"), stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
+                            start_new_session=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def rows(db: Path, sql: str) -> list:
@@ -53,7 +53,9 @@ def test_killed_sweep_resumes_without_losing_or_repeating(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     before = rows(db, "SELECT id, search_key, micro, mode, status FROM trials")
-    time.sleep(3)  # ranks notice their parent is gone within a second
+    deadline = time.time() + 15  # ranks notice their parent is gone within a second, the launcher then
+    while worker_processes(str(tmp_path)) and time.time() < deadline:  # sees them exit (it polls each 1 s)
+        time.sleep(0.5)
     assert not worker_processes(str(tmp_path)), "ranks outlived the killed sweep"
 
     proc = sweep(tmp_path)

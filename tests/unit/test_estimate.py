@@ -1,13 +1,5 @@
-"""zero_bench.estimate: formulas on hand-derived values, the CLI, pre-flight refusal, and the
-estimate against real CPU trials (gpt-small, ZeRO 0-3, DP=2; marked slow).
-
-Measured on this machine (2 CPU ranks, fp32, DeepSpeed 0.19.8), estimate vs measurement:
-- model states (params + master + Adam moments, exact tensor counts after the first step):
-  0.0 % error at every stage (gpt-small: ZeRO-0 794.1 MiB, ZeRO-1/2 661.7, ZeRO-3 529.4 per rank).
-- per-rank peak RSS, gpt-small micro 1 / 2: ZeRO-0 -0.0 / -1.4 %, ZeRO-1 +1.2 / -0.0 %,
-  ZeRO-2 +0.0 / -1.1 %, ZeRO-3 -5.2 / -5.9 %.
-- gpt-mini (activation calibration, CPU_ACTIVATION_FACTOR = 0.73): ZeRO-2 micro 2/4/8 +0.9 / +0.2 /
-  +0.7 %, ZeRO-0 micro 2/8 +0.3 / +1.0 %. Uncalibrated (factor 1.0) the same runs were +5 to +14 %.
+"""zero_bench.estimate: formulas on hand-derived values, the CLI and pre-flight refusal (no launch).
+The estimate against real CPU trials: tests/integration/test_estimate_vs_measured.py.
 """
 from __future__ import annotations
 
@@ -25,7 +17,7 @@ from zero_bench.config import BenchConfig, from_cfg
 from zero_bench.estimate import (GiB, MiB, activation_bytes_per_sample, deepspeed_buffers, estimate,
                                  model_states_bytes, param_numels, seed_micro)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 P = 1_000_000
 
 
@@ -162,7 +154,7 @@ def test_cli_refuses_gpt2_5b(tmp_path):
     store = tmp_path / "s.sqlite"
     r = _cli("model=gpt2.5b", f"store={store}", f"hydra.run.dir={tmp_path / 'run'}")
     out = [line for line in r.stdout.splitlines() if line.strip()]
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 3, r.stderr  # run: the trial did not fit
     assert len(out) == 1 and out[0].startswith("does not fit (estimated):") and "force=true" in out[0]
     assert not list((tmp_path / "run").glob("rank*.jsonl")) and not (tmp_path / "run" / "trial.json").exists()
     from zero_bench.results import Store
@@ -191,38 +183,3 @@ def test_preflight_gpu_cannot_initialize():
 
 
 # -- against real trials ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    from zero_bench.launch import Entry, run_launch
-
-    out = {}
-    for z in range(4):
-        b = bench("gpt-small", zero=z)
-        (r,) = run_launch(b, [Entry(1, "probe")], tmp_path_factory.mktemp(f"z{z}"))
-        out[z] = (b, r)
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_model_states_match_worker(measured, zero):
-    b, r = measured[zero]
-    assert r.status == "ok", r.reason
-    e = estimate(b)
-    for rank in r.ranks:
-        ms = rank["model_states"]
-        got = ms["params"] + ms["master"] + ms["optimizer"] + ms["grads"]
-        # after the step the gradients are freed: compare the persistent states
-        assert got == pytest.approx(e.persistent, rel=0.01)
-        assert ms["params"] == pytest.approx(e.states["params"], rel=0.001)
-        assert ms["master"] + ms["optimizer"] == pytest.approx(e.states["optimizer"], rel=0.001)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_peak_rss_near_estimate(measured, zero):
-    b, r = measured[zero]
-    assert r.status == "ok", r.reason
-    pred = estimate(b).peak_bytes(1)
-    for rank in r.ranks:
-        assert pred == pytest.approx(rank["peak_rss_bytes"], rel=0.12)

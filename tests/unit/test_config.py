@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from zero_bench import ds_config
 from zero_bench.config import CONF_DIR, ConfigError, from_cfg, validate_machine
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def composed(*overrides: str):
@@ -92,3 +92,65 @@ def test_keys_separate_configs_but_not_batches():
     a, b = bench("zero=1"), bench("zero=2")
     assert a.search_key() != b.search_key()
     assert a.search_key() == a.with_micro(7).search_key() and a.trial_key() != a.with_micro(7).trial_key()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["search.min=10", "search.max=5"], "search.max=5: must be >= search.min=10"),
+    (["search.granularity=0"], "search.granularity=0: must be an integer >= 1"),
+    (["search.strategy=random"], "search.strategy=random: allowed values are fit, doubling"),
+    (["search.max_trials=1"], "search.max_trials=1: must be an integer >= 2"),
+    (["+search.bogus=1"], "search.bogus: unknown key"),
+])
+def test_search_keys_are_checked(overrides, message):
+    from zero_bench.config import search_from_cfg
+
+    with pytest.raises(ConfigError) as err:
+        search_from_cfg(composed(*overrides))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.seq_len=0"], "model.seq_len=0: must be an integer >= 1"),
+    (["model.vocab_size=-5"], "model.vocab_size=-5: must be an integer >= 1"),
+    (["steps.timed=0"], "steps.timed=0: must be an integer >= 1"),
+    (["steps.probe=0"], "steps.probe=0: must be an integer >= 1"),
+    (["timeout_s=0"], "timeout_s=0: must be a number > 0"),
+    (["hardware.memory_gb=-1"], "hardware.memory_gb=-1: must be a number > 0"),
+    (["zero=true"], "zero=True: allowed values are 0, 1, 2, 3"),
+    (["+fault.kind=melt"], "fault.kind=melt: allowed values are raise, oom, kill, hang"),
+])
+def test_every_numeric_key_has_a_range(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        bench(*overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_raw_ds_keys_are_checked_by_deepspeed_before_launch():
+    with pytest.raises(ConfigError, match=r"ds: DeepSpeed refuses the config: zero_optimization.stage=7"):
+        validate_machine(bench("+ds.zero_optimization.stage=7"))
+
+
+def test_search_key_carries_software_versions(monkeypatch):
+    from zero_bench import config
+
+    b = bench()
+    key = b.search_key()
+    monkeypatch.setattr(config, "software_versions", lambda: (("torch", "0.0"),))
+    assert b.search_key() != key and b.fault is None
+
+
+def test_cli_exit_codes_and_one_line_errors(tmp_path):
+    cases = [(["maxbatch", "search.min=10", "search.max=5"], 2, "search.max=5: must be >= search.min=10"),
+             (["maxbatch", "+ds.zero_optimization.stage=7"], 2, "zero_optimization.stage=7"),
+             (["report", f"report.runs={tmp_path}/nothing.sqlite"], 2, "report.runs="),
+             (["report", f"report.compare={tmp_path}/none", f"store={tmp_path}/none.sqlite"], 2, "report.")]
+    for args, code, text in cases:
+        p = subprocess.run([sys.executable, "-m", "zero_bench", *args, f"hydra.run.dir={tmp_path}/run"],
+                           capture_output=True, text=True, cwd=ROOT)
+        assert p.returncode == code, (args, p.stderr)
+        assert text in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_help_lists_exit_codes():
+    p = subprocess.run([sys.executable, "-m", "zero_bench", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0 and "Exit codes: 0 answered" in p.stdout and "5 another zero_bench" in p.stdout

@@ -1,6 +1,7 @@
 """Real 2-rank DeepSpeed trials on CPU: every ZeRO stage, offload, TP=2, and failures."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -55,7 +56,7 @@ def test_variant_runs_and_reports(runs, name):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_parameter_count_matches_formula(runs, name):
     cfg, res, _ = runs[name]
-    local = [r["model_states"]["numel_local"] for r in res.ranks]
+    local = [r.model_states["numel_local"] for r in res.ranks]
     if cfg.zero == 3:  # each rank holds a partition (the last one padded)
         assert sum(local) == pytest.approx(cfg.model.num_params, abs=cfg.parallel.dp)
     else:
@@ -64,7 +65,7 @@ def test_parameter_count_matches_formula(runs, name):
 
 def test_model_state_bytes_fall_as_stage_rises(runs):
     """Exact per-rank tensor counts: ZeRO-1 partitions optimizer states, ZeRO-3 the parameters too."""
-    total = {z: sum(v for k, v in runs[f"zero{z}"][1].ranks[0]["model_states"].items() if k != "numel_local")
+    total = {z: sum(v for k, v in runs[f"zero{z}"][1].ranks[0].model_states.items() if k != "numel_local")
              for z in range(4)}
     p = runs["zero0"][0].model.num_params
     assert total[0] > total[1] >= total[2] > total[3]
@@ -97,7 +98,7 @@ def test_bf16_zero1_peak_memory_below_zero0(tmp_path):
         cfg = cpu_cfg("gpt-small", zero=z, precision="bf16")
         (res,) = run_launch(cfg, [Entry(1, "probe")], tmp_path / f"z{z}")
         assert res.status == "ok", res.reason
-        peaks[z] = (max(r["peak_rss_bytes"] for r in res.ranks), max(r["peak_live_bytes"] for r in res.ranks))
+        peaks[z] = (max(r.peak_rss_bytes for r in res.ranks), max(r.peak_live_bytes for r in res.ranks))
     p = cfg.model.num_params
     rss_saved, live_saved = peaks[0][0] - peaks[1][0], peaks[0][1] - peaks[1][1]
     assert peaks[1][0] < 0.85 * peaks[0][0]
@@ -109,16 +110,16 @@ def test_bf16_zero1_peak_memory_below_zero0(tmp_path):
 
 def test_rank_exception_is_an_error_and_leaves_nothing(no_leftovers):
     cfg = cpu_cfg()
-    res = run_launch(cfg, [Entry(1), Entry(2)], no_leftovers / "raise",
-                     fault={"rank": 1, "kind": "raise", "min_micro": 2})
+    cfg = dataclasses.replace(cfg, fault={"rank": 1, "kind": "raise", "min_micro": 2})
+    res = run_launch(cfg, [Entry(1), Entry(2)], no_leftovers / "raise")
     assert [r.status for r in res] == ["ok", "error"]
     assert "injected fault on rank 1" in res[1].reason
 
 
 def test_killed_rank_is_oom_and_earlier_entries_are_kept(no_leftovers):
     cfg = cpu_cfg()
-    res = run_launch(cfg, [Entry(1), Entry(2), Entry(4)], no_leftovers / "kill",
-                     fault={"rank": 1, "kind": "kill", "min_micro": 2})
+    cfg = dataclasses.replace(cfg, fault={"rank": 1, "kind": "kill", "min_micro": 2})
+    res = run_launch(cfg, [Entry(1), Entry(2), Entry(4)], no_leftovers / "kill")
     assert [r.status for r in res] == ["ok", "oom", "not_run"]
 
 

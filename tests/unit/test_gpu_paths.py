@@ -130,20 +130,20 @@ def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, 
 
 def test_gpu_oom_record_classifies_as_oom():
     """A rank's CUDA OOM (record status oom, exit OOM_EXIT) ends the entry as oom, not error."""
-    from zero_bench.launch import Entry, classify
+    from zero_bench.outcome import Entry, LaunchEnd, classify
+    from zero_bench.records import RankRecord
 
     cfg = gpu_cfg(memory_gb=20)
-    logs = {0: [{"event": "begin", "micro": 8, "rank": 0},
-                {"event": "end", "micro": 8, "rank": 0, "status": "oom",
-                 "error": "OutOfMemoryError: " + CUDA_OOM}],
-            1: [{"event": "begin", "micro": 8, "rank": 1}]}
-    (r,) = classify(cfg, [Entry(8)], logs, rc=OOM_EXIT, timed_out=False, stopped=None, log_tail="", cap=20 * 2**30)
+    logs = {0: [RankRecord(event="begin", micro=8, rank=0),
+                RankRecord(event="end", micro=8, rank=0, status="oom", error="OutOfMemoryError: " + CUDA_OOM)],
+            1: [RankRecord(event="begin", micro=8, rank=1)]}
+    (r,) = classify(cfg, [Entry(8)], logs, LaunchEnd(rc=OOM_EXIT, cap=20 * 2**30))
     assert r.status == "oom" and "CUDA out of memory" in r.reason and r.phase == "step"
     # both ranks past capacity by torch's reserved bytes -> oom with the measured peak
-    logs = {i: [{"event": "begin", "micro": 8, "rank": i},
-                {"event": "end", "micro": 8, "rank": i, "status": "over_capacity", "peak_rss_bytes": 2**30,
-                 "torch_peak_reserved": 21 * 2**30}] for i in (0, 1)}
-    (r,) = classify(cfg, [Entry(8)], logs, rc=0, timed_out=False, stopped=None, log_tail="", cap=20 * 2**30)
+    logs = {i: [RankRecord(event="begin", micro=8, rank=i),
+                RankRecord(event="end", micro=8, rank=i, status="over_capacity", peak_rss_bytes=2**30,
+                           torch_peak_reserved=21 * 2**30)] for i in (0, 1)}
+    (r,) = classify(cfg, [Entry(8)], logs, LaunchEnd(rc=0, cap=20 * 2**30))
     assert r.status == "oom" and "21504 MiB > capacity 20480 MiB" in r.reason
 
 
@@ -167,7 +167,7 @@ def test_real_memory_fraction_raises_classified_oom():
 
 @needs_gpu
 def test_real_nvml_maps_torch_devices_by_uuid():
-    from zero_bench.sampler import Nvml, torch_identity
+    from zero_bench.nvml import Nvml, torch_identity
 
     n = Nvml()
     assert n.error is None, n.error
@@ -200,7 +200,8 @@ def _demo_cfg(**hw):
 
 
 def test_doctor_reports_every_area(capsys):
-    from zero_bench.doctor import FIX, doctor_command
+    from zero_bench.commands import doctor as doctor_command
+    from zero_bench.doctor import FIX
 
     checks = doctor_command(_demo_cfg())
     names = {c.name for c in checks}

@@ -6,7 +6,6 @@ import csv
 import pytest
 
 from zero_bench.launch import Entry, run_launch
-from zero_bench.sampler import Sample, phase_at, summarize
 from zero_bench.worker import PHASES
 
 from conftest import cpu_cfg
@@ -28,9 +27,9 @@ def test_timeline_has_samples_for_both_ranks(trial):
     assert all(int(r["used_bytes"]) > 0 for r in rows)
     # and each result carries per-device peaks over its own window, with the phase of the peak
     for r in res:
-        assert set(r.devices) == {"rank0", "rank1"}
-        for d in r.devices.values():
-            assert d["peak_bytes"] > 0 and d["total_bytes"] >= d["peak_bytes"] and d["phase"] in PHASES
+        assert {d.key for d in r.devices} == {("rank", 0), ("rank", 1)}
+        for d in r.devices:
+            assert d.peak_bytes > 0 and d.total_bytes >= d.peak_bytes and d.phase in PHASES
 
 
 @pytest.mark.slow
@@ -39,8 +38,8 @@ def test_rss_bounds_live_tensors_and_live_grows_with_batch(trial):
     assert [r.status for r in res] == ["ok", "ok"]
     for r in res:
         for rank in r.ranks:
-            assert rank["peak_rss_bytes"] >= rank["peak_live_bytes"] > 0
-    small, large = (max(x["peak_live_bytes"] for x in r.ranks) for r in res)
+            assert rank.peak_rss_bytes >= rank.peak_live_bytes > 0
+    small, large = (max(x.peak_live_bytes for x in r.ranks) for r in res)
     assert large > small
     # activations grow with the batch; 3 more samples of gpt-mini are tens of MiB, not noise
     assert large - small > 3 * 10 * 2**20
@@ -52,15 +51,7 @@ def test_sampled_peak_never_exceeds_the_true_peak(trial):
     res, _ = trial
     last = res[-1]
     for rank in last.ranks:
-        sampled = last.devices[f"rank{rank['rank']}"]["peak_bytes"]
-        assert sampled <= rank["peak_rss_bytes"] * 1.01
+        (sampled,) = [d.peak_bytes for d in last.devices if d.key == ("rank", rank.rank)]
+        assert sampled <= rank.peak_rss_bytes * 1.01
 
 
-def test_summarize_names_the_phase_of_each_peak():
-    samples = [Sample(1.0, "rank", 0, 100, 1000), Sample(2.0, "rank", 0, 300, 1000),
-               Sample(3.0, "rank", 0, 200, 1000), Sample(2.5, "gpu", 1, 50, 80)]
-    marks = {0: [(0.5, "init"), (1.5, "forward"), (2.2, "backward")], 1: [(2.4, "step")]}
-    peaks = summarize(samples, marks)
-    assert peaks["rank0"] == {"peak_bytes": 300, "total_bytes": 1000, "phase": "forward", "samples": 3}
-    assert peaks["gpu1"]["phase"] == "step"
-    assert phase_at([], 5.0) == "init"

@@ -1,4 +1,4 @@
-"""NVML through the sampler's seam (`zero_bench.sampler.nvml_module`): a fake pynvml module object
+"""NVML through the sampler's seam (`zero_bench.nvml.nvml_module`): a fake pynvml module object
 with pynvml's real function names and pynvml's own exception classes, so that what the code catches
 is what a real driver raises. Device mapping follows CUDA_VISIBLE_DEVICES (index, UUID, UUID prefix,
 MIG) and local rank, by UUID or PCI bus id where the rank knows them.
@@ -11,8 +11,9 @@ import types
 import pynvml
 import pytest
 
-from zero_bench import sampler
-from zero_bench.sampler import Nvml, Sampler, norm_pci, torch_identity
+from zero_bench import nvml
+from zero_bench.nvml import Nvml, norm_pci, torch_identity
+from zero_bench.sampler import Sampler
 
 GiB = 2**30
 
@@ -126,7 +127,7 @@ def fake_pynvml(devices=A100, init_error: str | None = None, mig: dict | None = 
 @pytest.fixture
 def use_fake(monkeypatch):
     def install(nv):
-        monkeypatch.setattr(sampler, "nvml_module", lambda: nv)
+        monkeypatch.setattr(nvml, "nvml_module", lambda: nv)
         return nv
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
@@ -173,7 +174,7 @@ def test_init_failure_leaves_gpu_path_out(use_fake, err):
     assert n.nv is None and err in n.error and n.read() == []
     assert nv.state["calls"] == ["nvmlInit"]  # nothing else is asked of a library that did not start
     assert "memory not sampled by NVML" in n.status()
-    s = Sampler(os.getpid(), use_gpu=True)
+    s = Sampler(os.getpid(), gpus="0,1,2,3")
     s.sample_once()
     assert [x for x in s.samples if x.kind == "gpu"] == [] and err in s.error
     s.stop()
@@ -182,7 +183,7 @@ def test_init_failure_leaves_gpu_path_out(use_fake, err):
 def test_import_error_in_seam(monkeypatch):
     def missing():
         raise ImportError("No module named 'pynvml'")
-    monkeypatch.setattr(sampler, "nvml_module", missing)
+    monkeypatch.setattr(nvml, "nvml_module", missing)
     n = Nvml()
     assert n.nv is None and "ImportError" in n.error
 
@@ -270,7 +271,7 @@ def test_mixed_models_in_default_order_are_flagged(use_fake, monkeypatch):
 
 def test_gpu_lost_mid_run(use_fake):
     nv = use_fake(fake_pynvml())
-    s = Sampler(os.getpid(), use_gpu=True)
+    s = Sampler(os.getpid(), gpus="0,1,2,3")
     s.sample_once()
     assert sorted(x.ident for x in s.samples if x.kind == "gpu") == [0, 1, 2, 3]
     nv.state["lost"].add(1)  # "GPU has fallen off the bus"

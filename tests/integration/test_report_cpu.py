@@ -1,0 +1,218 @@
+"""zero_bench report: stores -> .xlsx / .csv / .md, read back with openpyxl and pandas.
+
+Two real CPU searches (one module fixture, marked slow) give the measured rows; failed, skipped and
+GPU configurations are added to the store directly, since they only test how a report renders them.
+"""
+import dataclasses
+
+import openpyxl
+import pandas as pd
+import pytest
+
+from zero_bench import report
+from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig, SearchConfig, StepsConfig
+from zero_bench.results import Store
+from zero_bench.search import SearchOptions, run_search
+
+from synthetic import EXPECTED_NOTES, GPT345, NUMERIC, TINY, add_synthetic, row_of, summary_of
+
+pytestmark = pytest.mark.slow
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("real")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZERO_BENCH_CACHE", str(tmp / "cache"))
+        store = Store(tmp / "cpu.sqlite")
+        cfg = BenchConfig(model=TINY, zero=1, precision="fp32", hardware=HardwareConfig(device="cpu", memory_gb=0.5),
+                          steps=StepsConfig(warmup=1, timed=2), timeout_s=300)
+        spec = SearchConfig(max=4, strategy="doubling")
+        dp2 = run_search(cfg, spec, store, tmp / "run-dp2", SearchOptions(progress=lambda s: None))
+        dp1 = run_search(dataclasses.replace(cfg, parallel=ParallelConfig(tp=1, dp=1)), spec, store, tmp / "run-dp1",
+                         SearchOptions(repeats=2, progress=lambda s: None))
+        assert dp2.status == dp1.status == "done", (dp2.note, dp1.note)
+        lone = add_synthetic(store)
+        paths = report.write_reports(runs=store.path, out=tmp / "reports" / "zero_bench.xlsx")
+        yield dict(store=store, dp2=dp2, dp1=dp1, lone=lone, paths=paths, tmp=tmp)
+
+
+@pytest.mark.slow
+def test_every_configuration_has_a_row(real):
+    df = summary_of(real)
+    expected = {real["dp2"].search_key, real["dp1"].search_key, *EXPECTED_NOTES, *real["lone"]}
+    assert sorted(df["search key"]) == sorted(expected)
+    assert list(df.columns[:len(report.SEED_COLUMNS)]) == report.SEED_COLUMNS
+    assert {"Dev0 used MiB", "Dev0 total MiB", "Dev7 used MiB", "Notes"} <= set(df.columns)
+
+
+@pytest.mark.slow
+def test_cells_hold_numbers_not_text(real):
+    df = summary_of(real)
+    for col in NUMERIC + [c for c in df.columns if c.startswith("Dev")]:
+        assert pd.api.types.is_numeric_dtype(df[col]), col
+    ws = openpyxl.load_workbook(real["paths"][0])["Summary"]
+    header = [c.value for c in ws[1]]
+    for col in NUMERIC:
+        cells = [r[header.index(col)] for r in ws.iter_rows(min_row=2, values_only=True)]
+        assert all(v is None or isinstance(v, (int, float)) for v in cells), (col, cells)
+        assert any(isinstance(v, (int, float)) for v in cells), col
+
+
+@pytest.mark.slow
+def test_failed_configurations_keep_their_reason(real):
+    df = summary_of(real)
+    for key, text in EXPECTED_NOTES.items():
+        assert text in row_of(df, key)["Notes"]
+    for key in list(EXPECTED_NOTES)[:-1]:  # all but the GPT-345M search that succeeded
+        assert pd.isna(row_of(df, key)["Max Global BSZ"])
+    skipped = row_of(df, "skip-0123456789ab")
+    assert (skipped["model parallel"], skipped["CPU offload"], skipped["precision"]) == (3, "Yes", "auto")
+    oom_run = row_of(df, [k for k, s in real["lone"].items() if s == "estimated_oom"][0])
+    assert oom_run["Notes"] == "does not fit (estimated): model states 70 GiB > 40 GiB"
+
+
+@pytest.mark.slow
+def test_measured_rows_carry_the_search_results(real):
+    df = summary_of(real)
+    for res in (real["dp2"], real["dp1"]):
+        row, m = row_of(df, res.search_key), res.measure
+        assert row["Max Global BSZ"] == res.max_global_batch and row["micro batch"] == res.max_micro
+        assert row["time/it (ms)"] == pytest.approx(m.time_per_step_s * 1e3)
+        assert row["throughput (samples/s)"] == pytest.approx(m.samples_per_s)
+        assert row["tokens/s per GPU"] == pytest.approx(m.tokens_per_s / res.config["parallel"]["dp"])
+        assert 0 < row["MFU"] < 1 and row["HFU"] == row["MFU"]
+        assert row["num params"] == TINY.num_params
+        assert row["memory of"] == "rank RSS" and row["Dev0 total MiB"] == 512
+        assert row["Dev0 used MiB"] == pytest.approx(m.devices_of("rank")[0].peak_bytes / 2**20)
+    dp1 = row_of(df, real["dp1"].search_key)
+    times = sorted(t * 1e3 for t in real["dp1"].repeats)
+    assert dp1["repeats"] == 2 == len(times)
+    assert (dp1["time/it min (ms)"], dp1["time/it max (ms)"]) == pytest.approx((times[0], times[-1]))
+    assert not pd.isna(row_of(df, real["dp2"].search_key)["Dev1 used MiB"])
+    assert pd.isna(dp1["Dev1 used MiB"])  # one rank, one device
+
+
+@pytest.mark.slow
+def test_sheets_are_formatted_for_a_reader(real):
+    wb = openpyxl.load_workbook(real["paths"][0])
+    assert wb.sheetnames == ["Summary", "Trials", "Charts", "Environment", "Scaling"]
+    ws = wb["Summary"]
+    header = [c.value for c in ws[1]]
+    assert ws.freeze_panes == "B2" and ws.auto_filter.ref == ws.dimensions
+    assert ws.cell(2, header.index("MFU") + 1).number_format == "0.00%"
+    assert ws.cell(2, header.index("time/it (ms)") + 1).number_format == "#,##0.0"
+    letter = openpyxl.utils.get_column_letter(header.index("peak memory used") + 1)
+    (rng,) = [str(cf.sqref) for cf in ws.conditional_formatting]
+    assert rng == f"{letter}2:{letter}{ws.max_row}"
+    assert all(ws.column_dimensions[openpyxl.utils.get_column_letter(i)].width >= 8 for i in range(1, 10))
+
+
+@pytest.mark.slow
+def test_charts_point_at_the_summary_columns(real):
+    wb = openpyxl.load_workbook(real["paths"][0])
+    header = [c.value for c in wb["Summary"][1]]
+    last = wb["Summary"].max_row
+
+    def ref(col):
+        letter = openpyxl.utils.get_column_letter(header.index(col) + 1)
+        return f"'Summary'!${letter}$2:${letter}${last}"
+
+    charts = wb["Charts"]._charts
+    assert [c.title.tx.rich.p[0].r[0].t for c in charts] == [
+        "Max global batch per configuration", "Throughput per configuration",
+        "Peak memory per device per configuration"]
+    assert [s.val.numRef.f for s in charts[0].series] == [ref("Max Global BSZ")]
+    assert [s.val.numRef.f for s in charts[1].series] == [ref("throughput (samples/s)")]
+    assert [s.val.numRef.f for s in charts[2].series] == [ref(f"Dev{i} used MiB") for i in range(8)]
+    assert all(s.cat.strRef.f == ref("config") for c in charts for s in c.series)
+
+
+@pytest.mark.slow
+def test_trials_sheet_lists_every_trial(real):
+    trials = pd.read_excel(real["paths"][0], sheet_name="Trials")
+    stored = real["store"].trials()
+    assert len(trials) == len(stored)
+    assert set(trials["outcome"]) == {t.status for t in stored}
+    ok_real = trials[(trials["outcome"] == "ok") & trials["config"].str.startswith("GPT-tiny")]
+    assert len(ok_real) and ok_real["Dev0 peak MiB"].gt(300).all() and ok_real["duration (s)"].gt(0).all()
+    assert sorted(ok_real["micro batch"].unique()) == [1, 2, 4]
+
+
+@pytest.mark.slow
+def test_environment_sheet_says_what_ran_where(real):
+    ws = openpyxl.load_workbook(real["paths"][0])["Environment"]
+    text = "\n".join(str(v) for row in ws.iter_rows(values_only=True) for v in row if v is not None)
+    import torch
+    assert torch.__version__ in text and "deepspeed" in text and "megatron-core" in text
+    assert "matmul microbenchmark" in text  # where the CPU peak came from
+    for res in (real["dp2"], real["dp1"]):
+        assert res.measure.cmd in text
+        assert '"stage": 1' in text
+
+
+@pytest.mark.slow
+def test_scaling_sheet_compares_world_sizes(real):
+    sc = pd.read_excel(real["paths"][0], sheet_name="Scaling")
+    assert list(sc["data parallel"]) == [1, 2]
+    t1, t2 = real["dp1"].measure.samples_per_s, real["dp2"].measure.samples_per_s
+    assert list(sc["speedup"]) == pytest.approx([1.0, t2 / t1])
+    assert list(sc["scaling efficiency"]) == pytest.approx([1.0, t2 / t1 / 2])
+
+
+@pytest.mark.slow
+def test_csv_and_markdown_carry_the_same_rows(real):
+    xlsx, csv, md = real["paths"]
+    summary = summary_of(real)
+    from_csv = pd.read_csv(csv)
+    assert list(from_csv.columns) == list(summary.columns)
+    pd.testing.assert_series_equal(from_csv["Max Global BSZ"], summary["Max Global BSZ"])
+    text = md.read_text()
+    main, scaling = text.split("## Scaling")
+    table = [line for line in main.splitlines() if line.startswith("| ")]
+    assert len(table) == len(summary) + 2  # header, rule, one line per configuration
+    assert len([line for line in scaling.splitlines() if line.startswith("| ")]) == 2 + 2
+    assert "| Dev0 MiB |" in table[0] and "36,074 / 40,537" in text
+    for note in EXPECTED_NOTES.values():
+        assert note in text
+
+
+@pytest.mark.slow
+def test_compare_sheet_shows_deltas_and_ratios(real):
+    tmp = real["tmp"]
+    other = Store(tmp / "h100.sqlite")
+    faster = {real["dp2"].search_key: 2.0, GPT345.search_key(): 4.0}
+    for s in real["store"].searches():
+        if s.search_key in faster:  # same configurations, measured faster elsewhere
+            f = faster[s.search_key]
+            m = dataclasses.replace(s.measure, samples_per_s=s.measure.samples_per_s * f,
+                                    tokens_per_s=s.measure.tokens_per_s * f, time_per_step_s=s.measure.time_per_step_s / f)
+            other.put_search(dataclasses.replace(s, measure=m, max_global_batch=s.max_global_batch * 2))
+    xlsx, _, _ = report.write_reports(runs=real["store"].path, out=tmp / "cmp" / "a_vs_b.xlsx", compare=other.path)
+    cmp = pd.read_excel(xlsx, sheet_name="Compare")
+    base = summary_of(real)
+    assert len(cmp) == len(base)  # every configuration of either side, matched where both have it
+    for key, factor in faster.items():
+        b = row_of(base, key)
+        (i,) = cmp.index[(cmp["Model"] == b["Model"]) & (cmp["ZeRO stage"] == b["ZeRO stage"])
+                         & (cmp["data parallel"] == b["data parallel"])]
+        r = cmp.loc[i]
+        assert r["throughput (samples/s) [cpu]"] == pytest.approx(b["throughput (samples/s)"])
+        assert r["throughput (samples/s) [h100]"] == pytest.approx(b["throughput (samples/s)"] * factor)
+        assert r["throughput (samples/s) Δ"] == pytest.approx(b["throughput (samples/s)"] * (factor - 1))
+        assert r["throughput (samples/s) ratio"] == pytest.approx(factor)
+        assert r["time/it (ms) ratio"] == pytest.approx(1 / factor)
+        assert r["Max Global BSZ ratio"] == pytest.approx(2.0)
+    assert cmp["throughput (samples/s) [h100]"].notna().sum() == len(faster)  # the rest: this side only
+    # a report already written can be the other side too
+    again, _, _ = report.write_reports(runs=real["store"].path, out=tmp / "cmp" / "self.xlsx", compare=xlsx)
+    same = pd.read_excel(again, sheet_name="Compare")
+    assert same["throughput (samples/s) ratio"].dropna().tolist() == pytest.approx([1.0] * 4)
+
+
+@pytest.mark.slow
+def test_estimate_matches_the_counted_model_states(real):
+    df = summary_of(real)
+    if report.ESTIMATE_COLUMNS[2] not in df.columns:
+        pytest.skip("zero_bench.estimate.model_states_bytes is not available")
+    for res in (real["dp2"], real["dp1"]):
+        assert abs(row_of(df, res.search_key)[report.ESTIMATE_COLUMNS[2]]) < 5

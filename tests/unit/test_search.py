@@ -1,0 +1,149 @@
+"""maxbatch arithmetic (pure): what to try next, and when fresh evidence decides the answer.
+
+A simulated memory model stands in for launches: peak(m) = base + m * per_sample, plus `leftover`
+bytes for every entry that is not the first of its launch (memory earlier sizes left behind, as
+measured on CPU: ~15 MiB). Real searches: tests/integration/test_search_cpu.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from zero_bench.config import SearchConfig
+from zero_bench.records import RankRecord, SearchStatus, Status, TrialResult
+from zero_bench.search import Known, next_plan, predict, snap, verdict
+
+MiB = 2**20
+
+
+def result(micro: int, status: Status, fresh: bool, mode: str = "probe", peak: int = 0) -> TrialResult:
+    return TrialResult(search_key="k", trial_key=f"t{micro}", label="sim", micro=micro, global_batch=2 * micro,
+                       status=status, mode=mode, fresh=fresh,
+                       ranks=[RankRecord(rank=0, event="end", peak_rss_bytes=peak)] if peak else [])
+
+
+class Sim:
+    """Runs next_plan against the memory model; records trials as the runner would."""
+
+    def __init__(self, boundary: int, spec: SearchConfig, leftover: int = 0, seed=None,
+                 base=400 * MiB, per_sample=30 * MiB):
+        self.spec, self.seed, self.leftover, self.base, self.per = spec, seed, leftover, base, per_sample
+        self.cap = base + boundary * per_sample + per_sample // 2
+        self.trials: list[TrialResult] = []
+        self.launches = 0
+
+    def peak(self, micro: int, position: int) -> int:
+        return self.base + micro * self.per + (self.leftover if position else 0)
+
+    def run(self, max_launches: int = 100) -> Known:
+        for _ in range(max_launches):
+            known = Known.from_trials(self.trials)
+            plan = next_plan(known, self.spec, self.cap, self.seed, allow_fit=self.launches < 2)
+            if not plan:
+                return known
+            self.launches += 1
+            for i, e in enumerate(plan):  # a launch ends at its first failure, as the worker does
+                p = self.peak(e.micro, i)
+                ok = p <= self.cap
+                self.trials.append(result(e.micro, Status.OK if ok else Status.OOM, i == 0, e.mode, p))
+                if not ok:
+                    break
+        raise AssertionError(f"no answer after {max_launches} launches: {[(t.micro, t.status) for t in self.trials]}")
+
+
+def answer(sim: Sim) -> tuple:
+    known = sim.run()
+    return verdict(known, sim.spec), known.lo, known.hi
+
+
+@pytest.mark.parametrize("boundary", [1, 2, 7, 9, 33, 100, 1000])
+@pytest.mark.parametrize("strategy", ["fit", "doubling"])
+def test_search_confirms_the_boundary(boundary, strategy):
+    assert answer(Sim(boundary, SearchConfig(max=4096, strategy=strategy))) == (SearchStatus.DONE, boundary,
+                                                                               boundary + 1)
+
+
+@pytest.mark.parametrize("multi", [True, False])
+@pytest.mark.parametrize("seed", [None, 5, 10, 40])
+def test_leftover_memory_cannot_change_the_answer(multi, seed):
+    """Later entries of a launch peak higher (leftovers): probes say 10 fails, fresh says it fits.
+    The answer is the fresh boundary whatever the grouping, the seed or search.multi."""
+    spec = SearchConfig(strategy="fit", multi=multi)
+    sim = Sim(10, spec, leftover=20 * MiB, seed=seed)
+    assert answer(sim) == (SearchStatus.DONE, 10, 11)
+    fresh = {t.micro: t.status for t in sim.trials if t.fresh}
+    assert fresh[10] == Status.OK and fresh[11] == Status.OOM
+    assert any(t.micro == 10 and t.fresh and t.mode == "measure" for t in sim.trials)  # the measurement is fresh
+
+
+def test_answer_needs_fresh_evidence_on_both_sides():
+    spec = SearchConfig()
+    trials = [result(1, Status.OK, True), result(4, Status.OK, False), result(5, Status.OOM, False)]
+    known = Known.from_trials(trials)
+    assert verdict(known, spec) is None and [(e.micro, e.mode) for e in next_plan(known, spec, None)] == [(5, "measure")]
+    known = Known.from_trials(trials + [result(5, Status.OOM, True, "measure")])
+    assert verdict(known, spec) is None and [(e.micro, e.mode) for e in next_plan(known, spec, None)] == [(4, "measure")]
+    known = Known.from_trials(trials + [result(5, Status.OOM, True), result(4, Status.OK, True, "measure")])
+    assert verdict(known, spec) == SearchStatus.DONE and next_plan(known, spec, None) == []
+
+
+def test_fresh_evidence_wins_over_probes_of_the_same_size():
+    k = Known.from_trials([result(10, Status.OOM, False), result(10, Status.OK, True), result(10, Status.OOM, False)])
+    assert k.fits[10] is True and k.fresh[10] == [True]
+
+
+def test_unseeded_single_size_search_survives_an_overshooting_seed():
+    """search.multi=false with a seed above the boundary used to crash (lo=None + granularity)."""
+    assert answer(Sim(3, SearchConfig(multi=False), seed=50)) == (SearchStatus.DONE, 3, 4)
+
+
+def test_fit_needs_fewer_trials_than_doubling():
+    def trials(strategy):
+        return sum(len(s.trials) for s in [Sim(b, SearchConfig(strategy=strategy)) for b in (9, 33, 100, 1000)]
+                   if s.run())
+    assert trials("fit") < trials("doubling")
+
+
+def test_seeded_search_needs_few_launches():
+    sim = Sim(57, SearchConfig(strategy="fit"), seed=57)
+    assert answer(sim)[:2] == (SearchStatus.DONE, 57) and sim.launches <= 3
+
+
+def test_granularity_and_bounds():
+    spec = SearchConfig(min=4, max=64, granularity=4, strategy="doubling")
+    assert snap(13, spec) == 12 and snap(1000, spec) == 64
+    assert answer(Sim(30, spec)) == (SearchStatus.DONE, 28, 32)
+    assert answer(Sim(5000, spec))[:2] == (SearchStatus.DONE, 64)  # everything fits: stop at search.max
+
+
+def test_nothing_fits_is_an_answer():
+    sim = Sim(0, SearchConfig())
+    assert answer(sim) == (SearchStatus.DOES_NOT_FIT, None, 1) and len(sim.trials) == 1
+
+
+def test_contradiction_is_retested_then_flaky():
+    spec = SearchConfig()
+    base = [result(4, Status.OOM, True), result(8, Status.OK, True, "measure"), result(9, Status.OOM, True)]
+    known = Known.from_trials(base)
+    assert known.contradiction == 4 and verdict(known, spec) is None
+    assert [e.micro for e in next_plan(known, spec, None)] == [4]
+    known = Known.from_trials(base + [result(4, Status.OK, True)])  # the re-test fits: no contradiction
+    assert known.contradiction is None and verdict(known, spec) == SearchStatus.DONE
+    again = base + [result(4, Status.OOM, True)]
+    assert [e.micro for e in next_plan(Known.from_trials(again), spec, None)] == [8]
+    known = Known.from_trials(again + [result(8, Status.OK, True, "measure")])
+    assert verdict(known, spec) == SearchStatus.FLAKY and next_plan(known, spec, None) == []
+
+
+def test_timeout_is_retried_once_fresh_then_reported():
+    spec = SearchConfig()
+    trials = [result(1, Status.OK, True), result(2, Status.TIMEOUT, False)]
+    known = Known.from_trials(trials)
+    assert 2 not in known.fits and [(e.micro, e.mode) for e in next_plan(known, spec, None)] == [(2, "measure")]
+    known = Known.from_trials(trials + [result(2, Status.TIMEOUT, True, "measure")])
+    assert verdict(known, spec) == SearchStatus.TIMEOUT and next_plan(known, spec, None) == []
+
+
+def test_predict_ignores_neighbour_noise():
+    k = Known(fits={64: True, 127: True, 128: True},
+              peak={64: 400 * MiB, 127: 463 * MiB, 128: 470 * MiB})  # 1 MiB/sample, +6 MiB noise
+    assert predict(k, 500 * MiB, SearchConfig()) == pytest.approx(158, abs=3)

@@ -1,0 +1,88 @@
+"""One zero_bench at a time per machine, and no DeepSpeed shared memory left behind.
+
+DeepSpeed's cleanup `pkill`s launcher command lines, so two zero_bench processes launching on one
+machine kill each other's trials and make both figures noise. `machine_lock` is a machine-wide
+lock (flock on a file under /tmp) that says who holds it; it is re-entrant within one process,
+so a command holds it for its whole run and every launch inside takes it again for free.
+
+DeepSpeed's CPU collective keeps 66 MiB per rank in /dev/shm (RAM). Ranks ending by os._exit or
+SIGKILL never unlink it: the runner removes a launch's buffers after it, and whoever takes the
+lock removes the buffers of launches whose runner died (no live process maps them).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from zero_bench.errors import MachineBusy
+
+SHM = Path("/dev/shm")
+_held = {"fd": None, "depth": 0}
+
+
+def lock_path() -> Path:
+    return Path(os.environ.get("ZERO_BENCH_LOCK", "/tmp/zero_bench.lock"))
+
+
+@contextlib.contextmanager
+def machine_lock() -> Iterator[None]:
+    """Hold the machine's trial lock; MachineBusy (naming the holder) if another process has it."""
+    if _held["depth"] == 0:
+        _acquire()
+    _held["depth"] += 1
+    try:
+        yield
+    finally:
+        _held["depth"] -= 1
+        if _held["depth"] == 0:
+            os.close(_held["fd"])  # closing the descriptor releases the flock
+            _held["fd"] = None
+
+
+def _acquire() -> None:
+    path = lock_path()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
+        os.close(fd)
+        raise MachineBusy(f"another zero_bench is running trials on this machine ({holder}; lock {path}): "
+                          "DeepSpeed's cleanup would kill each other's trials; wait for it to finish") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}".encode(), 0)
+    _held["fd"] = fd
+    remove_stale_shm()
+
+
+def remove_shm_buffers(port: int) -> None:
+    """Unlink one launch's /dev/shm buffers (DeepSpeed names them after the master port)."""
+    for f in SHM.glob(f"deepspeed_*_{port}_*"):
+        with contextlib.suppress(OSError):
+            f.unlink()
+
+
+def mapped_shm() -> set[str]:
+    """/dev/shm files some live process maps (or holds open)."""
+    used: set[str] = set()
+    for pid_dir in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            used.update(line.split(None, 5)[-1] for line in (pid_dir / "maps").read_text().splitlines()
+                        if "/dev/shm/" in line)
+        with contextlib.suppress(OSError):
+            used.update(str(os.readlink(fd)) for fd in (pid_dir / "fd").iterdir()
+                        if str(os.readlink(fd)).startswith("/dev/shm/"))
+    return used
+
+
+def remove_stale_shm() -> list[Path]:
+    """Unlink DeepSpeed buffers no live process uses (left by a runner killed with SIGKILL)."""
+    stale = [f for f in SHM.glob("deepspeed_*") if str(f) not in mapped_shm()]
+    for f in stale:
+        with contextlib.suppress(OSError):
+            f.unlink()
+    return stale

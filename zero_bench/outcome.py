@@ -1,0 +1,147 @@
+"""A finished (or still running) launch's rank records -> one TrialResult per plan entry. Pure.
+
+An entry every rank ended "ok" fits. Any rank "over_capacity" or "oom" -> oom. An entry that
+began but did not end on some rank failed with the launch: oom if the sampler stopped it over
+budget, a rank exited with OOM_EXIT or was SIGKILLed, or the logs show an allocation failure;
+timeout if the clock ran out; otherwise error with the log tail.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from zero_bench.capacity import trial_peak
+from zero_bench.records import OOM_EXIT, DeviceMemStats, RankRecord, Status, TrialResult
+
+if TYPE_CHECKING:
+    from zero_bench.config import BenchConfig
+
+# What ranks print when an allocation fails, or what the launcher says when the kernel killed one.
+OOM_PATTERNS = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory|MemoryError|"
+                          r"return code = -9\b|Failed to CUDA (calloc|malloc|host alloc)|cudaErrorMemoryAllocation|"
+                          r"CUDA_ERROR_OUT_OF_MEMORY", re.I)
+# What peers of a dead rank raise: consequences, not causes.
+PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote worker|NCCL communicator was aborted",
+                       re.I)
+
+
+@dataclass
+class Entry:
+    """One batch size of a launch's plan."""
+    micro: int
+    mode: str = "probe"  # "probe" (steady peak memory) or "measure" (warm-up + timed steps)
+
+
+@dataclass
+class LaunchEnd:
+    """How a launch ended, as far as the runner saw it."""
+    cap: Optional[int] = None  # per-rank capacity the launch enforced
+    rc: Optional[int] = None  # the launcher's exit code (None: still running)
+    timed_out: bool = False
+    stopped: Optional[str] = None  # the sampler's reason for stopping it over budget
+    log_tail: str = ""
+
+
+Logs = dict[int, list[RankRecord]]
+
+
+def end_of(logs: Logs, rank: int, micro: int) -> Optional[RankRecord]:
+    return next((x for x in logs.get(rank, []) if x.event == "end" and x.micro == micro), None)
+
+
+def finished_prefix(plan: list[Entry], logs: Logs, world: int) -> int:
+    """How many leading entries every rank has ended "ok" (final whatever happens next)."""
+    n = 0
+    for entry in plan:
+        ends = [end_of(logs, r, entry.micro) for r in range(world)]
+        if not all(e is not None and e.status == "ok" for e in ends):
+            break
+        n += 1
+    return n
+
+
+def classify(cfg: "BenchConfig", plan: list[Entry], logs: Logs, end: LaunchEnd) -> list[TrialResult]:
+    """Per entry: ok / oom / error / timeout / not_run, from every rank's records and the exit."""
+    results: list[TrialResult] = []
+    for i, entry in enumerate(plan):
+        if results and results[-1].status != Status.OK:
+            results.append(trial(cfg, entry, i, Status.NOT_RUN, reason="launch ended earlier"))
+        else:
+            results.append(_entry(cfg, entry, i, logs, end))
+    return results
+
+
+def trial(cfg: "BenchConfig", entry: Entry, index: int, status: Status, **kw) -> TrialResult:
+    c = cfg.with_micro(entry.micro)
+    return TrialResult(search_key=cfg.search_key(), trial_key=c.trial_key(), label=cfg.label(), micro=entry.micro,
+                       global_batch=c.global_batch, status=status, mode=entry.mode, fresh=index == 0,
+                       config=c.to_dict(), **kw)
+
+
+def _entry(cfg: "BenchConfig", entry: Entry, index: int, logs: Logs, end: LaunchEnd) -> TrialResult:
+    world = cfg.parallel.world_size
+    ends = {r: end_of(logs, r, entry.micro) for r in range(world)}
+    done = [e for e in ends.values() if e]
+    statuses = {e.status for e in done}
+    if len(done) == world and statuses == {"ok"}:
+        return _ok(cfg, entry, index, done)
+    if len(done) == world and statuses <= {"ok", "over_capacity"}:
+        peak = trial_peak(done, cfg.hardware.device) or 0
+        cap = f"{end.cap / 2**20:.0f}" if end.cap else "?"
+        return trial(cfg, entry, index, Status.OOM, phase="step", ranks=[e.summary() for e in done],
+                     reason=f"peak {peak / 2**20:.0f} MiB > capacity {cap} MiB per rank")
+    inits = [x for recs in logs.values() for x in recs if x.event == "init_failed"]
+    begun = any(x.event == "begin" and x.micro == entry.micro for recs in logs.values() for x in recs)
+    # Earliest first: a rank's crash makes its peers fail next ("Connection closed by peer").
+    errs = sorted([e for e in done if e.status in ("oom", "error")] + inits, key=lambda e: e.time)
+    silent = [r for r in range(world) if not ends.get(r) and not any(x.event == "init_failed"
+                                                                        for x in logs.get(r, []))]
+    status, reason = _failure(errs, end, silent)
+    return trial(cfg, entry, index, status, reason=reason, phase="init" if (inits or not begun) else "step")
+
+
+def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple[Status, str]:
+    if end.stopped:
+        return Status.OOM, f"stopped early: {end.stopped}"
+    oom = [e for e in errs if e.status == "oom"]
+    if oom:
+        return Status.OOM, f"rank {oom[0].rank}: {oom[0].error}"
+    if silent and errs and all(PEER_LOST.search(e.error) for e in errs):
+        # A rank vanished without a word (every exception is recorded, so: SIGKILL, as the kernel's
+        # OOM killer sends) and its peers only lost the connection to it.
+        return Status.OOM, (f"rank {silent[0]} died without a result (killed, e.g. by the OOM killer); "
+                            f"peers: {errs[0].error[:200]}")
+    if not end.timed_out and end.rc in (OOM_EXIT, -9, 137, 247, 256 - OOM_EXIT):  # after a timeout, -9 is ours
+        return Status.OOM, f"a rank was killed or ran out of memory (launcher exit {end.rc})"
+    m = OOM_PATTERNS.search(end.log_tail)
+    if m:
+        return Status.OOM, "allocation failure in the logs: " + m.group(0)
+    if errs:
+        return Status.ERROR, f"rank {errs[0].rank}: {errs[0].error}"
+    if end.timed_out:
+        return Status.TIMEOUT, "no result within timeout_s; logs: " + end.log_tail[-300:].strip()
+    return Status.ERROR, f"launcher exit {end.rc}: " + end.log_tail[-1500:].strip()
+
+
+def _ok(cfg: "BenchConfig", entry: Entry, index: int, done: list[RankRecord]) -> TrialResult:
+    # The slowest rank sets the pace of a synchronous step.
+    tps = max(e.time_per_step for e in done)
+    samples = cfg.with_micro(entry.micro).global_batch / tps
+    return trial(cfg, entry, index, Status.OK, time_per_step_s=tps, samples_per_s=samples,
+                 tokens_per_s=samples * cfg.model.seq_len, loss=done[0].loss,
+                 ranks=[e.summary() for e in sorted(done, key=lambda e: e.rank)])
+
+
+def gpu_devices(ranks: list[RankRecord], sampled: list[DeviceMemStats], cap: Optional[int]) -> list[DeviceMemStats]:
+    """The devices a trial reports: each rank's own GPU (identity and NVML peak from its record, so
+    every node's GPUs are there) where the ranks recorded them, else what the runner sampled on
+    its node. Against an emulated smaller card, total_bytes is that capacity (card_bytes the real one)."""
+    gpus = [DeviceMemStats(kind="gpu", id=r.rank, peak_bytes=r.nvml_peak_bytes, total_bytes=r.nvml_total_bytes,
+                           phase=r.peak_phase, uuid=r.gpu_uuid, name=r.gpu_name, host=r.host)
+            for r in ranks if r.nvml_peak_bytes is not None]
+    out = [d for d in sampled if d.kind != "gpu" or not gpus] + gpus
+    for d in out:
+        if d.kind == "gpu" and cap and d.total_bytes and cap < d.total_bytes:
+            d.card_bytes, d.total_bytes = d.total_bytes, cap
+    return out

@@ -1,0 +1,233 @@
+"""The records that cross module seams, written once and read everywhere.
+
+worker.py writes a `RankRecord` per plan entry (one JSON line per record in rank{R}.jsonl);
+outcome.py turns a launch's rank records into one `TrialResult` per entry; sampler.py summarises
+its timeline as one `DeviceMemStats` per device; search.py sums trials up in a `SearchResult`;
+results.py stores the last two; report/ reads them back. Statuses are enums, devices are keyed
+by (kind, id), and every record round-trips through JSON with `to_dict` / `from_dict`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Optional
+
+# Exit code of a rank whose allocation failed: the runner reads it as "does not fit".
+OOM_EXIT = 86
+
+
+class Status(StrEnum):
+    """The outcome of one batch size tried for one configuration."""
+    OK = "ok"  # every rank finished the entry within capacity
+    OOM = "oom"  # an allocation failed, a rank was killed, or a peak passed the capacity
+    ERROR = "error"  # anything else: a bigger batch will not fix it
+    TIMEOUT = "timeout"  # no result within timeout_s (retried once in a fresh launch by the search)
+    NOT_RUN = "not_run"  # the launch ended before this entry
+    SKIPPED = "skipped"  # an invalid grid entry, recorded with its reason
+    ESTIMATED_OOM = "estimated_oom"  # refused before launch: the estimate says the host cannot hold it
+
+    @property
+    def decides_fit(self) -> bool:
+        """Evidence about fitting: ok says yes, oom says no; the rest say nothing."""
+        return self in (Status.OK, Status.OOM)
+
+
+class SearchStatus(StrEnum):
+    """The outcome of one max-batch search."""
+    DONE = "done"  # b fits and b + granularity fails, both in fresh processes
+    ERROR = "error"
+    TIMEOUT = "timeout"  # a batch size timed out twice
+    CANNOT_INITIALIZE = "cannot_initialize"  # the smallest batch fails before the first step
+    DOES_NOT_FIT = "does_not_fit"  # the smallest batch fails in a step
+    INCOMPLETE = "incomplete"  # max_trials reached before the boundary was confirmed
+    FLAKY = "flaky"  # a smaller batch failed and a larger one fitted, and re-tests agreed
+    SKIPPED = "skipped"
+    ESTIMATED_OOM = "estimated_oom"
+
+    @property
+    def finished(self) -> bool:
+        """A resumed search does not run again once it ended with one of these."""
+        return self in (SearchStatus.DONE, SearchStatus.CANNOT_INITIALIZE, SearchStatus.DOES_NOT_FIT,
+                        SearchStatus.FLAKY, SearchStatus.TIMEOUT)
+
+
+def _fields(cls, d: dict) -> dict:
+    """The keys of `d` that are fields of `cls` (records written by older versions may carry more)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+@dataclass
+class RankRecord:
+    """One line of rank{R}.jsonl: what a rank saw of its own process.
+
+    event: "start" (identity), "begin" / "end" (one per plan entry), "init_failed", "done".
+    """
+    rank: int
+    event: str
+    time: float = field(default_factory=time.time)
+    micro: Optional[int] = None
+    mode: str = ""
+    status: str = ""  # on "end": ok / over_capacity / oom / error; on "init_failed": oom / error
+    error: str = ""
+    traceback: str = ""
+    loss: Optional[float] = None
+    losses: list = field(default_factory=list)
+    step_times: list = field(default_factory=list)
+    time_per_step: Optional[float] = None
+    peak_rss_bytes: Optional[int] = None  # ru_maxrss of the rank process
+    peak_live_bytes: Optional[int] = None  # live tensor bytes of one profiled step (CPU) / torch peak (GPU)
+    peak_phase: str = ""
+    model_states: dict = field(default_factory=dict)  # exact bytes: params / master / optimizer / grads
+    torch_peak_allocated: Optional[int] = None
+    torch_peak_reserved: Optional[int] = None
+    marks: list = field(default_factory=list)  # (unix time, phase) pairs
+    # identity ("start" records) and the rank's own NVML view of its GPU
+    pid: Optional[int] = None
+    host: str = ""
+    local_rank: Optional[int] = None
+    node_rank: Optional[int] = None
+    gpu_uuid: str = ""
+    gpu_pci_bus_id: str = ""
+    gpu_name: str = ""
+    nvml_used_bytes: Optional[int] = None
+    nvml_total_bytes: Optional[int] = None
+    nvml_peak_bytes: Optional[int] = None  # the rank's own NVML sampling over the entry
+    gpu_card_bytes: Optional[int] = None  # the physical card (or MIG slice) total
+    memory_fraction: Optional[float] = None  # torch's allocator cap when a smaller card is emulated
+    nvml_error: str = ""
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, "", [], {})
+                or k in ("rank", "event")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RankRecord":
+        return cls(**_fields(cls, d))
+
+    def summary(self) -> "RankRecord":
+        """What a TrialResult keeps: no traceback, the first and last phase mark only."""
+        return dataclasses.replace(self, traceback="", marks=self.marks[:1] + self.marks[-1:] if self.marks else [])
+
+    @property
+    def t_begin(self) -> Optional[float]:
+        return self.marks[0][0] if self.marks else None
+
+    @property
+    def t_end(self) -> Optional[float]:
+        return self.marks[-1][0] if self.marks else None
+
+
+@dataclass
+class DeviceMemStats:
+    """Peak memory of one device over a trial, from the sampler's timeline."""
+    kind: str  # "rank" (a CPU rank's RSS) or "gpu" (NVML used bytes)
+    id: int  # global rank, or CUDA index on its node
+    peak_bytes: int
+    total_bytes: Optional[int] = None
+    phase: str = ""  # init / forward / backward / step / idle at the peak
+    samples: int = 0
+    uuid: str = ""  # a GPU's identity, from the rank that used it
+    name: str = ""
+    host: str = ""
+    card_bytes: Optional[int] = None  # set when the capacity (total_bytes) emulates a smaller card
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.kind, self.id
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceMemStats":
+        return cls(**_fields(cls, d))
+
+
+@dataclass
+class TrialResult:
+    """One batch size tried for one configuration (one plan entry of one launch)."""
+    search_key: str
+    trial_key: str
+    label: str
+    micro: int
+    global_batch: int
+    status: Status
+    mode: str = "probe"  # probe: memory only; measure: full timed steps
+    fresh: bool = False  # first entry of its launch: no earlier batch size ran in its processes
+    reason: str = ""
+    phase: str = ""  # where a failure happened: "init" = before the first step
+    time_per_step_s: Optional[float] = None
+    samples_per_s: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    loss: Optional[float] = None
+    capacity_bytes: Optional[int] = None
+    ranks: list[RankRecord] = field(default_factory=list)
+    devices: list[DeviceMemStats] = field(default_factory=list)
+    duration_s: float = 0.0
+    launch: int = 0  # trials sharing a launch id ran in one deepspeed launch
+    run_dir: str = ""
+    cmd: str = ""
+    config: dict = field(default_factory=dict)
+    ds_config: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)  # the machine: CPU/GPU, memory, library versions
+    created: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ranks"] = [r.to_dict() for r in self.ranks]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), default=str)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrialResult":
+        d = _fields(cls, d)
+        d["status"] = Status(d["status"])
+        d["ranks"] = [RankRecord.from_dict(r) for r in d.get("ranks") or []]
+        devs = d.get("devices") or []
+        if isinstance(devs, dict):  # schema 1 keyed devices by "rank0" / "gpu0"
+            devs = [{"kind": k.rstrip("0123456789"), "id": int(k.lstrip("rankgpu")), **v} for k, v in devs.items()]
+        d["devices"] = [DeviceMemStats.from_dict(x) for x in devs]
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrialResult":
+        return cls.from_dict(json.loads(text))
+
+    def devices_of(self, kind: str) -> list[DeviceMemStats]:
+        return sorted((x for x in self.devices if x.kind == kind), key=lambda x: x.id)
+
+
+@dataclass
+class SearchResult:
+    """One max-batch search: the boundary, how it was found, and the measurement at it."""
+    search_key: str
+    label: str
+    status: SearchStatus
+    max_micro: Optional[int] = None
+    max_global_batch: Optional[int] = None
+    first_fail_micro: Optional[int] = None
+    note: str = ""
+    trials: int = 0
+    launches: int = 0
+    wall_s: float = 0.0
+    strategy: str = ""
+    config: dict = field(default_factory=dict)
+    measure: Optional[TrialResult] = None  # the fresh full-step trial at max_micro (median of repeats)
+    repeats: list = field(default_factory=list)  # time/step of each repeat at max_micro
+    created: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["measure"] = self.measure.to_dict() if self.measure else None
+        return json.dumps(d, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SearchResult":
+        d = _fields(cls, json.loads(text))
+        d["status"] = SearchStatus(d["status"])
+        d["measure"] = TrialResult.from_dict(d["measure"]) if d.get("measure") else None
+        return cls(**d)
+

@@ -1,0 +1,88 @@
+"""`zero_bench report`: store(s) -> DataFrames -> .xlsx (for the stakeholder), .csv, .md (for the PR).
+
+One Summary row per configuration: a SearchResult, or a trial no search owns (`zero_bench run`).
+Failed configurations keep their row, with the reason in Notes. Every file is written to a temporary
+name beside the target and moved over it, so a crash mid-export leaves the previous report intact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from zero_bench.config import ConfigError
+from zero_bench.environment import machine_environment
+from zero_bench.report.markdown import markdown_report, write_csv, write_markdown
+from zero_bench.report.rows import find_stores, load, rows_of
+from zero_bench.report.tables import (ESTIMATE_COLUMNS, SEED_COLUMNS, Peaks, compare_frame, environment_frames, recorded_environment,
+                                      scaling_frame, summary_frame, trials_frame)
+from zero_bench.report.xlsx import write_xlsx
+
+__all__ = ["Report", "build", "write_reports", "ESTIMATE_COLUMNS", "SEED_COLUMNS", "Peaks", "find_stores", "load", "rows_of",
+           "summary_frame"]
+
+@dataclass
+class Report:
+    summary: pd.DataFrame
+    trials: pd.DataFrame
+    scaling: pd.DataFrame
+    environment: list[tuple[str, pd.DataFrame]]
+    env: dict
+
+
+def build(runs: str | Path, key: str = "report.runs") -> Report:
+    """Store(s) -> every table of the report (nothing written); `key` names the input in errors."""
+    sources = find_stores(runs)
+    if not sources:
+        raise ConfigError(f"{key}={runs}: no store (*.sqlite) found there")
+    loaded = load(sources, key)
+    if not loaded.searches and not loaded.trials:
+        raise ConfigError(f"{key}={runs}: the store(s) hold no results yet")
+    rows = rows_of(loaded)
+    recorded = recorded_environment(loaded)
+    env = recorded or machine_environment()
+    env_source = ("recorded with the results" if recorded else
+                  "the machine that wrote this report (the store does not record one)")
+    peaks = Peaks(env)
+    summary = summary_frame(rows, peaks)
+    return Report(summary=summary, trials=trials_frame(loaded), scaling=scaling_frame(summary),
+                  environment=environment_frames(env, env_source, peaks, rows, loaded, sources), env=env)
+
+
+def compare_summary(compare: str | Path) -> pd.DataFrame:
+    """The other side of a comparison: a store (or dir / glob of stores), or a report .xlsx already written."""
+    if str(compare).endswith(".xlsx") and Path(compare).is_file():
+        return pd.read_excel(compare, sheet_name="Summary")
+    return build(compare, key="report.compare").summary
+
+
+def side_names(runs, compare) -> tuple[str, str]:
+    def name(p, fallback: str) -> str:
+        return Path(p).stem if Path(p).exists() else fallback
+
+    a, b = name(runs, "runs"), name(compare, "compare")
+    return (a, b) if a != b else ("runs", "compare")
+
+
+def output_paths(out: str | Path) -> tuple[Path, Path, Path]:
+    out = Path(out)
+    base = out.with_suffix("") if out.suffix in (".xlsx", ".csv", ".md") else out
+    return Path(f"{base}.xlsx"), Path(f"{base}.csv"), Path(f"{base}.md")
+
+
+def write_reports(runs: str | Path, out: str | Path = "reports/zero_bench.xlsx",
+                  compare: Optional[str | Path] = None) -> list[Path]:
+    """`zero_bench report`: the .xlsx, .csv and .md beside each other; returns their paths."""
+    rep = build(runs)
+    sheets = {"Summary": rep.summary, "Trials": rep.trials}
+    if len(rep.scaling):
+        sheets["Scaling"] = rep.scaling
+    if compare:
+        sheets["Compare"] = compare_frame(rep.summary, compare_summary(compare), side_names(runs, compare))
+    xlsx, csv, md = output_paths(out)
+    write_xlsx(xlsx, sheets, rep.environment)
+    write_csv(csv, rep.summary)
+    write_markdown(md, markdown_report(rep.summary, rep.scaling, rep.env))
+    return [xlsx, csv, md]

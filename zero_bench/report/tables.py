@@ -1,0 +1,321 @@
+"""Rows -> the report's DataFrames: Summary, Trials, Scaling, Compare, Environment. No file is written here."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from zero_bench.config import ModelConfig
+from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu, model_flops_per_seq
+from zero_bench.records import DeviceMemStats, TrialResult
+from zero_bench.report.rows import Loaded, Row
+
+MiB = 2 ** 20
+
+# The seed table's columns (shared/seeds/zero_table_8xA100.md), then what it lacked.
+SEED_COLUMNS = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
+                "ZeRO stage", "CPU offload", "precision", "Max Global BSZ", "micro batch", "grad accum",
+                "time/it (ms)", "throughput (samples/s)", "tokens/s", "tokens/s per GPU",
+                "model TFLOP/s per GPU", "MFU", "HFU", "num params"]
+REPEAT_COLUMNS = ["time/it median (ms)", "time/it min (ms)", "time/it max (ms)", "repeats"]
+ESTIMATE_COLUMNS = ["model states est. (MiB/rank)", "model states measured (MiB/rank)", "model states error (%)"]
+TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
+# What identifies "the same configuration" across stores (the Compare and Scaling sheets).
+CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
+              "ZeRO stage", "CPU offload", "precision", "grad accum", "device"]
+COMPARED = ["Max Global BSZ", "time/it (ms)", "throughput (samples/s)", "tokens/s per GPU", "MFU",
+            "peak memory used"]
+
+# -- configuration fields (BenchConfig.to_dict(), or the raw Hydra dict of a skipped grid entry) ------
+
+@dataclass
+class Setup:
+    model: dict
+    tp: int
+    dp: int
+    zero: int
+    offload_optimizer: bool
+    offload_param: bool
+    precision: str
+    device: str
+    grad_accum: int
+    recompute: bool
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def num_params(self) -> Optional[int]:
+        try:
+            return ModelConfig(**self.model).num_params
+        except TypeError:
+            return None
+
+
+def setup_of(c: dict) -> Setup:
+    par, hw, batch = c.get("parallel") or {}, c.get("hardware") or {}, c.get("batch") or {}
+    return Setup(model=dict(c.get("model") or {}), tp=int(par.get("tp", 1)), dp=int(par.get("dp", 1)),
+                 zero=c.get("zero"), offload_optimizer=bool(c.get("offload_optimizer", c.get("offload", False))),
+                 offload_param=bool(c.get("offload_param") or False), precision=str(c.get("precision", "")),
+                 device=str(hw.get("device", "")), grad_accum=int(batch.get("grad_accum", 1)),
+                 # no recompute switch exists yet; when one does, HFU follows it from here
+                 recompute=bool(c.get("activation_checkpointing", False)))
+
+
+def _offload_text(s: Setup) -> str:
+    return "Yes (+params)" if s.offload_param else ("Yes" if s.offload_optimizer else "No")
+
+
+# -- environment and peak FLOP/s ------------------------------------------------------------------
+
+def recorded_environment(loaded: Loaded) -> Optional[dict]:
+    """An environment the trials carry themselves (TrialResult.env), when the launcher records one."""
+    for t, _ in loaded.trials:
+        env = getattr(t, "env", None)
+        if env:
+            return dict(env)
+    return None
+
+
+@dataclass
+class Peaks:
+    """Peak FLOP/s per device for each (device kind, precision), with where each figure came from."""
+    env: dict
+    found: dict = field(default_factory=dict)  # (device, precision) -> (flops or None, source text)
+
+    def get(self, device: str, precision: str) -> Optional[float]:
+        if (device, precision) not in self.found:
+            self.found[(device, precision)] = self._lookup(device, precision)
+        return self.found[(device, precision)][0]
+
+    def _lookup(self, device: str, precision: str) -> tuple[Optional[float], str]:
+        if device == "cpu":
+            m = cpu_peak_flops(precision)
+            how = "cached" if m["cached"] else "measured now"
+            return m["flops"], (f"matmul microbenchmark on {m['cpu']} ({m['threads']} thread(s) = one rank), "
+                                f"{how}, measured {m['measured_at']}, cache {m['path']}")
+        name = str(self.env.get("gpu", ""))
+        flops = gpu_peak_flops(name, precision)
+        return flops, (f"datasheet table: {name} {precision}" if flops else
+                       f"unknown: GPU '{name}' / {precision} not in zero_bench.metrics.PEAK_FLOPS")
+
+
+# -- rows -> DataFrames ---------------------------------------------------------------------------
+
+def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
+    records = [_summary_record(r, peaks) for r in rows]
+    df = pd.DataFrame.from_records(records)
+    if df.empty:
+        return pd.DataFrame(columns=SEED_COLUMNS + TAIL_COLUMNS)
+    devs = sorted({c for rec in records for c in rec if c.startswith("Dev")}, key=_dev_order)
+    cols = SEED_COLUMNS + (REPEAT_COLUMNS if any(len(r.repeats) > 1 for r in rows) else [])
+    if df.get(ESTIMATE_COLUMNS[0]) is not None and df[ESTIMATE_COLUMNS[0]].notna().any():
+        cols += ESTIMATE_COLUMNS
+    cols += ["memory of"] + devs + ["peak memory used"] + TAIL_COLUMNS
+    # the seed table's order: by model size, then ZeRO stage, then DP before MP, offload last
+    order = ["num params", "ZeRO stage", "model parallel", "CPU offload"]
+    return df.reindex(columns=cols).sort_values(order, kind="stable", na_position="last", ignore_index=True)
+
+
+def _dev_order(col: str) -> tuple[int, int]:
+    idx, _, kind = col[3:].partition(" ")
+    return int(idx), 0 if kind.startswith("used") else 1
+
+
+def _summary_record(r: Row, peaks: Peaks) -> dict:
+    s = setup_of(r.config)
+    m = s.model
+    rec = {"Model": m.get("name"), "num_layers": m.get("num_layers"), "hidden_size": m.get("hidden_size"),
+           "num_heads": m.get("num_heads"), "# gpus": s.world, "data parallel": s.dp, "model parallel": s.tp,
+           "ZeRO stage": s.zero, "CPU offload": _offload_text(s), "precision": s.precision,
+           "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
+           "num params": s.num_params, "Notes": r.note, "status": r.status, "device": s.device,
+           "config": r.label, "search key": r.key, "source": r.source}
+    if r.measure is not None and r.measure.samples_per_s:
+        rec.update(_performance(r.measure, s, peaks))
+        rec.update(_memory(r.measure))
+        rec.update(_model_states(r.measure, s))
+        rec["Notes"] = "; ".join(x for x in (r.note, emulation_note(r.measure)) if x)
+    rec.update(_repeats(r.repeats))
+    return rec
+
+
+def _performance(t: TrialResult, s: Setup, peaks: Peaks) -> dict:
+    m, sps = s.model, t.samples_per_s
+    flops = model_flops_per_seq(s.num_params, m["num_layers"], m["hidden_size"], m["seq_len"]) * sps
+    out = {"time/it (ms)": t.time_per_step_s * 1e3, "throughput (samples/s)": sps, "tokens/s": t.tokens_per_s,
+           "tokens/s per GPU": t.tokens_per_s / s.world, "model TFLOP/s per GPU": flops / s.world / 1e12}
+    peak = peaks.get(s.device, s.precision)
+    if peak:
+        out["MFU"], out["HFU"] = mfu_hfu(s.num_params, m["num_layers"], m["hidden_size"], m["seq_len"], sps,
+                                         s.world, peak, activation_checkpointing=s.recompute)
+    return out
+
+
+def device_memory(t: TrialResult) -> tuple[str, list[DeviceMemStats]]:
+    """The memory that limits the batch: GPUs when sampled (NVML), else each rank's RSS."""
+    gpus = t.devices_of("gpu")
+    return ("GPU (NVML used)", gpus) if gpus else ("rank RSS", t.devices_of("rank"))
+
+
+def _memory(t: TrialResult) -> dict:
+    kind, devs = device_memory(t)
+    out = {"memory of": kind}
+    used = []
+    for i, d in enumerate(devs):
+        out[f"Dev{i} used MiB"] = d.peak_bytes / MiB
+        out[f"Dev{i} total MiB"] = d.total_bytes / MiB if d.total_bytes else None
+        if d.total_bytes:
+            used.append(d.peak_bytes / d.total_bytes)
+    out["peak memory used"] = max(used) if used else None
+    return out
+
+
+def emulation_note(t: TrialResult) -> str:
+    """Say when the GPU capacity was emulated (its totals are the capacity, not the card)."""
+    cards = sorted({d.card_bytes for d in t.devices_of("gpu") if d.card_bytes})
+    if not cards:
+        return ""
+    cap = t.devices_of("gpu")[0].total_bytes
+    return (f"capacity emulated: {cap / MiB:,.0f} MiB per GPU on "
+            + " / ".join(f"{c / MiB:,.0f}" for c in cards) + " MiB cards")
+
+
+def measured_model_states(t: TrialResult) -> tuple[Optional[int], bool]:
+    """Largest per-rank sum of params, master copy, optimizer states and grads (counted tensors),
+    and whether gradients were still held when counted."""
+    states = [r.model_states for r in t.ranks if r.model_states]
+    if not states:
+        return None, False
+    sums = [sum(s.get(k, 0) for k in ("params", "master", "optimizer", "grads")) for s in states]
+    return max(sums), any(s.get("grads") for s in states)
+
+
+def estimated_model_states(s: Setup, with_grads: bool = True) -> Optional[int]:
+    """zero_bench.estimate's figure for one rank (device + host bytes), None if it is missing or fails."""
+    try:
+        from zero_bench.estimate import model_states_bytes
+
+        est = model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
+                                 offload_optimizer=s.offload_optimizer, offload_param=s.offload_param)
+        total = int(est["gpu"]) + int(est["cpu"])
+        return total if with_grads else total - int(est.get("grads", 0))
+    except Exception:  # not written yet, or cannot answer for this configuration
+        return None
+
+
+def _model_states(t: TrialResult, s: Setup) -> dict:
+    # The count covers every state tensor wherever it lives, so it is compared with device + host;
+    # it is taken after the optimizer step, when ZeRO may have freed the gradients: compare like for like.
+    measured, has_grads = measured_model_states(t)
+    est = estimated_model_states(s, with_grads=has_grads)
+    if not measured or est is None:
+        return {}
+    return {ESTIMATE_COLUMNS[0]: est / MiB, ESTIMATE_COLUMNS[1]: measured / MiB,
+            ESTIMATE_COLUMNS[2]: (est - measured) / measured * 100}
+
+
+def _repeats(times: list) -> dict:
+    times = [x for x in times if x]
+    if not times:
+        return {}
+    ser = pd.Series(times) * 1e3
+    return {"time/it median (ms)": ser.median(), "time/it min (ms)": ser.min(), "time/it max (ms)": ser.max(),
+            "repeats": len(times)}
+
+
+def trials_frame(loaded: Loaded) -> pd.DataFrame:
+    records = [_trial_record(t, src) for t, src in sorted(loaded.trials, key=lambda x: x[0].created)]
+    cols = ["config", "search key", "launch", "mode", "micro batch", "global batch", "outcome", "phase", "reason",
+            "duration (s)", "time/it (ms)", "throughput (samples/s)", "memory of"]
+    devs = sorted({c for rec in records for c in rec if c.startswith("Dev")}, key=_dev_order)
+    return pd.DataFrame.from_records(records, columns=cols + devs + ["created", "run dir", "source"])
+
+
+def _trial_record(t: TrialResult, source: str) -> dict:
+    rec = {"config": t.label, "search key": t.search_key, "launch": t.launch, "mode": t.mode, "micro batch": t.micro,
+           "global batch": t.global_batch, "outcome": t.status, "phase": t.phase, "reason": t.reason,
+           "duration (s)": t.duration_s, "time/it (ms)": t.time_per_step_s * 1e3 if t.time_per_step_s else None,
+           "throughput (samples/s)": t.samples_per_s, "created": pd.Timestamp(t.created, unit="s").round("s"),
+           "run dir": t.run_dir, "source": source}
+    kind, devs = device_memory(t)
+    if devs:
+        rec["memory of"] = kind
+    for i, d in enumerate(devs):
+        rec[f"Dev{i} peak MiB"] = d.peak_bytes / MiB
+        rec[f"Dev{i} total MiB"] = d.total_bytes / MiB if d.total_bytes else None
+    return rec
+
+
+def scaling_frame(summary: pd.DataFrame) -> pd.DataFrame:
+    """Same model/ZeRO/precision at several data-parallel sizes: speedup vs the smallest, efficiency."""
+    group = [c for c in CONFIG_KEY if c not in ("# gpus", "data parallel")]
+    measured = summary[summary["throughput (samples/s)"].notna()]
+    parts = []
+    for _, g in measured.groupby(group, dropna=False, sort=False):
+        if g["data parallel"].nunique() < 2:
+            continue
+        g = g.sort_values("# gpus")
+        base = g.iloc[0]
+        g = g.assign(**{"speedup": g["throughput (samples/s)"] / base["throughput (samples/s)"],
+                        "ideal speedup": g["# gpus"] / base["# gpus"]})
+        parts.append(g.assign(**{"scaling efficiency": g["speedup"] / g["ideal speedup"]}))
+    cols = group + ["# gpus", "data parallel", "micro batch", "Max Global BSZ", "throughput (samples/s)", "speedup",
+                    "ideal speedup", "scaling efficiency", "time/it (ms)"]
+    cols += [c for c in REPEAT_COLUMNS if c in summary.columns] + ["config"]
+    return pd.concat(parts).reindex(columns=cols) if parts else pd.DataFrame(columns=cols)
+
+
+def compare_frame(base: pd.DataFrame, other: pd.DataFrame, names: tuple[str, str]) -> pd.DataFrame:
+    """The same configurations side by side: value in each, delta (other - base) and ratio (other / base)."""
+    a, b = names
+    keys = [k for k in CONFIG_KEY if k in base.columns and k in other.columns]
+    metrics = [m for m in COMPARED if m in base.columns or m in other.columns]
+
+    def side(df: pd.DataFrame, name: str) -> pd.DataFrame:
+        df = df.reindex(columns=keys + metrics + ["Notes"]).drop_duplicates(keys, keep="last")
+        return df.rename(columns={c: f"{c} [{name}]" for c in metrics + ["Notes"]})
+
+    both = side(base, a).merge(side(other, b), on=keys, how="outer", sort=False)
+    cols = list(keys)
+    for m in metrics:
+        va, vb = (pd.to_numeric(both[f"{m} [{n}]"], errors="coerce") for n in (a, b))
+        both[f"{m} Δ"] = vb - va
+        both[f"{m} ratio"] = (vb / va).where(va != 0)
+        cols += [f"{m} [{a}]", f"{m} [{b}]", f"{m} Δ", f"{m} ratio"]
+    return both[cols + [f"Notes [{a}]", f"Notes [{b}]"]]
+
+
+def environment_frames(env: dict, env_source: str, peaks: Peaks, rows: list[Row],
+                       loaded: Loaded, sources: list[Path]) -> list[tuple[str, pd.DataFrame]]:
+    """(title, table) pairs for the Environment sheet."""
+    facts = [("environment from", env_source)] + list(env.items())
+    facts += [("stores", ", ".join(str(p) for p in sources)),
+              ("report written", time.strftime("%Y-%m-%d %H:%M:%S"))]
+    peak_rows = [{"device": d, "precision": p, "peak FLOP/s per device": f, "source": src}
+                 for (d, p), (f, src) in peaks.found.items()]
+    on_cpu = [setup_of(r.config) for r in rows if setup_of(r.config).device == "cpu"]
+    notes = []
+    if on_cpu:
+        notes.append("CPU: devices are ranks and memory is each rank's RSS; MFU/HFU use a measured matmul peak.")
+    if any(s.offload_optimizer or s.offload_param for s in on_cpu):
+        notes.append("CPU offload on CPU moves bytes from CPU to CPU: it runs the code path but cannot lower RSS.")
+    per_row = [_reproduce(r, loaded) for r in rows]
+    return [("Machine", pd.DataFrame(facts, columns=["item", "value"])),
+            ("Peak FLOP/s used for MFU/HFU", pd.DataFrame(peak_rows, columns=["device", "precision",
+                                                                              "peak FLOP/s per device", "source"])),
+            ("Notes", pd.DataFrame({"note": notes})),
+            ("Per configuration: the command that reproduces it and its DeepSpeed config",
+             pd.DataFrame(per_row, columns=["config", "status", "search key", "source", "command", "ds_config"]))]
+
+
+def _reproduce(r: Row, loaded: Loaded) -> dict:
+    t = r.measure or next((t for t, src in reversed(loaded.trials)
+                           if t.search_key == r.key and src == r.source and t.cmd), None)
+    return {"config": r.label, "status": r.status, "search key": r.key, "source": r.source,
+            "command": t.cmd if t else "", "ds_config": json.dumps(t.ds_config, sort_keys=True) if t else ""}
