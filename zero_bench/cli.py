@@ -32,7 +32,7 @@ def check_group_overrides(overrides: list[str]) -> None:
                 raise ConfigError(f"{key}={value}: unknown option; allowed: {', '.join(group_options(key))}")
 
 
-COMMANDS = ("run", "maxbatch", "report", "estimate", "doctor")
+COMMANDS = ("run", "maxbatch", "report", "estimate", "doctor", "status")
 
 
 def _output_dir() -> Path:
@@ -83,6 +83,8 @@ def sweep_size(args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     command = args.pop(0) if args and args[0] in COMMANDS else "run"
+    if command == "status" and args and "=" not in args[0] and not args[0].startswith("-"):
+        args[0] = f"+status_dir={args[0]}"  # `zero_bench status <sweep dir>`
     args = ["json=true" if a == "--json" else a for a in args]
     try:
         check_group_overrides(args)

@@ -25,17 +25,35 @@ from zero_bench.doctor import prebuild_ops
 from zero_bench.config import (BenchConfig, ConfigError, cuda_available, from_cfg, integer, search_from_cfg,
                                validate_machine, validate_static)
 from zero_bench.machine import machine_lock
+from zero_bench.hosts import with_slurm_hostfile
 from zero_bench.records import SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.results import Store
+from zero_bench.sweeps import JOB_STORE, finished_elsewhere, format_status, sweep_status, under_submitit
 
 OK, BAD_INPUT, DID_NOT_FIT, FAILED, BUSY = 0, 2, 3, 4, 5
 MiB, GiB = 2**20, 2**30
 
 
-def _bench(cfg: DictConfig) -> BenchConfig:
-    bench = from_cfg(cfg)
+def _bench(cfg: DictConfig, out: Path) -> BenchConfig:
+    bench = with_slurm_hostfile(from_cfg(cfg), out)
     validate_machine(bench)
     return bench
+
+
+def store_path(cfg: DictConfig, out: Path) -> Path:
+    """`store`; a job started by Hydra's submitit launcher writes its own store in its job directory
+    (SQLite on a cluster's shared filesystem must not be written by many jobs), unless store= is given."""
+    if under_submitit() and "store" not in explicit_keys():
+        return out / JOB_STORE
+    return Path(cfg.store)
+
+
+def _sweep_dir() -> Optional[Path]:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    return Path(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None
 
 
 def result_row(r: TrialResult) -> str:
@@ -55,8 +73,8 @@ def run(cfg: DictConfig, out: Path) -> int:
     from zero_bench.launch import Entry, run_launch
     from zero_bench.preflight import preflight
 
-    bench = _bench(cfg)
-    store = Store(cfg.store)
+    bench = _bench(cfg, out)
+    store = Store(store_path(cfg, out))
     refused = preflight(bench, force=cfg.force)
     if refused:
         print(refused.reason)
@@ -90,9 +108,9 @@ def _maxbatch(cfg: DictConfig, out: Path) -> SearchResult:
 
     spec = search_from_cfg(cfg)
     integer("repeats", cfg.repeats)
-    store = Store(cfg.store)
+    store = Store(store_path(cfg, out))
     try:
-        bench = with_cpu_budget(_bench(cfg), spec.cpu_budget_gb)
+        bench = with_cpu_budget(_bench(cfg, out), spec.cpu_budget_gb)
     except ConfigError as exc:  # inside a grid, a bad combination is recorded, never fatal
         if not os.environ.get("ZERO_BENCH_SWEEP_TOTAL"):
             raise
@@ -111,7 +129,15 @@ def _maxbatch(cfg: DictConfig, out: Path) -> SearchResult:
     print(f"zero_bench maxbatch: {bench.label()} strategy={spec.strategy} -> {out}", flush=True)
     opts = SearchOptions(seed=seed_micro(bench) if cfg.estimate_first else None, repeats=cfg.repeats,
                          force=cfg.force, progress=lambda s: print(s, flush=True))
-    with machine_lock():  # the whole search: no other zero_bench may launch between its launches
+    sweep_dir = _sweep_dir()
+    done = finished_elsewhere(bench.search_key(), sweep_dir, store.path) if sweep_dir and not cfg.force else None
+    if done is not None:
+        print(f"zero_bench maxbatch: {done.label} finished in another store of this sweep: {done.status}, "
+              f"max global batch {done.max_global_batch} (force=true re-measures)", flush=True)
+        return done
+    # the whole search: no other zero_bench may launch between its launches; jobs of one sweep on
+    # one machine (submitit_local) wait for each other
+    with machine_lock(wait=under_submitit()):
         res = run_search(bench, spec, store, out, opts)
     if res.measure:
         print(result_row(res.measure))
@@ -143,6 +169,20 @@ def report(cfg: DictConfig, out: Path) -> int:
     for p in paths:
         print(f"wrote {p}")
     return OK
+
+
+# -- status ------------------------------------------------------------------------------------------
+
+def status(cfg: DictConfig, out: Optional[Path] = None) -> int:
+    """`zero_bench status <sweep dir>`: per job of a sweep, done / running / failed / not started."""
+    sweep_dir = Path(str(cfg.get("status_dir") or ""))
+    if not sweep_dir.is_dir():
+        raise ConfigError(f"status: {sweep_dir or '(none)'} is not a sweep directory; usage: zero_bench status "
+                          "runs/multirun/DATE/TIME-maxbatch")
+    rows = sweep_status(sweep_dir)
+    print(f"zero_bench status {sweep_dir}")
+    print(format_status(rows))
+    return FAILED if any(r.state == "failed" for r in rows) else OK
 
 
 # -- estimate ----------------------------------------------------------------------------------------

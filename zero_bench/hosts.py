@@ -92,3 +92,32 @@ def device_tokens(cfg: "BenchConfig") -> Optional[list[str]]:
             break
         tokens.append(tok)
     return tokens
+
+
+def with_slurm_hostfile(cfg: "BenchConfig", run_dir: Path) -> "BenchConfig":
+    """hardware.hostfile=slurm: the nodes of this Slurm allocation as a DeepSpeed hostfile.
+
+    A job of a multi-node sweep (Hydra's submitit_slurm with nodes > 1) runs one zero_bench per
+    allocation, which reaches the other nodes through DeepSpeed's launcher (pdsh over ssh, as
+    launch/slurm_maxbatch.sbatch does); the first node is the master.
+    """
+    import dataclasses
+    import subprocess
+
+    from zero_bench.capacity import local_ranks
+
+    if cfg.hardware.hostfile != "slurm":
+        return cfg
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise ConfigError("hardware.hostfile=slurm: not inside a Slurm allocation (SLURM_JOB_NODELIST is unset)")
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                               check=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ConfigError(f"hardware.hostfile=slurm: `scontrol show hostnames` failed ({exc})") from None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "hostfile"
+    path.write_text("".join(f"{h} slots={local_ranks(cfg)}\n" for h in hosts))
+    os.environ.setdefault("MASTER_ADDR", hosts[0])
+    return dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, hostfile=str(path)))

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -29,10 +30,11 @@ def lock_path() -> Path:
 
 
 @contextlib.contextmanager
-def machine_lock() -> Iterator[None]:
-    """Hold the machine's trial lock; MachineBusy (naming the holder) if another process has it."""
+def machine_lock(wait: bool = False) -> Iterator[None]:
+    """Hold the machine's trial lock. Another process has it: MachineBusy naming the holder, or with
+    `wait` (jobs of one sweep on one machine, e.g. Hydra's submitit_local), wait for it."""
     if _held["depth"] == 0:
-        _acquire()
+        _acquire(wait)
     _held["depth"] += 1
     try:
         yield
@@ -43,16 +45,24 @@ def machine_lock() -> Iterator[None]:
             _held["fd"] = None
 
 
-def _acquire() -> None:
+def _acquire(wait: bool) -> None:
     path = lock_path()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
-        os.close(fd)
-        raise MachineBusy(f"another zero_bench is running trials on this machine ({holder}; lock {path}): "
-                          "DeepSpeed's cleanup would kill each other's trials; wait for it to finish") from None
+    said = 0.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
+            if not wait:
+                os.close(fd)
+                raise MachineBusy(f"another zero_bench is running trials on this machine ({holder}; lock {path}): "
+                                  "DeepSpeed's cleanup would kill each other's trials; wait for it to finish") from None
+            if time.time() - said > 60:
+                print(f"zero_bench: waiting for the machine: {holder} holds {path}", flush=True)
+                said = time.time()
+            time.sleep(2)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}".encode(), 0)
     _held["fd"] = fd

@@ -100,7 +100,7 @@ def bracketed(known: Known, spec: SearchConfig) -> bool:
 
 def verdict(known: Known, spec: SearchConfig) -> Optional[SearchStatus]:
     """The search's answer once the evidence decides it, else None."""
-    if any(n >= 2 and m not in known.fits for m, n in known.timeouts.items()):
+    if any(n >= 2 and m not in known.fresh for m, n in known.timeouts.items()):
         return SearchStatus.TIMEOUT
     c, lo = known.contradiction, known.lo
     if c is not None:
@@ -136,12 +136,18 @@ def next_plan(known: Known, spec: SearchConfig, cap: Optional[int], seed: Option
               allow_fit: bool = True) -> list[Entry]:
     """The next launch: ascending micro sizes; empty when `verdict` has the answer.
 
-    `allow_fit` is cleared by the caller after two predictions that did not close the bracket:
-    from then on plain bisection guarantees the end.
+    The first size of every launch runs fresh, so it runs full steps: if it turns out to be the
+    boundary, its measurement is already there. `allow_fit` is cleared by the caller after two
+    predictions that did not close the bracket: from then on plain bisection guarantees the end.
     """
+    plan = _next(known, spec, cap, seed, allow_fit)
+    return [Entry(plan[0].micro, "measure")] + plan[1:] if plan else []
+
+
+def _next(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[int], allow_fit: bool) -> list[Entry]:
     if verdict(known, spec) is not None:
         return []
-    retry = [m for m, n in known.timeouts.items() if n == 1 and m not in known.fits]
+    retry = [m for m, n in known.timeouts.items() if n == 1 and m not in known.fresh]
     if retry:  # a timeout is retried once, fresh
         return [Entry(min(retry), "measure")]
     if known.contradiction is not None:
@@ -334,7 +340,7 @@ class Search:
     def _fill(self, res: SearchResult, known: Known) -> None:
         lo, hi, dp = known.lo, known.hi, self.cfg.batch.grad_accum * self.cfg.parallel.dp
         if res.status == SearchStatus.TIMEOUT:
-            m = min(m for m, n in known.timeouts.items() if n >= 2 and m not in known.fits)
+            m = min(m for m, n in known.timeouts.items() if n >= 2 and m not in known.fresh)
             res.note = f"micro={m} timed out twice (timeout_s={self.cfg.timeout_s:g} per batch size)"
         if res.status == SearchStatus.FLAKY:
             res.note = (f"micro={known.contradiction} failed twice while micro={lo} fitted twice, "

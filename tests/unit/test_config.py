@@ -140,10 +140,18 @@ def test_search_key_carries_software_versions(monkeypatch):
 
 
 def test_cli_exit_codes_and_one_line_errors(tmp_path):
+    from zero_bench.records import SearchResult, SearchStatus
+    from zero_bench.results import Store
+
+    Store(tmp_path / "s.sqlite").put_search(SearchResult(search_key="k", label="l", status=SearchStatus.SKIPPED,
+                                                         config={}))
+    (tmp_path / "bad.sqlite").write_text("not a database " * 50)
     cases = [(["maxbatch", "search.min=10", "search.max=5"], 2, "search.max=5: must be >= search.min=10"),
              (["maxbatch", "+ds.zero_optimization.stage=7"], 2, "zero_optimization.stage=7"),
+             (["maxbatch", f"store={tmp_path}/bad.sqlite"], 2, "not a zero_bench SQLite store"),
              (["report", f"report.runs={tmp_path}/nothing.sqlite"], 2, "report.runs="),
-             (["report", f"report.compare={tmp_path}/none", f"store={tmp_path}/none.sqlite"], 2, "report.")]
+             (["report", f"store={tmp_path}/s.sqlite", f"report.compare={tmp_path}/none"], 2,
+              f"report.compare={tmp_path}/none: no store")]
     for args, code, text in cases:
         p = subprocess.run([sys.executable, "-m", "zero_bench", *args, f"hydra.run.dir={tmp_path}/run"],
                            capture_output=True, text=True, cwd=ROOT)

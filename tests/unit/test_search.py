@@ -143,6 +143,16 @@ def test_timeout_is_retried_once_fresh_then_reported():
     assert verdict(known, spec) == SearchStatus.TIMEOUT and next_plan(known, spec, None) == []
 
 
+def test_timeout_of_the_fresh_confirmation_ends_the_search():
+    """A probe said 5 fails; its fresh confirmation times out twice: the search ends, it does not loop."""
+    spec = SearchConfig()
+    trials = [result(1, Status.OK, True), result(4, Status.OK, False), result(5, Status.OOM, False),
+              result(5, Status.TIMEOUT, True, "measure")]
+    assert [(e.micro, e.mode) for e in next_plan(Known.from_trials(trials), spec, None)] == [(5, "measure")]
+    known = Known.from_trials(trials + [result(5, Status.TIMEOUT, True, "measure")])
+    assert verdict(known, spec) == SearchStatus.TIMEOUT and next_plan(known, spec, None) == []
+
+
 def test_predict_ignores_neighbour_noise():
     k = Known(fits={64: True, 127: True, 128: True},
               peak={64: 400 * MiB, 127: 463 * MiB, 128: 470 * MiB})  # 1 MiB/sample, +6 MiB noise

@@ -9,13 +9,14 @@ from typing import Optional
 from zero_bench.records import SearchResult, TrialResult
 from zero_bench.results import Store
 
+
 def find_stores(runs: str | Path) -> list[Path]:
     """A store file, a directory holding stores (searched recursively), or a glob."""
     p = Path(runs)
     if p.is_file():
         return [p]
-    if p.is_dir():
-        return sorted(p.rglob("*.sqlite"))
+    if p.is_dir():  # a sweep directory: every job's store (submitit's own folder holds none)
+        return sorted(x for x in p.rglob("*.sqlite") if ".submitit" not in x.parts)
     return sorted(Path(m) for m in glob.glob(str(runs), recursive=True) if Path(m).is_file())
 
 
@@ -27,10 +28,12 @@ class Loaded:
 
 def load(paths: list[Path], key: str = "report.runs") -> Loaded:
     out = Loaded()
+    # per-job stores of a sweep share their file name: name them by their job directory too
+    unique = len({p.name for p in paths}) == len(paths)
     for p in paths:
-        store = Store(p, key=key)
-        out.searches += [(s, p.name) for s in store.searches()]
-        out.trials += [(t, p.name) for t in store.trials()]
+        store, src = Store(p, key=key), p.name if unique else f"{p.parent.name}/{p.name}"
+        out.searches += [(s, src) for s in store.searches()]
+        out.trials += [(t, src) for t in store.trials()]
     return out
 
 
@@ -50,10 +53,24 @@ class Row:
 
 
 def rows_of(loaded: Loaded) -> list[Row]:
-    searched = {(s.search_key, src) for s, src in loaded.searches}
-    rows = [_search_row(s, src) for s, src in loaded.searches]
-    lone = [(t, src) for t, src in loaded.trials if (t.search_key, src) not in searched]
+    """One row per configuration: where several stores hold the same search (a merged sweep, a
+    job run twice), the newest finished one wins and its Notes name the others."""
+    by_key: dict[str, list[tuple[SearchResult, str]]] = {}
+    for s, src in loaded.searches:
+        by_key.setdefault(s.search_key, []).append((s, src))
+    rows = [_newest(group) for group in by_key.values()]
+    lone = [(t, src) for t, src in loaded.trials if t.search_key not in by_key]
     return rows + _lone_rows(lone)
+
+
+def _newest(group: list[tuple[SearchResult, str]]) -> Row:
+    s, src = max(group, key=lambda x: (x[0].status.finished, x[0].created))
+    row = _search_row(s, src)
+    others = sorted(o for _, o in group if o != src)
+    if len(group) > 1:
+        dup = f"duplicate: also in {len(group) - 1} other store(s) ({', '.join(others) or src}); newest finished shown"
+        row.note = f"{row.note}; {dup}" if row.note else dup
+    return row
 
 
 def _search_row(s: SearchResult, source: str) -> Row:
