@@ -1,13 +1,5 @@
 """Multi-node without launching: the hostfile, the launcher command line, what remote ranks get.
-
-Two "hosts" are two loopback addresses (127.0.0.1, 127.0.0.2) served by an sshd of this test's own
-(port 2222, or a free port if 2222 is taken), reached by pdsh over ssh exactly as on a cluster:
-hostfile -> deepspeed runner -> `pdsh -w 127.0.0.1,127.0.0.2` -> ssh -> `deepspeed.launcher.launch
---node_rank=N` on each "node" -> one rank per node. Provisioned by launch/ci_provision.sh (Debian
-openssh-server + pdsh); where a piece is missing the test skips and names it.
-
-Everything the test starts (sshd) is stopped by PID; no rank may outlive it.
-"""
+The real two-host launch: tests/integration/test_multinode.py."""
 from __future__ import annotations
 
 import os
