@@ -27,7 +27,7 @@ def check_group_overrides(overrides: list[str]) -> None:
     """Hydra's own error for an unknown option is a multi-line traceback; say it in one line."""
     for ov in overrides:
         key, _, value = ov.lstrip("~+").partition("=")
-        if key in ("model", "parallel", "hardware", "sweep") and value and "," not in value:
+        if key in ("model", "parallel", "hardware", "sweep", "ds_preset") and value and "," not in value:
             if value not in group_options(key):
                 raise ConfigError(f"{key}={value}: unknown option; allowed: {', '.join(group_options(key))}")
 

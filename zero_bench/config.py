@@ -25,6 +25,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "gpu")
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
 STRATEGIES = ("fit", "doubling")
+RECOMPUTE = ("none", "selective", "full")
 FAULT_KINDS = ("raise", "oom", "kill", "hang")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -42,22 +43,30 @@ class ModelConfig:
     seq_len: int
     """Sequence length s of every sample (and of the learned position table)."""
     vocab_size: int
-    """Vocabulary V of the tied embedding / output layer; divisible by tp."""
+    """Vocabulary V of the tokenizer (GPT-2: 50257); tokens are drawn from it."""
+    pad_vocab_to: int = 1
+    """The embedding / output layer has padded_vocab(tp) rows: V rounded up to a multiple of
+    pad_vocab_to x tp, as Megatron's --make-vocab-size-divisible-by (128: 50304 at tp 1, 51200 at tp 8)."""
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        step = self.pad_vocab_to * tp
+        return -(-self.vocab_size // step) * step
 
     @property
     def num_params(self) -> int:
         """Parameters of megatron's GPTModel (local spec, tied embeddings, learned positions).
 
         Per layer: QKV 3h^2+3h, projection h^2+h, MLP 8h^2+5h, two LayerNorms 4h -> 12h^2+13h.
-        Plus word embeddings V*h (shared with the output layer), positions S*h, final LayerNorm 2h.
+        Plus word embeddings V*h (shared with the output layer; V padded as at tp 1), positions S*h,
+        final LayerNorm 2h.
         """
         h, L = self.hidden_size, self.num_layers
-        return L * (12 * h * h + 13 * h) + self.vocab_size * h + self.seq_len * h + 2 * h
+        return L * (12 * h * h + 13 * h) + self.padded_vocab(1) * h + self.seq_len * h + 2 * h
 
     def params_per_shard(self, tp: int) -> int:
         """Parameters one tensor-parallel rank holds (LayerNorms, row biases and positions replicate)."""
         h, L = self.hidden_size, self.num_layers
-        split = L * (12 * h * h + 7 * h) + self.vocab_size * h  # QKV, fc1 (+biases), proj, fc2, embedding
+        split = L * (12 * h * h + 7 * h) + self.padded_vocab(tp) * h  # QKV, fc1 (+biases), proj, fc2, embedding
         replicated = L * (6 * h) + self.seq_len * h + 2 * h  # LayerNorms, proj/fc2 biases, positions, final LN
         return split // tp + replicated
 
@@ -131,7 +140,19 @@ class BenchConfig:
     offload_param: bool = False
     """Parameters to host memory; ZeRO-3 only."""
     precision: str = "fp32"
-    """fp32, bf16 or fp16 (fp16: GPU only)."""
+    """fp32, bf16 or fp16 (fp16: GPU only; dynamic loss scaling, skipped steps recorded)."""
+    recompute: str = "none"
+    """Activation recompute (megatron-core's recompute_granularity): none; selective (core attention);
+    full (every layer's input kept, the layer recomputed in backward, through DeepSpeed's
+    activation checkpointing so that ds.activation_checkpointing.* apply, as Megatron-DeepSpeed)."""
+    recompute_layers: int = 1
+    """With recompute=full: layers per checkpoint (megatron's recompute_num_layers, method uniform)."""
+    ds_preset: str = "default"
+    """The ds_configs/ template set: default (buckets scaled to the model on CPU) or
+    megatron_deepspeed (the reference table's buckets, overlap_comm, fp16 loss scaling, activation
+    checkpointing)."""
+    compile: bool = False
+    """DeepSpeed's engine.compile() (torch.compile); compile time is reported apart from time/it."""
     batch: BatchConfig = BatchConfig()
     steps: StepsConfig = StepsConfig()
     timeout_s: float = 600.0
@@ -181,8 +202,10 @@ class BenchConfig:
         return _hash(d)
 
     def label(self) -> str:
-        return make_label(self.model.name, self.parallel.tp, self.parallel.dp, self.zero,
-                          self.offload_optimizer, self.precision)
+        extras = [f"recompute={self.recompute}" if self.recompute != "none" else "",
+                  "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else ""]
+        return " ".join([make_label(self.model.name, self.parallel.tp, self.parallel.dp, self.zero,
+                                    self.offload_optimizer, self.precision)] + [x for x in extras if x])
 
 
 def make_label(model: str, tp: int, dp: int, zero: Any, offload: bool, precision: str) -> str:
@@ -266,7 +289,8 @@ def _model(c: dict) -> ModelConfig:
     m = c["model"]
     dims = {k: integer(f"model.{k}", m.get(k)) for k in ("num_layers", "hidden_size", "num_heads", "seq_len",
                                                          "vocab_size")}
-    return ModelConfig(name=str(m.get("name", "?")), **dims)
+    return ModelConfig(name=str(m.get("name", "?")), **dims,
+                       pad_vocab_to=integer("model.pad_vocab_to", m.get("pad_vocab_to", 1)))
 
 
 def _hardware(hw: dict, device: str) -> HardwareConfig:
@@ -287,6 +311,15 @@ def _fault(f: Any) -> Optional[dict]:
         return None
     choice("fault.kind", f.get("kind"), FAULT_KINDS)
     return dict(f)
+
+
+def ds_presets() -> tuple:
+    return tuple(sorted(p.stem for p in (CONF_DIR / "ds_preset").glob("*.yaml")))
+
+
+def _preset_name(p: Any) -> Any:
+    """The ds_preset group composes to {name: ...}; a plain string is accepted too (stores, tests)."""
+    return p.get("name") if isinstance(p, dict) else ("default" if p is None else p)
 
 
 def from_cfg(cfg: Any) -> BenchConfig:
@@ -311,6 +344,10 @@ def from_cfg(cfg: Any) -> BenchConfig:
         hardware=_hardware(c["hardware"], device),
         zero=zero, offload_optimizer=offload, offload_param=offload_param,
         precision=choice("precision", precision, PRECISIONS),
+        recompute=choice("recompute", c.get("recompute", "none"), RECOMPUTE),
+        recompute_layers=integer("recompute_layers", c.get("recompute_layers", 1)),
+        ds_preset=choice("ds_preset", _preset_name(c.get("ds_preset")), ds_presets()),
+        compile=choice("compile", c.get("compile", False), (False, True)),
         batch=BatchConfig(micro=integer("batch.micro", c["batch"]["micro"]),
                           grad_accum=integer("batch.grad_accum", c["batch"]["grad_accum"])),
         steps=StepsConfig(warmup=integer("steps.warmup", st["warmup"], lo=0),
@@ -352,8 +389,9 @@ def validate_static(b: BenchConfig) -> None:
         raise ConfigError(f"parallel.tp={tp}: must divide model.num_heads={m.num_heads}")
     if m.hidden_size % tp:
         raise ConfigError(f"parallel.tp={tp}: must divide model.hidden_size={m.hidden_size}")
-    if m.vocab_size % tp:
-        raise ConfigError(f"parallel.tp={tp}: must divide model.vocab_size={m.vocab_size}")
+    if b.recompute == "full" and m.num_layers % b.recompute_layers:
+        raise ConfigError(f"recompute_layers={b.recompute_layers}: must divide model.num_layers={m.num_layers} "
+                          "(megatron's uniform recompute)")
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.num_heads={m.num_heads}: must divide model.hidden_size={m.hidden_size}")
     if b.offload_optimizer and b.zero == 0:

@@ -1,7 +1,9 @@
 """Composed config -> the exact DeepSpeed JSON a trial runs with.
 
-Layers, later wins: ds_configs/base.json, zero{stage}.json, offload_*.json, cpu.json (on CPU),
-the values that follow from the config (batch, precision, bucket sizes), then the user's `ds.*` keys.
+Layers, later wins: ds_configs/base.json, zero{stage}.json, offload_*.json, the ds_preset's
+templates ({preset}.json, {preset}_zero3.json with ZeRO-3, {preset}_offload.json with offload),
+cpu.json (on CPU), the values that follow from the config (batch, precision, bucket sizes on the
+default preset, the activation checkpoints), then the user's `ds.*` keys.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ def build(cfg: BenchConfig) -> dict:
         ds = merge(ds, load_template("offload_optimizer"))
     if cfg.offload_param:
         ds = merge(ds, load_template("offload_param"))
+    ds = _with_preset(ds, cfg)
     on_cpu = cfg.hardware.device == "cpu"
     if on_cpu:
         ds = merge(ds, load_template("cpu"))
@@ -64,14 +67,29 @@ def build(cfg: BenchConfig) -> dict:
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": {"enabled": cfg.precision == "fp16"},
     })
+    checkpoints = ds.get("activation_checkpointing") or {}
+    if cfg.recompute == "full" and checkpoints.get("contiguous_memory_optimization"):
+        # DeepSpeed sizes the contiguous buffer by the checkpoints one forward pass stores.
+        ds = merge(ds, {"activation_checkpointing": {
+            "number_checkpoints": cfg.model.num_layers // cfg.recompute_layers}})
     user_zero = (cfg.ds.get("zero_optimization") or {})
-    if on_cpu and cfg.zero > 0:
+    if on_cpu and cfg.zero > 0 and cfg.ds_preset == "default":
         buckets = scaled_buckets(cfg.model.params_per_shard(cfg.parallel.tp))
         keep = {k: v for k, v in buckets.items() if k not in user_zero}
         if cfg.zero < 3:
             keep = {k: v for k, v in keep.items() if not k.startswith("stage3")}
         ds = merge(ds, {"zero_optimization": keep})
     return merge(ds, cfg.ds)
+
+
+def _with_preset(ds: dict, cfg: BenchConfig) -> dict:
+    if cfg.ds_preset == "default":
+        return ds
+    ds = merge(ds, load_template(cfg.ds_preset))
+    for suffix, wanted in (("zero3", cfg.zero == 3), ("offload", cfg.offload_optimizer)):
+        if wanted and (TEMPLATE_DIR / f"{cfg.ds_preset}_{suffix}.json").exists():
+            ds = merge(ds, load_template(f"{cfg.ds_preset}_{suffix}"))
+    return ds
 
 
 def write(cfg: BenchConfig, path: Path) -> dict:

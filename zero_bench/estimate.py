@@ -10,9 +10,8 @@ Sources
   fp32 training follows what DeepSpeed allocates (checked against the worker's exact counts):
   stage 0: 16P, stage 1: 8P + 12P/dp, stage 2: 4P + 16P/dp, stage 3: 20P/dp (see model_states_bytes).
 - Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models": per layer and sample, 16-bit, no recompute, tensor parallel without sequence parallel:
-  s*h*(10 + 24/t + 5*a*s/(h*t)) bytes (t = 1: s*h*(34 + 5*a*s/h)); fp32 doubles it. Plus the
-  embedding/output layer (5*s*h) and the logits of the loss, kept in fp32: s*V/t*(4 + bytes).
+  Models", without dropout (zero_bench's GPT has none), for recompute none / selective / full:
+  see activation_bytes_per_sample.
 - Buffers: DeepSpeed's own, sized from the ds_config a trial runs with (zero_bench.ds_config.build).
 
 A rank's peak, as the search compares it with the capacity (RSS on CPU, reserved bytes on GPU):
@@ -41,10 +40,11 @@ MiB, GiB = 2**20, 2**30
 CPU_RANK_OVERHEAD = 410 * MiB
 GPU_RANK_OVERHEAD = 500 * MiB
 
-# Per-sample activation memory of a CPU rank's RSS relative to the Korthikanti formula, fitted on
-# model=gpt-mini (2 ranks, fp32, ZeRO-2 micro 2/4/8: 31.7 MiB/sample of RSS vs 43.6 by the formula).
-# gpt-small ZeRO-3 micro 1->2 gave 75 MiB/sample vs 82.9 (0.90): the factor is a CPU fit, not a law.
-CPU_ACTIVATION_FACTOR = 0.73
+# Per-sample activation memory of a CPU rank's RSS relative to the formula (whose live tensor bytes
+# it matches within 4 %), fitted on model=gpt-mini (2 ranks, fp32, ZeRO-2 micro 2/4/8: 31.7 MiB/sample
+# of RSS vs 36.5 by the formula). gpt-small ZeRO-3 micro 1->2 gave 75 MiB/sample vs 70.8 (1.06):
+# glibc's arenas reuse freed blocks unevenly, so the factor is a CPU fit, not a law.
+CPU_ACTIVATION_FACTOR = 0.87
 GPU_ACTIVATION_FACTOR = 1.0
 
 # DeepSpeed defaults for keys the ds_config leaves out (deepspeed/runtime/zero/config.py, engine.py).
@@ -137,24 +137,49 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
 # ---------------------------------------------------------------------------------------------
 # Activations
 # ---------------------------------------------------------------------------------------------
-def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16") -> dict:
-    """Activation bytes one sample (sequence) keeps for the backward pass, no recompute.
+def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
+                                checkpointing: Optional[Mapping] = None) -> dict:
+    """Activation bytes one sample (sequence) adds to a rank's peak.
 
-    Per transformer layer (Korthikanti et al. 2022, eq. 2 with tensor parallelism t, no sequence
-    parallelism), 16-bit: s*h*(10 + 24/t + 5*a*s/(h*t)); t = 1 gives s*h*(34 + 5*a*s/h).
-    Embedding and output: the embedding's dropout mask, the final LayerNorm's input and the
-    output projection's input: 5*s*h. Logits for the loss (megatron's vocab-parallel cross entropy):
-    the projection's output in the training dtype plus its fp32 softmax: s*V/t*(bytes + 4).
-    fp32 training doubles every 16-bit term (4 bytes instead of 2); the logits term is exact.
+    Per transformer layer, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+    Transformer Models", eq. 2, tensor parallel t, no sequence parallelism), 16-bit:
+    s*h*(10 + 24/t + 5*a*s/(h*t)), of which the dropout masks (2 s*h, a*s^2) and dropout's output
+    (2 a*s^2) exist only with dropout. zero_bench's GPT runs without dropout, so:
+        none:      s*h*(8 + 24/t + 2*a*s/(h*t))  per layer (2*a*s^2: the softmax output)
+        selective: s*h*(8 + 24/t)                per layer, + one layer's attention while recomputed
+        full:      2*s*h per layer (its input, kept), /t with partition_activations, in host memory
+                   with cpu_checkpointing, + one layer's activations while it is recomputed
+    Embedding and output: the final LayerNorm's and the output projection's inputs: 4*s*h. Logits
+    (megatron's vocab-parallel cross entropy): the projection's output in the training dtype plus
+    its fp32 softmax: s*V/t*(bytes + 4), V padded. fp32 doubles every 16-bit term.
+    Measured live tensor bytes per sample on CPU (8 layers, h 128, s 256, fp32; README): none,
+    selective and full within 4 % of this.
+    checkpointing: the ds_config's activation_checkpointing section (recompute=full only).
+    Returns bytes: per_layer, layers (what L layers keep), recomputed (one layer, in backward),
+    embedding, logits, host (on the host: cpu_checkpointing), total (the rank's device).
     """
-    s, h, a, V, L = model.seq_len, model.hidden_size, model.num_heads, model.vocab_size, model.num_layers
+    s, h, a, L = model.seq_len, model.hidden_size, model.num_heads, model.num_layers
+    V = model.padded_vocab(tp)
     b = BYTES[precision]
     scale = b / 2
-    layer = s * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
-    embed = 5 * s * h * scale
+    attention = 2 * a * s * s / tp * scale
+    layer = s * h * (8 + 24 / tp) * scale + attention
+    ck = checkpointing or {}
+    host = 0.0
+    if recompute == "full":
+        kept = 2 * s * h * scale / (tp if ck.get("partition_activations") else 1)
+        layers, recomputed = L * kept, layer
+        if ck.get("partition_activations") and ck.get("cpu_checkpointing"):
+            layers, host = 0.0, L * kept
+    elif recompute == "selective":
+        layers, recomputed = L * (layer - attention), attention
+    else:
+        layers, recomputed = L * layer, 0.0
+    embed = 4 * s * h * scale
     logits = s * V / tp * (b + 4)
-    return {"per_layer": int(layer), "layers": int(L * layer), "embedding": int(embed),
-            "logits": int(logits), "total": int(L * layer + embed + logits)}
+    out = {"per_layer": layer, "layers": layers, "recomputed": recomputed, "embedding": embed,
+           "logits": logits, "host": host, "total": layers + recomputed + embed + logits}
+    return {k: int(v) for k, v in out.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,7 +187,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
 # ---------------------------------------------------------------------------------------------
 def param_numels(model: ModelConfig, tp: int = 1) -> list[int]:
     """Element counts of the parameters one tensor-parallel rank holds (megatron GPT, local spec)."""
-    h, V, S = model.hidden_size, model.vocab_size, model.seq_len
+    h, V, S = model.hidden_size, model.padded_vocab(tp), model.seq_len
     layer = [h, h,                      # input LayerNorm
              3 * h * h // tp, 3 * h // tp,  # QKV
              h * h // tp, h,            # projection (row parallel: bias replicated)
@@ -353,8 +378,10 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     states = model_states_bytes(P, bench.zero, dp, 1, bench.precision,
                                 bench.offload_optimizer, bench.offload_param and bench.zero == 3)
     on_cpu = bench.hardware.device == "cpu"
-    act = activation_bytes_per_sample(m, tp, bench.precision)
+    checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
+    act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing)
     factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
+    per_sample = act["total"] + (act["host"] if on_cpu else 0)  # on CPU the host is the device
     b = BYTES[bench.precision]
     flat = {0: 0, 1: b * P, 2: b * P, 3: b * P // dp}[bench.zero]
     grads = states["grads"]
@@ -367,7 +394,7 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
         label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
         offload_optimizer=bench.offload_optimizer, offload_param=bench.offload_param, dp=dp, tp=tp,
         num_params=m.num_params, params_per_shard=P, states=states, buffers=deepspeed_buffers(bench, ds),
-        activations=act, act_per_sample=int(act["total"] * factor),
+        activations=act, act_per_sample=int(per_sample * factor),
         overhead=CPU_RANK_OVERHEAD if on_cpu else GPU_RANK_OVERHEAD, init_peak=b * P + flat,
         grads_phase={k: int(v) for k, v in grads_phase.items()},
         local_ranks=local_ranks(bench),

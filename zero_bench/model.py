@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from zero_bench.config import ModelConfig
+from zero_bench.config import BenchConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def install_cpu_shims() -> None:
@@ -70,11 +72,66 @@ def init_parallel(tp: int, seed: int, on_cpu: bool) -> MpuAdapter:
     return MpuAdapter()
 
 
-def build_gpt(model: ModelConfig, tp: int, dtype: torch.dtype, on_cpu: bool) -> torch.nn.Module:
+def recompute_args(cfg: BenchConfig) -> dict:
+    """megatron-core's names for `recompute`: selective recomputes core attention (its default
+    recompute_modules); full recomputes every layer from its input, recompute_layers at a time."""
+    if cfg.recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    if cfg.recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": cfg.recompute_layers}
+    return {}
+
+
+def install_checkpointing(cfg: BenchConfig, mpu: MpuAdapter, ds_config: dict) -> None:
+    """The checkpoint function megatron-core calls for `recompute`."""
+    from megatron.core import tensor_parallel
+
+    if cfg.recompute == "full":
+        use_deepspeed_checkpointing(mpu, ds_config)
+    elif cfg.recompute == "selective" and cfg.hardware.device == "cpu":
+        # megatron's CheckpointFunction saves torch.cuda's RNG state; torch's own checkpoint
+        # recomputes the same way without CUDA (dropout is off, so no RNG state matters).
+        from torch.utils.checkpoint import checkpoint
+
+        tensor_parallel.checkpoint = lambda function, _distribute, *args: checkpoint(function, *args,
+                                                                                      use_reentrant=False)
+
+
+def use_deepspeed_checkpointing(mpu: MpuAdapter, ds_config: dict) -> None:
+    """recompute=full as Megatron-DeepSpeed runs it: DeepSpeed's checkpoint function replaces
+    megatron's, so ds_config's activation_checkpointing (partition_activations, cpu_checkpointing,
+    contiguous_memory_optimization) applies. Megatron-DeepSpeed sets mpu.checkpoint the same way;
+    megatron-core's TransformerBlock looks tensor_parallel.checkpoint up at each call."""
+    import deepspeed
+    from megatron.core import tensor_parallel
+
+    deepspeed.checkpointing.configure(mpu, deepspeed_config=ds_config)
+
+    def checkpoint(function, distribute_saved_activations, *args):
+        # distribute_saved_activations is megatron's own partitioning; DeepSpeed's config decides.
+        # DeepSpeed's partitioned path miscounts None arguments (megatron passes several: context,
+        # masks), so only the tensors go through it and the rest is put back around them.
+        where = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        template = [None if torch.is_tensor(a) else a for a in args]
+
+        def run(*tensors):
+            full = list(template)
+            for i, t in zip(where, tensors):
+                full[i] = t
+            return function(*full)
+
+        return deepspeed.checkpointing.checkpoint(run, *(args[i] for i in where))
+
+    tensor_parallel.checkpoint = checkpoint
+
+
+def build_gpt(cfg: BenchConfig, on_cpu: bool) -> torch.nn.Module:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    model, tp, dtype = cfg.model, cfg.parallel.tp, DTYPES[cfg.precision]
     config = TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -94,11 +151,12 @@ def build_gpt(model: ModelConfig, tp: int, dtype: torch.dtype, on_cpu: bool) -> 
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        **recompute_args(cfg),
     )
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=model.vocab_size,
+        vocab_size=model.padded_vocab(tp),  # megatron pads it the same way (tokens stay < vocab_size)
         max_sequence_length=model.seq_len,
         share_embeddings_and_output_weights=True,
         position_embedding_type="learned_absolute",

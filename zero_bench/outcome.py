@@ -128,8 +128,10 @@ def _ok(cfg: "BenchConfig", entry: Entry, index: int, done: list[RankRecord]) ->
     # The slowest rank sets the pace of a synchronous step.
     tps = max(e.time_per_step for e in done)
     samples = cfg.with_micro(entry.micro).global_batch / tps
+    first = min(done, key=lambda e: e.rank)
     return trial(cfg, entry, index, Status.OK, time_per_step_s=tps, samples_per_s=samples,
-                 tokens_per_s=samples * cfg.model.seq_len, loss=done[0].loss,
+                 tokens_per_s=samples * cfg.model.seq_len, loss=first.loss, loss_scale=first.loss_scale,
+                 skipped_steps=max((e.skipped_steps or 0) for e in done), compile_s=first.compile_s,
                  ranks=[e.summary() for e in sorted(done, key=lambda e: e.rank)])
 
 

@@ -81,6 +81,9 @@ class RankRecord:
     peak_rss_bytes: Optional[int] = None  # ru_maxrss of the rank process
     peak_live_bytes: Optional[int] = None  # live tensor bytes of one profiled step (CPU) / torch peak (GPU)
     peak_phase: str = ""
+    loss_scale: Optional[float] = None  # fp16's dynamic loss scale after the entry (None: no scaling)
+    skipped_steps: Optional[int] = None  # optimizer steps of the entry skipped on overflow (excluded from time/it)
+    compile_s: Optional[float] = None  # compile=true: the launch's first step beyond a steady step
     model_states: dict = field(default_factory=dict)  # exact bytes: params / master / optimizer / grads
     torch_peak_allocated: Optional[int] = None
     torch_peak_reserved: Optional[int] = None
@@ -161,6 +164,9 @@ class TrialResult:
     samples_per_s: Optional[float] = None
     tokens_per_s: Optional[float] = None
     loss: Optional[float] = None
+    loss_scale: Optional[float] = None  # fp16: rank 0's loss scale after the entry
+    skipped_steps: Optional[int] = None  # fp16: steps skipped on overflow (not in time/it)
+    compile_s: Optional[float] = None  # compile=true: compile time, apart from time/it
     capacity_bytes: Optional[int] = None
     ranks: list[RankRecord] = field(default_factory=list)
     devices: list[DeviceMemStats] = field(default_factory=list)

@@ -122,6 +122,18 @@ def model_state_bytes(engine) -> dict:
             "numel_local": sum(p.numel() for p in params)}
 
 
+# An fp16 run that overflows this often in a row is broken (DeepSpeed halves the scale each time
+# after the hysteresis: 2**16 reaches 1 in about 17 steps).
+MAX_SKIPPED_STEPS = 40
+
+
+def loss_scale(engine) -> float | None:
+    """fp16's dynamic loss scale now; None without one (fp32, bf16)."""
+    if not engine.fp16_enabled():
+        return None
+    return float(engine.optimizer.loss_scale)
+
+
 def append_record(path: Path, record: RankRecord) -> None:
     """One JSON line, fsync'ed: whatever happens to the process next, this record is kept."""
     with open(path, "a") as f:
@@ -141,7 +153,7 @@ class Rank:
         import torch
 
         from zero_bench.config import BenchConfig
-        from zero_bench.model import build_gpt, init_parallel
+        from zero_bench.model import build_gpt, init_parallel, install_checkpointing
 
         self.spec = spec
         self.cfg = BenchConfig.from_dict(spec["config"])
@@ -165,15 +177,21 @@ class Rank:
                            **(self.gpu.record() if self.gpu else {}))
         self._emit(start)
         mpu = init_parallel(self.cfg.parallel.tp, self.cfg.seed, self.on_cpu)
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.cfg.precision]
-        model = build_gpt(self.cfg.model, self.cfg.parallel.tp, dtype, self.on_cpu)
         ds_config = json.loads(Path(spec["ds_config"]).read_text())
+        install_checkpointing(self.cfg, mpu, ds_config)
+        # ZeRO-3 partitions each parameter as its module is built: no rank ever holds the whole model.
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu, enabled=self.cfg.zero == 3):
+            model = build_gpt(self.cfg, self.on_cpu)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=ds_config, mpu=mpu)
         if self.gpu:
             self.gpu.emulate()  # again, now that NCCL's buffers exist
+        self.compile_s = None
+        if self.cfg.compile:
+            self.engine.compile()  # torch.compile runs lazily, in the first step of each new shape
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", self.local_rank)
         self.states = None
+        self.applied = self.applied_any = False  # was the last / any optimizer step applied
 
     # -- records -------------------------------------------------------------------------------
     def _emit(self, record: RankRecord) -> None:
@@ -218,7 +236,13 @@ class Rank:
             losses.append(loss.item())
         self._sync()
         self.marks("idle")
+        self._note_applied()
         return time.perf_counter() - t0, sum(losses) / len(losses)
+
+    def _note_applied(self) -> None:
+        # fp16: an overflow makes DeepSpeed skip the update and lower the loss scale.
+        self.applied = self.engine.was_step_applied()
+        self.applied_any = self.applied_any or self.applied
 
     def _maybe_inject(self, micro: int) -> None:
         """Fault injection for tests: `fault={rank: R, kind: raise|oom|kill|hang, min_micro: M}`."""
@@ -286,23 +310,34 @@ class Rank:
         if not self.on_cpu:
             self.torch.cuda.reset_peak_memory_stats()
             self.gpu.reset_peak()
-        losses, times = [], []
-        for _ in range(n_warm):
+        losses, times, first = [], [], None
+        skipped = 0
+        for i in range(n_warm + n_timed):
+            secs, loss = self.step(micro)
+            first = secs if first is None else first
+            losses.append(loss)
+            skipped += not self.applied
+            if i >= n_warm and self.applied:  # time/it counts applied steps only (fp16 overflows skip)
+                times.append(secs)
+        # Optimizer state is allocated at the first update: with fp16, go on until one was applied.
+        while not self.applied_any and skipped < MAX_SKIPPED_STEPS:
             secs, loss = self.step(micro)
             losses.append(loss)
-        for _ in range(n_timed):
-            secs, loss = self.step(micro)
-            times.append(secs)
-            losses.append(loss)
+            skipped += not self.applied
         if self.states is None:  # model states exist once the first optimizer step has run
             self.states = model_state_bytes(self.engine)
         secs, loss, peak_live, phase = self.profiled_step(micro)
+        skipped += not self.applied
         losses.append(loss)
+        if self.cfg.compile and first is not None and self.compile_s is None:
+            # The launch's first step traced and compiled the model: what it took beyond a step.
+            self.compile_s = max(0.0, first - statistics.median(times or [secs]))
         if not times:
             times.append(secs)
         return RankRecord(rank=self.rank, event="end", status="ok", micro=micro, mode=mode, loss=losses[-1],
                           losses=losses, step_times=times, time_per_step=statistics.median(times),
                           peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
+                          loss_scale=loss_scale(self.engine), skipped_steps=skipped, compile_s=self.compile_s,
                           marks=self.marks.marks, **self.memory_now())
 
     def over_capacity(self, rec: RankRecord) -> bool:

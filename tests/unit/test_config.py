@@ -57,6 +57,11 @@ def test_offload_true_moves_params_too_only_with_zero3():
     (["hardware.memory_gb=-1"], "hardware.memory_gb=-1: must be a number > 0"),
     (["zero=true"], "zero=True: allowed values are 0, 1, 2, 3"),
     (["+fault.kind=melt"], "fault.kind=melt: allowed values are raise, oom, kill, hang"),
+    (["recompute=some"], "recompute=some: allowed values are none, selective, full"),
+    (["recompute=full", "recompute_layers=3"], "recompute_layers=3: must divide model.num_layers=4"),
+    (["recompute_layers=0"], "recompute_layers=0: must be an integer >= 1"),
+    (["compile=yes"], "compile=yes: allowed values are False, True"),
+    (["model.pad_vocab_to=0"], "model.pad_vocab_to=0: must be an integer >= 1"),
 ])
 def test_bad_input_is_one_line_naming_key_and_allowed(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -71,6 +76,7 @@ def test_world_size_beyond_devices():
 
 def test_cli_errors_are_one_line_without_traceback():
     for args, key in ((["model=gpt9"], "model=gpt9: unknown option; allowed: gpt-mini"),
+                      (["ds_preset=megatron"], "ds_preset=megatron: unknown option; allowed: default, megatron_deepspeed"),
                       (["zero=7"], "zero=7: allowed values")):
         p = subprocess.run([sys.executable, "-m", "zero_bench", *args], capture_output=True, text=True, cwd=ROOT)
         assert p.returncode == 2
@@ -90,6 +96,34 @@ def test_ds_config_layers_templates_values_and_user_keys():
     user = from_cfg(composed("zero=3", "+ds.zero_optimization.reduce_bucket_size=12345"))
     assert ds_config.build(user)["zero_optimization"]["reduce_bucket_size"] == 12345
     assert "_comment" not in ds
+
+
+def test_megatron_deepspeed_preset_is_the_reference_setup():
+    """DeepSpeedExamples' Megatron-LM GPT-2 settings: 5e8 buckets (ZeRO-2 tutorial), 5e7 with ZeRO-3
+    or offload (whose scripts also checkpoint to the host, contiguously), dynamic fp16 loss scale."""
+    z2 = ds_config.build(bench("ds_preset=megatron_deepspeed", "zero=2", "recompute=full"))
+    zo = z2["zero_optimization"]
+    assert (zo["reduce_bucket_size"], zo["allgather_bucket_size"], zo["overlap_comm"], zo["contiguous_gradients"]) \
+        == (500_000_000, 500_000_000, True, True)  # on CPU too: the preset's buckets, not scaled ones
+    assert z2["fp16"] == {"enabled": False, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2,
+                          "min_loss_scale": 1}
+    assert z2["activation_checkpointing"]["partition_activations"]
+    assert not z2["activation_checkpointing"]["cpu_checkpointing"]
+    off = ds_config.build(bench("ds_preset=megatron_deepspeed", "zero=2", "offload=true", "recompute=full"))
+    ck = off["activation_checkpointing"]
+    assert off["zero_optimization"]["reduce_bucket_size"] == 50_000_000
+    assert ck["cpu_checkpointing"] and ck["contiguous_memory_optimization"] and ck["number_checkpoints"] == 4
+    assert ds_config.build(bench("ds_preset=megatron_deepspeed", "zero=3"))["zero_optimization"][
+        "reduce_bucket_size"] == 50_000_000
+    assert "activation_checkpointing" not in ds_config.build(bench())
+
+
+def test_new_keys_are_in_the_search_key_and_label():
+    base = bench()
+    for ov in ("recompute=full", "recompute=selective", "ds_preset=megatron_deepspeed", "compile=true"):
+        other = bench(ov)
+        assert other.search_key() != base.search_key() and other.label() != base.label(), ov
+    assert bench("recompute=full").label().endswith("recompute=full")
 
 
 def test_zero0_gets_no_zero_buckets():

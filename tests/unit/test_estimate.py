@@ -82,15 +82,39 @@ def test_offload():
 
 # -- activations (Korthikanti et al.) ------------------------------------------------------------
 def test_activation_formula_by_hand():
-    m = bench("gpt-mini").model  # L=4, h=256, a=4, s=256, V=8192
+    m = bench("gpt-mini").model  # L=4, h=256, a=4, s=256, V=8192; no dropout
     a = activation_bytes_per_sample(m, 1, "bf16")
-    assert a["per_layer"] == 256 * 256 * (34 + 5 * 4 * 256 // 256)  # 3,538,944
+    assert a["per_layer"] == 256 * 256 * (8 + 24 + 2 * 4 * 256 // 256)  # 2,621,440
     assert a["logits"] == 256 * 8192 * (2 + 4)
-    assert a["embedding"] == 5 * 256 * 256
+    assert a["embedding"] == 4 * 256 * 256
+    assert a["total"] == 4 * a["per_layer"] + a["embedding"] + a["logits"]
     f = activation_bytes_per_sample(m, 1, "fp32")
     assert f["per_layer"] == 2 * a["per_layer"] and f["logits"] == 256 * 8192 * 8
     t = activation_bytes_per_sample(m, 2, "bf16")
-    assert t["per_layer"] == 256 * 256 * (10 + 12 + 10)
+    assert t["per_layer"] == 256 * 256 * (8 + 12 + 4)
+
+
+def test_recompute_by_hand():
+    m = bench("gpt-mini").model
+    none = activation_bytes_per_sample(m, 1, "bf16")
+    sel = activation_bytes_per_sample(m, 1, "bf16", "selective")
+    attention = 2 * 4 * 256 * 256
+    assert sel["layers"] == 4 * 256 * 256 * 32 and sel["recomputed"] == attention
+    full = activation_bytes_per_sample(m, 1, "bf16", "full")
+    assert full["layers"] == 4 * 2 * 256 * 256 and full["recomputed"] == none["per_layer"]
+    assert full["total"] < sel["total"] < none["total"]
+    # partition_activations divides the kept inputs by tp; cpu_checkpointing moves them to the host
+    t = activation_bytes_per_sample(m, 2, "bf16", "full", {"partition_activations": True})
+    assert t["layers"] == 4 * 256 * 256
+    h = activation_bytes_per_sample(m, 2, "bf16", "full", {"partition_activations": True, "cpu_checkpointing": True})
+    assert h["layers"] == 0 and h["host"] == 4 * 256 * 256 and h["total"] == t["total"] - t["layers"]
+
+
+def test_vocab_padded_like_megatron():
+    m = bench("gpt345m").model
+    assert m.vocab_size == 50257 and m.padded_vocab(1) == 50304 and m.padded_vocab(8) == 51200
+    assert sum(param_numels(m, 8)) == m.params_per_shard(8)
+    assert activation_bytes_per_sample(m, 8, "fp16")["logits"] == 1024 * 51200 // 8 * 6
 
 
 def test_param_numels_match_config():
