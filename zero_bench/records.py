@@ -84,6 +84,7 @@ class RankRecord:
     loss_scale: Optional[float] = None  # fp16's dynamic loss scale after the entry (None: no scaling)
     skipped_steps: Optional[int] = None  # optimizer steps of the entry skipped on overflow (excluded from time/it)
     compile_s: Optional[float] = None  # compile=true: the launch's first step beyond a steady step
+    zero_init: Optional[bool] = None  # the model's parameters were partitioned as it was built (deepspeed.zero.Init)
     model_states: dict = field(default_factory=dict)  # exact bytes: params / master / optimizer / grads
     torch_peak_allocated: Optional[int] = None
     torch_peak_reserved: Optional[int] = None

@@ -125,6 +125,7 @@ def model_state_bytes(engine) -> dict:
 # An fp16 run that overflows this often in a row is broken (DeepSpeed halves the scale each time
 # after the hysteresis: 2**16 reaches 1 in about 17 steps).
 MAX_SKIPPED_STEPS = 40
+COMPILE_WARMUP_STEPS = 2
 
 
 def loss_scale(engine) -> float | None:
@@ -182,6 +183,7 @@ class Rank:
         # ZeRO-3 partitions each parameter as its module is built: no rank ever holds the whole model.
         with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu, enabled=self.cfg.zero == 3):
             model = build_gpt(self.cfg, self.on_cpu)
+        self.zero_init = all(hasattr(p, "ds_id") for p in model.parameters())
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=ds_config, mpu=mpu)
         if self.gpu:
@@ -307,18 +309,27 @@ class Rank:
         steps = self.cfg.steps
         n_warm = steps.warmup if mode == "measure" else steps.probe
         n_timed = steps.timed if mode == "measure" else 0
+        if self.cfg.compile and n_timed:
+            # Compiled, the first two steps compile: the second recompiles once, because megatron's
+            # scratch buffer (a guarded dict) exists only after the first.
+            n_warm = max(n_warm, COMPILE_WARMUP_STEPS)
         if not self.on_cpu:
             self.torch.cuda.reset_peak_memory_stats()
             self.gpu.reset_peak()
-        losses, times, first = [], [], None
+        losses, times, warm = [], [], []
         skipped = 0
         for i in range(n_warm + n_timed):
             secs, loss = self.step(micro)
-            first = secs if first is None else first
             losses.append(loss)
             skipped += not self.applied
-            if i >= n_warm and self.applied:  # time/it counts applied steps only (fp16 overflows skip)
+            if i < n_warm:
+                warm.append(secs)
+            elif self.applied:  # time/it counts applied steps only (fp16 overflows skip)
                 times.append(secs)
+        if self.cfg.compile and times and self.compile_s is None:
+            # What compiling cost: the warm-up's time beyond steady steps (first measured entry).
+            steady = statistics.median(times)
+            self.compile_s = sum(max(0.0, w - steady) for w in warm)
         # Optimizer state is allocated at the first update: with fp16, go on until one was applied.
         while not self.applied_any and skipped < MAX_SKIPPED_STEPS:
             secs, loss = self.step(micro)
@@ -329,16 +340,13 @@ class Rank:
         secs, loss, peak_live, phase = self.profiled_step(micro)
         skipped += not self.applied
         losses.append(loss)
-        if self.cfg.compile and first is not None and self.compile_s is None:
-            # The launch's first step traced and compiled the model: what it took beyond a step.
-            self.compile_s = max(0.0, first - statistics.median(times or [secs]))
         if not times:
             times.append(secs)
         return RankRecord(rank=self.rank, event="end", status="ok", micro=micro, mode=mode, loss=losses[-1],
                           losses=losses, step_times=times, time_per_step=statistics.median(times),
                           peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
                           loss_scale=loss_scale(self.engine), skipped_steps=skipped, compile_s=self.compile_s,
-                          marks=self.marks.marks, **self.memory_now())
+                          zero_init=self.zero_init, marks=self.marks.marks, **self.memory_now())
 
     def over_capacity(self, rec: RankRecord) -> bool:
         """All ranks agree (max all-reduce) whether any rank's peak passed the capacity."""

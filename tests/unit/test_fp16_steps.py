@@ -41,7 +41,7 @@ class SeamRank(worker.Rank):
         self.cfg = BenchConfig(model=model("gpt-tiny"), hardware=HardwareConfig(device="cpu"), precision="fp16",
                                steps=steps)
         self.engine, self.on_cpu, self.rank, self.marks = engine, True, 0, worker.Marks()
-        self.states, self.applied, self.applied_any, self.compile_s = None, False, False, None
+        self.states, self.applied, self.applied_any, self.compile_s, self.zero_init = None, False, False, None, False
 
     def step(self, micro):
         self.engine.step()

@@ -166,8 +166,10 @@ def test_memory_mib_and_the_a100_preset():
     assert (c.hardware.device, c.hardware.memory_mib) == ("gpu", 40537)
     assert capacity_bytes(gpu_cfg(memory_mib=40537)) == 40537 * MiB
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        c = compose("config", overrides=["hardware=a100_40gb", "+sweep=seed_grid"])
-    assert c.hardware.memory_mib == 40537
+        c = compose("config", overrides=["+sweep=seed_grid"])
+    # the reference's setup: fp16, full recompute, the Megatron-DeepSpeed ds_config, A100-40GB
+    assert (c.hardware.memory_mib, c.precision, c.recompute, c.ds_preset.name) == (
+        40537, "fp16", "full", "megatron_deepspeed")
 
 
 @pytest.mark.parametrize("text", ["NCCL WARN Failed to CUDA calloc 6291456 bytes",

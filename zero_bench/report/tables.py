@@ -18,15 +18,16 @@ MiB = 2 ** 20
 
 # The seed table's columns (shared/seeds/zero_table_8xA100.md), then what it lacked.
 SEED_COLUMNS = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
-                "ZeRO stage", "CPU offload", "precision", "Max Global BSZ", "micro batch", "grad accum",
-                "time/it (ms)", "throughput (samples/s)", "tokens/s", "tokens/s per GPU",
-                "model TFLOP/s per GPU", "MFU", "HFU", "num params"]
+                "ZeRO stage", "CPU offload", "precision", "recompute", "ds preset", "compile", "Max Global BSZ",
+                "micro batch", "grad accum", "time/it (ms)", "throughput (samples/s)", "tokens/s", "tokens/s per GPU",
+                "model TFLOP/s per GPU", "MFU", "HFU", "compile time (s)", "loss scale", "skipped steps",
+                "num params"]
 REPEAT_COLUMNS = ["time/it median (ms)", "time/it min (ms)", "time/it max (ms)", "repeats"]
 ESTIMATE_COLUMNS = ["model states est. (MiB/rank)", "model states measured (MiB/rank)", "model states error (%)"]
 TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
 # What identifies "the same configuration" across stores (the Compare and Scaling sheets).
 CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
-              "ZeRO stage", "CPU offload", "precision", "grad accum", "device"]
+              "ZeRO stage", "CPU offload", "precision", "recompute", "ds preset", "compile", "grad accum", "device"]
 COMPARED = ["Max Global BSZ", "time/it (ms)", "throughput (samples/s)", "tokens/s per GPU", "MFU",
             "peak memory used"]
 
@@ -43,7 +44,9 @@ class Setup:
     precision: str
     device: str
     grad_accum: int
-    recompute: bool
+    recompute: str
+    ds_preset: str
+    compile: bool
 
     @property
     def world(self) -> int:
@@ -63,8 +66,12 @@ def setup_of(c: dict) -> Setup:
                  zero=c.get("zero"), offload_optimizer=bool(c.get("offload_optimizer", c.get("offload", False))),
                  offload_param=bool(c.get("offload_param") or False), precision=str(c.get("precision", "")),
                  device=str(hw.get("device", "")), grad_accum=int(batch.get("grad_accum", 1)),
-                 # no recompute switch exists yet; when one does, HFU follows it from here
-                 recompute=bool(c.get("activation_checkpointing", False)))
+                 recompute=str(c.get("recompute") or "none"), ds_preset=_preset(c.get("ds_preset")),
+                 compile=bool(c.get("compile", False)))
+
+
+def _preset(p) -> str:
+    return str((p.get("name") if isinstance(p, dict) else p) or "default")
 
 
 def _offload_text(s: Setup) -> str:
@@ -133,6 +140,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     rec = {"Model": m.get("name"), "num_layers": m.get("num_layers"), "hidden_size": m.get("hidden_size"),
            "num_heads": m.get("num_heads"), "# gpus": s.world, "data parallel": s.dp, "model parallel": s.tp,
            "ZeRO stage": s.zero, "CPU offload": _offload_text(s), "precision": s.precision,
+           "recompute": s.recompute, "ds preset": s.ds_preset, "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
            "num params": s.num_params, "Notes": r.note, "status": r.status, "device": s.device,
            "config": r.label, "search key": r.key, "source": r.source}
@@ -149,11 +157,12 @@ def _performance(t: TrialResult, s: Setup, peaks: Peaks) -> dict:
     m, sps = s.model, t.samples_per_s
     flops = model_flops_per_seq(s.num_params, m["num_layers"], m["hidden_size"], m["seq_len"]) * sps
     out = {"time/it (ms)": t.time_per_step_s * 1e3, "throughput (samples/s)": sps, "tokens/s": t.tokens_per_s,
-           "tokens/s per GPU": t.tokens_per_s / s.world, "model TFLOP/s per GPU": flops / s.world / 1e12}
+           "tokens/s per GPU": t.tokens_per_s / s.world, "model TFLOP/s per GPU": flops / s.world / 1e12,
+           "compile time (s)": t.compile_s, "loss scale": t.loss_scale, "skipped steps": t.skipped_steps}
     peak = peaks.get(s.device, s.precision)
     if peak:
         out["MFU"], out["HFU"] = mfu_hfu(s.num_params, m["num_layers"], m["hidden_size"], m["seq_len"], sps,
-                                         s.world, peak, activation_checkpointing=s.recompute)
+                                         s.world, peak, activation_checkpointing=s.recompute == "full")
     return out
 
 
