@@ -12,7 +12,6 @@ faster, so the first run on a machine is the one to quote). Run it alone on the 
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import tempfile
 from pathlib import Path

@@ -220,6 +220,7 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
       prefetch bucket, capped by stage3_max_live_parameters (never below one whole parameter) -- on
       CPU the whole shard, as measured (see the comment below); the
       parameters below stage3_param_persistence_threshold that every rank keeps whole.
+    - fp16 at ZeRO-0: DeepSpeed's FP16_Optimizer builds fp32 copies of the gradients at the step (8P).
     - torch's (non-fused) Adam, which the CPU ds_config selects (torch_adam), makes one temporary
       the size of the fp32 partition it updates (sqrt of the second moment); fused/CPU Adam: none.
     """
@@ -233,6 +234,10 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     out: dict[str, tuple[int, tuple]] = {}
     if stage == 0:
         out["allreduce_flat"] = (min(P, ZERO0_ALLREDUCE_ELEMENTS) * b, ("bwd_end",))
+        if bench.precision == "fp16":
+            # FP16_Optimizer.step (runtime/fp16/fused_optimizer.py) casts every fp16 gradient to
+            # fp32 in a list, then flattens the list into the master's .grad: 4P + 4P at once.
+            out["fp32_grads"] = (8 * P, ("step",))
     elif stage in (1, 2):
         n = 2 if zc.get("overlap_comm") else 1
         red_b = 4 if stage == 1 else b  # ZeRO-1 stages the fp32 accumulator
@@ -337,6 +342,11 @@ class Estimate:
                                                        self.phase_bytes("bwd_end"), self.phase_bytes("step"))
         return max(steady, self.overhead + self.init_peak)
 
+    def cannot_initialize(self, capacity: Optional[int] = None) -> bool:
+        """The model states alone (or deepspeed.initialize's peak) exceed the capacity."""
+        cap = capacity if capacity is not None else self.capacity
+        return bool(cap) and self.fixed_bytes() > cap
+
     def max_micro(self, capacity: Optional[int] = None) -> Optional[int]:
         """Largest micro-batch whose predicted peak fits `capacity` (0: not even one sample)."""
         cap = capacity if capacity is not None else self.capacity
@@ -383,7 +393,6 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
     per_sample = act["total"] + (act["host"] if on_cpu else 0)  # on CPU the host is the device
     b = BYTES[bench.precision]
-    flat = {0: 0, 1: b * P, 2: b * P, 3: b * P // dp}[bench.zero]
     grads = states["grads"]
     if not on_cpu and bench.offload_optimizer:  # the host part of the gradients is not on the device
         grads = 0 if bench.zero >= 2 else b * P
@@ -395,10 +404,22 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
         offload_optimizer=bench.offload_optimizer, offload_param=bench.offload_param, dp=dp, tp=tp,
         num_params=m.num_params, params_per_shard=P, states=states, buffers=deepspeed_buffers(bench, ds),
         activations=act, act_per_sample=int(per_sample * factor),
-        overhead=CPU_RANK_OVERHEAD if on_cpu else GPU_RANK_OVERHEAD, init_peak=b * P + flat,
+        overhead=CPU_RANK_OVERHEAD if on_cpu else GPU_RANK_OVERHEAD, init_peak=_init_peak(bench, P),
         grads_phase={k: int(v) for k, v in grads_phase.items()},
         local_ranks=local_ranks(bench),
         capacity=capacity if capacity is not None else device_capacity(bench))
+
+
+def _init_peak(bench: BenchConfig, P: int) -> int:
+    """Bytes deepspeed.initialize holds at its peak: the model plus its flat (ZeRO-1/2) copy. ZeRO-3
+    builds the model under deepspeed.zero.Init, which partitions each module's parameters as soon
+    as the module is built: its partition plus the largest parameter, whole, while it is initialised
+    (on the host instead with offload_param)."""
+    b, dp = BYTES[bench.precision], bench.parallel.dp
+    if bench.zero == 3:
+        whole = b * max(param_numels(bench.model, bench.parallel.tp))
+        return whole + (0 if bench.offload_param and bench.hardware.device != "cpu" else b * P // dp)
+    return b * P + {0: 0, 1: b * P, 2: b * P}[bench.zero]
 
 
 def seed_micro(bench: BenchConfig) -> Optional[int]:

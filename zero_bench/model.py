@@ -126,6 +126,23 @@ def use_deepspeed_checkpointing(mpu: MpuAdapter, ds_config: dict) -> None:
     tensor_parallel.checkpoint = checkpoint
 
 
+def gathered(init):
+    """An init method that works on a parameter deepspeed.zero.Init has already partitioned.
+
+    megatron-core initialises the learned position table after its nn.Embedding was built, and
+    zero.Init partitions a module's parameters as soon as it is built: the init then writes into an
+    empty partition (the table keeps nn.Embedding's N(0, 1)) and every later layer draws different
+    random numbers. Gathered, rank 0 initialises the whole table (as Megatron-DeepSpeed does), and
+    the weights equal those built without zero.Init (tests/integration/test_trial.py)."""
+    import deepspeed
+
+    def gathered_init(weight):
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+            init(weight)
+
+    return gathered_init
+
+
 def build_gpt(cfg: BenchConfig, on_cpu: bool) -> torch.nn.Module:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -153,6 +170,8 @@ def build_gpt(cfg: BenchConfig, on_cpu: bool) -> torch.nn.Module:
         apply_rope_fusion=False,
         **recompute_args(cfg),
     )
+    if cfg.zero == 3:
+        config.embedding_init_method = gathered(config.embedding_init_method)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
