@@ -94,7 +94,7 @@ def add_synthetic(store: Store) -> dict:
 
 
 def summary_of(real) -> pd.DataFrame:
-    return pd.read_excel(real["paths"][0], sheet_name="Summary")
+    return pd.read_excel(real["paths"][0], sheet_name="Details")
 
 
 def row_of(df: pd.DataFrame, key: str) -> pd.Series:

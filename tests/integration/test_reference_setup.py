@@ -89,6 +89,6 @@ def test_new_keys_sweep_into_the_report(tmp_path):
     p = subprocess.run([sys.executable, "-m", "zero_bench", "report", f"store={store}", f"report.out={out}",
                         f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
-    summary = pd.read_excel(out, sheet_name="Summary")
+    summary = pd.read_excel(out, sheet_name="Details")
     assert sorted(summary["recompute"]) == ["full", "none"]
     assert set(summary["ds preset"]) == {"default"} and set(summary["compile"]) == {"No"}

@@ -50,7 +50,7 @@ def test_cells_hold_numbers_not_text(real):
     df = summary_of(real)
     for col in NUMERIC + [c for c in df.columns if c.startswith("Dev")]:
         assert pd.api.types.is_numeric_dtype(df[col]), col
-    ws = openpyxl.load_workbook(real["paths"][0])["Summary"]
+    ws = openpyxl.load_workbook(real["paths"][0])["Details"]
     header = [c.value for c in ws[1]]
     for col in NUMERIC:
         cells = [r[header.index(col)] for r in ws.iter_rows(min_row=2, values_only=True)]
@@ -95,8 +95,9 @@ def test_measured_rows_carry_the_search_results(real):
 @pytest.mark.slow
 def test_sheets_are_formatted_for_a_reader(real):
     wb = openpyxl.load_workbook(real["paths"][0])
-    assert wb.sheetnames == ["Summary", "Trials", "Charts", "Environment", "Scaling"]
-    ws = wb["Summary"]
+    # models differ here, so no "What each optimization buys" sheet
+    assert wb.sheetnames == ["Summary", "Details", "Memory breakdown", "Trials", "Charts", "Environment", "Scaling"]
+    ws = wb["Details"]
     header = [c.value for c in ws[1]]
     assert ws.freeze_panes == "B2" and ws.auto_filter.ref == ws.dimensions
     assert ws.cell(2, header.index("MFU") + 1).number_format == "0.00%"
@@ -118,13 +119,13 @@ def test_charts_point_at_the_summary_columns(real):
         return f"'Summary'!${letter}$2:${letter}${last}"
 
     charts = wb["Charts"]._charts
-    assert [c.title.tx.rich.p[0].r[0].t for c in charts] == [
+    assert [c.title.tx.rich.p[0].r[0].t for c in charts][:3] == [
         "Max global batch per configuration", "Throughput per configuration",
-        "Peak memory per device per configuration"]
+        "Peak memory per device per configuration (at its max batch)"]
     assert [s.val.numRef.f for s in charts[0].series] == [ref("Max Global BSZ")]
-    assert [s.val.numRef.f for s in charts[1].series] == [ref("throughput (samples/s)")]
-    assert [s.val.numRef.f for s in charts[2].series] == [ref(f"Dev{i} used MiB") for i in range(8)]
-    assert all(s.cat.strRef.f == ref("config") for c in charts for s in c.series)
+    assert [s.val.numRef.f for s in charts[1].series] == [ref("Throughput (samples/sec)")]
+    assert [s.val.numRef.f for s in charts[2].series] == [ref(f"Device{i} used MiB") for i in range(8)]
+    assert all(s.cat.strRef.f == ref("config") for c in charts[:3] for s in c.series)
 
 
 @pytest.mark.slow
@@ -161,17 +162,17 @@ def test_scaling_sheet_compares_world_sizes(real):
 
 @pytest.mark.slow
 def test_csv_and_markdown_carry_the_same_rows(real):
-    xlsx, csv, md = real["paths"]
+    xlsx, csv, md = real["paths"][:3]
     summary = summary_of(real)
     from_csv = pd.read_csv(csv)
     assert list(from_csv.columns) == list(summary.columns)
     pd.testing.assert_series_equal(from_csv["Max Global BSZ"], summary["Max Global BSZ"])
     text = md.read_text()
     main, scaling = text.split("## Scaling")
-    table = [line for line in main.splitlines() if line.startswith("| ")]
+    table = main.split("\n\n")[2].splitlines()  # the first table: the Summary
     assert len(table) == len(summary) + 2  # header, rule, one line per configuration
     assert len([line for line in scaling.splitlines() if line.startswith("| ")]) == 2 + 2
-    assert "| Dev0 MiB |" in table[0] and "36,074 / 40,537" in text
+    assert "| Device0 Memory Usage |" in table[0] and "36074MiB / 40537MiB" in text
     for note in EXPECTED_NOTES.values():
         assert note in text
 
@@ -187,7 +188,7 @@ def test_compare_sheet_shows_deltas_and_ratios(real):
             m = dataclasses.replace(s.measure, samples_per_s=s.measure.samples_per_s * f,
                                     tokens_per_s=s.measure.tokens_per_s * f, time_per_step_s=s.measure.time_per_step_s / f)
             other.put_search(dataclasses.replace(s, measure=m, max_global_batch=s.max_global_batch * 2))
-    xlsx, _, _ = report.write_reports(runs=real["store"].path, out=tmp / "cmp" / "a_vs_b.xlsx", compare=other.path)
+    xlsx = report.write_reports(runs=real["store"].path, out=tmp / "cmp" / "a_vs_b.xlsx", compare=other.path)[0]
     cmp = pd.read_excel(xlsx, sheet_name="Compare")
     base = summary_of(real)
     assert len(cmp) == len(base)  # every configuration of either side, matched where both have it
@@ -204,7 +205,7 @@ def test_compare_sheet_shows_deltas_and_ratios(real):
         assert r["Max Global BSZ ratio"] == pytest.approx(2.0)
     assert cmp["throughput (samples/s) [h100]"].notna().sum() == len(faster)  # the rest: this side only
     # a report already written can be the other side too
-    again, _, _ = report.write_reports(runs=real["store"].path, out=tmp / "cmp" / "self.xlsx", compare=xlsx)
+    again = report.write_reports(runs=real["store"].path, out=tmp / "cmp" / "self.xlsx", compare=xlsx)[0]
     same = pd.read_excel(again, sheet_name="Compare")
     assert same["throughput (samples/s) ratio"].dropna().tolist() == pytest.approx([1.0] * 4)
 

@@ -74,6 +74,6 @@ def test_killed_sweep_resumes_without_losing_or_repeating(tmp_path):
     out = tmp_path / "report.xlsx"
     subprocess.run([sys.executable, "-m", "zero_bench", "report", f"store={db}", f"report.out={out}",
                     f"hydra.run.dir={tmp_path / 'rep'}"], check=True, capture_output=True)
-    summary = pd.read_excel(out, sheet_name="Summary")
+    summary = pd.read_excel(out, sheet_name="Details")
     assert len(summary) == 4
     assert summary["Notes"].astype(str).str.contains("offload=true").sum() == 1

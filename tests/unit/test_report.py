@@ -45,14 +45,15 @@ def test_crash_mid_export_keeps_the_previous_report(synthetic, tmp_path, monkeyp
         report.write_reports(runs=synthetic, out=out)
     assert {p: p.read_bytes() for p in paths} == before
     assert openpyxl.load_workbook(out).sheetnames[0] == "Summary"
-    assert sorted(p.name for p in out.parent.iterdir()) == ["r.csv", "r.md", "r.xlsx"]  # no temp left
+    files = ["r.csv", "r.md", "r.xlsx", "r_max_batch.png", "r_memory.png", "r_throughput.png"]
+    assert sorted(p.name for p in out.parent.iterdir()) == files  # no temp left
 
     monkeypatch.undo()
     monkeypatch.setattr(pd.DataFrame, "to_csv", boom)
     with pytest.raises(RuntimeError):
         report.write_reports(runs=synthetic, out=out)
     assert paths[1].read_bytes() == before[paths[1]]
-    assert sorted(p.name for p in out.parent.iterdir()) == ["r.csv", "r.md", "r.xlsx"]
+    assert sorted(p.name for p in out.parent.iterdir()) == files
 
 
 def test_gpu_rows_get_mfu_from_the_datasheet_peak(synthetic):
@@ -105,9 +106,60 @@ def test_the_report_subcommand_prints_the_paths(synthetic, tmp_path, capsys):
     cfg = OmegaConf.create({"store": str(synthetic), "report": {"runs": None, "out": str(tmp_path / "o.xlsx"),
                                                                 "compare": None}})
     commands.report(cfg, tmp_path)
-    assert capsys.readouterr().out.split() == ["wrote", str(tmp_path / "o.xlsx"), "wrote", str(tmp_path / "o.csv"),
-                                               "wrote", str(tmp_path / "o.md")]
+    names = ["o.xlsx", "o.csv", "o.md", "o_max_batch.png", "o_throughput.png", "o_memory.png"]
+    assert capsys.readouterr().out.split() == [w for n in names for w in ("wrote", str(tmp_path / n))]
 
 
 # -- slow: two real CPU searches (dp=2 and dp=1, the latter with 2 repeats) ---------------------------
 
+
+
+# -- what a stakeholder opens first ----------------------------------------------------------------
+
+def test_summary_reads_like_the_reference_table(synthetic, tmp_path):
+    from zero_bench.report import views
+
+    wb = openpyxl.load_workbook(report.write_reports(runs=synthetic, out=tmp_path / "r.xlsx")[0])
+    assert wb.sheetnames[:4] == ["Summary", "Details", "What each optimization buys", "Memory breakdown"]
+    ws = wb["Summary"]
+    header = [c.value for c in ws[1]]
+    assert header[:12] == views.LEAD and header[-2:] == ["Notes", "config"]
+    assert header[12:-2] == [x for i in range(8) for x in (f"GPU{i} Memory Usage", f"GPU{i} used MiB")]
+    rows = {r[header.index("config")]: r for r in ws.iter_rows(min_row=2, values_only=True)}
+    gpt345 = rows[GPT345.label()]
+    assert gpt345[header.index("GPU1 Memory Usage")] == "36074MiB / 40537MiB"  # the table's own cell
+    assert gpt345[header.index("GPU1 used MiB")] == 36074 and gpt345[header.index("Max Global BSZ")] == 512
+    col = {name: header.index(name) + 1 for name in header}
+    assert ws.cell(2, col["time/it (ms)"]).number_format == "#,##0.0"
+    assert ws.cell(2, col["Throughput (samples/sec)"]).number_format == "#,##0.00"
+    assert ws.cell(2, col["GPU0 used MiB"]).number_format == "#,##0"
+    setup = ws.page_setup
+    assert (setup.orientation, setup.fitToWidth, setup.fitToHeight) == ("landscape", 1, 0)
+    assert ws.sheet_properties.pageSetUpPr.fitToPage and ws.print_title_rows == "$1:$1" and ws.freeze_panes == "B2"
+    charts = wb["Charts"]._charts
+    assert len(charts) == 4 and all(c.y_axis.scaling.min == 0 and not c.y_axis.delete for c in charts)
+    assert charts[-1].grouping == "stacked"
+
+
+def test_what_each_optimization_buys(synthetic, tmp_path):
+    xlsx = report.write_reports(runs=synthetic, out=tmp_path / "r.xlsx")[0]
+    buys = pd.read_excel(xlsx, sheet_name="What each optimization buys")
+    assert list(buys["change"]) == ["baseline", "ZeRO stage: 1 -> 3"]
+    base, zero3 = 512 / 3.330348869, 256 / 1.9
+    assert buys["throughput Δ %"].iloc[1] == pytest.approx((zero3 - base) / base * 100)
+    assert buys["max batch Δ %"].iloc[1] == pytest.approx(-50)
+    assert buys["max memory MiB"].tolist() == [36074, 30000]
+
+
+def test_markdown_embeds_its_png_charts(synthetic, tmp_path):
+    from matplotlib.image import imread
+
+    paths = report.write_reports(runs=synthetic, out=tmp_path / "r.xlsx")
+    md = paths[2].read_text()
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert [p.name for p in pngs] == ["r_max_batch.png", "r_throughput.png", "r_memory.png"]
+    for p in pngs:
+        assert f"]({p.name})" in md
+        height, width, _ = imread(p).shape
+        assert height > 300 and width > 500
+    assert "## What each optimization buys" in md and "| 36074MiB / 40537MiB |" in md

@@ -14,22 +14,36 @@ import pandas as pd
 
 from zero_bench.config import ConfigError
 from zero_bench.environment import machine_environment
+from zero_bench.report.charts import write_charts
 from zero_bench.report.markdown import markdown_report, write_csv, write_markdown
 from zero_bench.report.rows import find_stores, load, rows_of
 from zero_bench.report.tables import (ESTIMATE_COLUMNS, SEED_COLUMNS, Peaks, compare_frame, environment_frames, recorded_environment,
                                       scaling_frame, summary_frame, trials_frame)
-from zero_bench.report.xlsx import write_xlsx
+from zero_bench.report.views import breakdown_frame, buys_frame, summary_view
+from zero_bench.report.xlsx import BREAKDOWN, BUYS, write_xlsx
 
 __all__ = ["Report", "build", "write_reports", "ESTIMATE_COLUMNS", "SEED_COLUMNS", "Peaks", "find_stores", "load", "rows_of",
            "summary_frame"]
 
 @dataclass
 class Report:
-    summary: pd.DataFrame
+    summary: pd.DataFrame  # every column (the Details sheet, the CSV); the Summary sheet is a view of it
     trials: pd.DataFrame
     scaling: pd.DataFrame
     environment: list[tuple[str, pd.DataFrame]]
     env: dict
+    breakdown: pd.DataFrame = None  # memory by kind at a common batch
+    buys: pd.DataFrame = None  # what each optimization buys
+
+    def sheets(self) -> dict[str, pd.DataFrame]:
+        out = {"Summary": summary_view(self.summary), "Details": self.summary}
+        for name, df in ((BUYS, self.buys), (BREAKDOWN, self.breakdown)):
+            if df is not None and len(df):
+                out[name] = df
+        out["Trials"] = self.trials
+        if len(self.scaling):
+            out["Scaling"] = self.scaling
+        return out
 
 
 def build(runs: str | Path, key: str = "report.runs") -> Report:
@@ -48,13 +62,14 @@ def build(runs: str | Path, key: str = "report.runs") -> Report:
     peaks = Peaks(env)
     summary = summary_frame(rows, peaks)
     return Report(summary=summary, trials=trials_frame(loaded), scaling=scaling_frame(summary),
-                  environment=environment_frames(env, env_source, peaks, rows, loaded, sources), env=env)
+                  environment=environment_frames(env, env_source, peaks, rows, loaded, sources), env=env,
+                  breakdown=breakdown_frame(rows, loaded), buys=buys_frame(summary))
 
 
 def compare_summary(compare: str | Path) -> pd.DataFrame:
     """The other side of a comparison: a store (or dir / glob of stores), or a report .xlsx already written."""
     if str(compare).endswith(".xlsx") and Path(compare).is_file():
-        return pd.read_excel(compare, sheet_name="Summary")
+        return pd.read_excel(compare, sheet_name="Details")
     return build(compare, key="report.compare").summary
 
 
@@ -76,13 +91,12 @@ def write_reports(runs: str | Path, out: str | Path = "reports/zero_bench.xlsx",
                   compare: Optional[str | Path] = None) -> list[Path]:
     """`zero_bench report`: the .xlsx, .csv and .md beside each other; returns their paths."""
     rep = build(runs)
-    sheets = {"Summary": rep.summary, "Trials": rep.trials}
-    if len(rep.scaling):
-        sheets["Scaling"] = rep.scaling
+    sheets = rep.sheets()
     if compare:
         sheets["Compare"] = compare_frame(rep.summary, compare_summary(compare), side_names(runs, compare))
     xlsx, csv, md = output_paths(out)
     write_xlsx(xlsx, sheets, rep.environment)
     write_csv(csv, rep.summary)
-    write_markdown(md, markdown_report(rep.summary, rep.scaling, rep.env))
-    return [xlsx, csv, md]
+    pngs = write_charts(md, sheets["Summary"], rep.breakdown)
+    write_markdown(md, markdown_report(rep, pngs))
+    return [xlsx, csv, md, *pngs]

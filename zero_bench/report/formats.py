@@ -6,7 +6,7 @@ from typing import Optional
 
 # Excel number formats by header; compare columns ("x [a]", "x Δ") take the format of x.
 FORMATS = {"MFU": "0.00%", "HFU": "0.00%", "peak memory used": "0.0%", "scaling efficiency": "0.0%",
-           "num params": "#,##0", "throughput (samples/s)": "#,##0.00", "tokens/s": "#,##0",
+           "num params": "#,##0", "throughput (samples/s)": "#,##0.00", "Throughput (samples/sec)": "#,##0.00", "tokens/s": "#,##0",
            "tokens/s per GPU": "#,##0", "model TFLOP/s per GPU": "0.000", "speedup": "0.00", "ideal speedup": "0.00",
            "duration (s)": "0.0", "peak FLOP/s per device": "0.00E+00", "created": "yyyy-mm-dd hh:mm:ss"}
 # The same formats for the Markdown table.
@@ -26,6 +26,6 @@ def number_format(col: str) -> Optional[str]:
         return "#,##0"
     if col.endswith("(MiB/rank)"):
         return "#,##0.00"
-    if col.endswith("(%)"):
+    if col.endswith("(%)") or col.endswith("Δ %"):
         return "0.0"
     return None

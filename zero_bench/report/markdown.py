@@ -19,24 +19,31 @@ def write_markdown(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
-def markdown_report(summary: pd.DataFrame, scaling: pd.DataFrame, env: dict) -> str:
+def markdown_report(rep, pngs: list[Path]) -> str:
+    """The Summary in the reference table's layout, what each optimization buys, the memory
+    breakdown, the charts (PNG files beside the .md) and scaling; the rest is in the .xlsx / .csv."""
+    from zero_bench.report.views import summary_view
+
+    env = rep.env
     hw = env.get("gpu") if env.get("gpu count") else f"CPU: {env.get('cpu')} ({env.get('cpu cores')} cores)"
     parts = ["# zero_bench report", "",
              f"{hw} | torch {env.get('torch')} | deepspeed {env.get('deepspeed')} | "
-             f"megatron-core {env.get('megatron-core')}", "", markdown_table(_markdown_summary(summary))]
-    if len(scaling):
-        parts += ["", "## Scaling", "", markdown_table(scaling.drop(columns=["config"]))]
+             f"megatron-core {env.get('megatron-core')}", "", markdown_table(_markdown_summary(summary_view(rep.summary)))]
+    if rep.buys is not None and len(rep.buys):
+        parts += ["", "## What each optimization buys", "", markdown_table(rep.buys)]
+    if rep.breakdown is not None and len(rep.breakdown):
+        parts += ["", f"## Memory per device at micro-batch {int(rep.breakdown['micro batch'].iloc[0])}", "",
+                  markdown_table(rep.breakdown.drop(columns=["micro batch"]))]
+    if pngs:
+        parts += ["", "## Charts", ""] + [f"![{p.stem}]({p.name})" for p in pngs]
+    if len(rep.scaling):
+        parts += ["", "## Scaling", "", markdown_table(rep.scaling.drop(columns=["config"]))]
     return "\n".join(parts) + "\n"
 
 
-def _markdown_summary(summary: pd.DataFrame) -> pd.DataFrame:
-    """The seed's layout: one "used / total MiB" cell per device; no empty or bookkeeping columns."""
-    df = summary.drop(columns=["search key", "source", "config"])
-    for c in [c for c in df.columns if c.startswith("Dev") and c.endswith("used MiB")]:
-        total = c.replace("used", "total")
-        cell = df[c].map(_mib) + " / " + df[total].map(_mib)
-        df.insert(df.columns.get_loc(c), c.replace(" used MiB", " MiB"), cell.where(df[c].notna(), ""))
-        df = df.drop(columns=[c, total])
+def _markdown_summary(view: pd.DataFrame) -> pd.DataFrame:
+    """The table's layout: the "used / total" text per device, not the numbers beside it."""
+    df = view.drop(columns=[c for c in view.columns if c.endswith(" used MiB")] + ["config"])
     return df.dropna(axis=1, how="all")
 
 

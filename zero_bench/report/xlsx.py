@@ -4,11 +4,14 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pandas as pd
 
 from zero_bench.report.formats import number_format
+
+BUYS, BREAKDOWN = "What each optimization buys", "Memory breakdown"
+PARTS = ("model states MiB", "activations MiB", "buffers MiB", "other MiB")
 
 @contextmanager
 def replacing(path: Path) -> Iterator[Path]:
@@ -23,17 +26,22 @@ def replacing(path: Path) -> Iterator[Path]:
             tmp.unlink()
 
 
+FIRST = ("Summary", "Details", BUYS, BREAKDOWN, "Trials")
+
+
 def write_xlsx(path: Path, sheets: dict[str, pd.DataFrame], environment: list[tuple[str, pd.DataFrame]]) -> None:
-    """Summary, Trials, Charts, Environment, then Scaling / Compare when present."""
+    """Summary (the reference table's columns), Details, what each optimization buys and the memory
+    breakdown when there are any, Trials, Charts, Environment, then Scaling / Compare when present."""
     with replacing(path) as tmp:
         with pd.ExcelWriter(tmp, engine="openpyxl") as xw:
-            for name in ("Summary", "Trials"):
-                _table_sheet(xw, name, sheets[name])
-            _memory_colour_scale(xw.sheets["Summary"], sheets["Summary"])
-            _charts_sheet(xw.book, sheets["Summary"])
+            for name in FIRST:
+                if name in sheets:
+                    _table_sheet(xw, name, sheets[name])
+            _memory_colour_scale(xw.sheets["Details"], sheets["Details"])
+            _charts_sheet(xw.book, sheets["Summary"], sheets.get(BREAKDOWN))
             _environment_sheet(xw, environment)
             for name, df in sheets.items():
-                if name not in ("Summary", "Trials"):
+                if name not in FIRST:
                     _table_sheet(xw, name, df)
 
 
@@ -44,6 +52,15 @@ def _table_sheet(xw: pd.ExcelWriter, name: str, df: pd.DataFrame) -> None:
     ws.freeze_panes = "B2"  # header and the first (Model / config) column stay in view
     ws.auto_filter.ref = ws.dimensions
     _format_columns(ws, df, first_row=2)
+    _page_setup(ws)
+
+
+def _page_setup(ws) -> None:
+    """Printed: landscape, one page wide (as many pages long as needed), the header on every page."""
+    ws.page_setup.orientation = "landscape"
+    ws.page_setup.fitToWidth, ws.page_setup.fitToHeight = 1, 0
+    ws.sheet_properties.pageSetUpPr.fitToPage = True
+    ws.print_title_rows = "1:1"
 
 
 def _style_header(ws, row: int) -> None:
@@ -88,30 +105,39 @@ def _memory_colour_scale(ws, df: pd.DataFrame) -> None:
     ws.conditional_formatting.add(f"{letter}2:{letter}{len(df) + 1}", rule)
 
 
-def _charts_sheet(book, summary: pd.DataFrame) -> None:
-    """Bar charts drawn from the Summary sheet's own cells, one bar group per configuration."""
+def _charts_sheet(book, summary: pd.DataFrame, breakdown: Optional[pd.DataFrame]) -> None:
+    """Bar charts drawn from the sheets' own cells, one bar group per configuration; every value
+    axis starts at zero, so bar heights compare as the numbers do."""
     ws = book.create_sheet("Charts")
     n = len(summary)
     if n == 0:
         ws["A1"] = "no configurations"
         return
-    used = [c for c in summary.columns if c.startswith("Dev") and c.endswith("used MiB")]
+    used = [c for c in summary.columns if c.endswith(" used MiB")]
     specs = [("Max global batch per configuration", "global batch", ["Max Global BSZ"]),
-             ("Throughput per configuration", "samples/s", ["throughput (samples/s)"]),
-             ("Peak memory per device per configuration", "MiB", used)]
+             ("Throughput per configuration", "samples/s", ["Throughput (samples/sec)"]),
+             ("Peak memory per device per configuration (at its max batch)", "MiB", used)]
     for i, (title, y_title, cols) in enumerate(specs):
         ws.add_chart(_bar_chart(book["Summary"], summary, title, y_title, cols), f"A{1 + i * 22}")
+    if breakdown is not None and len(breakdown):
+        micro = int(breakdown["micro batch"].iloc[0])
+        chart = _bar_chart(book[BREAKDOWN], breakdown, f"Memory per device at micro-batch {micro}, by kind", "MiB",
+                           list(PARTS))
+        chart.grouping, chart.overlap = "stacked", 100
+        ws.add_chart(chart, f"A{1 + len(specs) * 22}")
 
 
-def _bar_chart(src, summary: pd.DataFrame, title: str, y_title: str, cols: list[str]):
+def _bar_chart(src, df: pd.DataFrame, title: str, y_title: str, cols: list[str]):
     from openpyxl.chart import BarChart, Reference
     from openpyxl.chart.data_source import AxDataSource, StrRef
 
-    n = len(summary)
-    col = {c: summary.columns.get_loc(c) + 1 for c in summary.columns}
+    n = len(df)
+    col = {c: df.columns.get_loc(c) + 1 for c in df.columns}
     chart = BarChart()
     chart.type, chart.title, chart.y_axis.title = "col", title, y_title
     chart.x_axis.title = "configuration"
+    chart.y_axis.scaling.min = 0
+    chart.x_axis.delete = chart.y_axis.delete = False  # openpyxl 3.1 hides both axes by default
     for c in cols:
         chart.add_data(Reference(src, min_col=col[c], min_row=1, max_row=n + 1), titles_from_data=True)
     labels = Reference(src, min_col=col["config"], min_row=2, max_row=n + 1)
