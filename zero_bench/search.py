@@ -137,8 +137,8 @@ def next_plan(known: Known, spec: SearchConfig, cap: Optional[int], seed: Option
     """The next launch: ascending micro sizes; empty when `verdict` has the answer.
 
     The first size of every launch runs fresh, so it runs full steps: if it turns out to be the
-    boundary, its measurement is already there. `allow_fit` is cleared by the caller after two
-    predictions that did not close the bracket: from then on plain bisection guarantees the end.
+    boundary, its measurement is already there. `allow_fit` is cleared by the caller after a
+    prediction that did not close the bracket: from then on plain bisection guarantees the end.
     """
     plan = _next(known, spec, cap, seed, allow_fit)
     return [Entry(plan[0].micro, "measure")] + plan[1:] if plan else []
@@ -275,7 +275,7 @@ class Search:
 
     def plan(self) -> list[Entry]:
         known = self.known()
-        plan = next_plan(known, self.spec, self.cap, self.opts.seed, allow_fit=self.fit_launches < 2)
+        plan = next_plan(known, self.spec, self.cap, self.opts.seed, allow_fit=self.fit_launches < 1)
         if not plan and verdict(known, self.spec) == SearchStatus.DONE:
             done = sum(1 for t in self.trials if t.micro == known.lo and t.fresh and t.mode == "measure"
                        and t.status == Status.OK)
@@ -286,7 +286,9 @@ class Search:
     def launch(self, plan: list[Entry]) -> None:
         known = self.known()
         self.launches += 1
-        # after two launches placed by prediction that did not close the bracket, bisect
+        # after a launch placed by prediction that did not close the bracket, bisect: peaks grow
+        # faster than linearly past small batches (the step's buffers hide the first samples), so a
+        # second straight-line guess tends to overshoot again (README: the demo's searches)
         self.fit_launches += not bracketed(known, self.spec) and predict(known, self.cap, self.spec) is not None
         name = f"launch{self.launches:02d}"
         if len(plan) == 1:

@@ -23,10 +23,20 @@ def bench(*overrides: str):
     return from_cfg(composed(*overrides))
 
 
-def test_defaults_are_the_cpu_demo():
+def test_defaults_are_the_cpu_default():
     b = bench()
     assert (b.model.name, b.zero, b.parallel.world_size, b.precision) == ("GPT-mini", 2, 2, "fp32")
     assert b.global_batch == b.batch.micro * b.parallel.dp
+
+
+def test_the_demo_sweep_is_states_dominated_bf16():
+    c = composed("+sweep=cpu_demo")
+    b = from_cfg(c)
+    assert (b.model.name, b.precision, c.search.cpu_budget_gb, c.store) == (
+        "GPT-zero-demo", "bf16", 1.15, "results/demo.sqlite")
+    from zero_bench.cli import sweep_size
+
+    assert sweep_size(["+sweep=cpu_demo"]) == 3  # ZeRO 0, 1, 3
 
 
 def test_seed_table_models_have_the_published_shapes():
