@@ -317,7 +317,7 @@ def ds_presets() -> tuple:
     return tuple(sorted(p.stem for p in (CONF_DIR / "ds_preset").glob("*.yaml")))
 
 
-def _preset_name(p: Any) -> Any:
+def preset_name(p: Any) -> Any:
     """The ds_preset group composes to {name: ...}; a plain string is accepted too (stores, tests)."""
     return p.get("name") if isinstance(p, dict) else ("default" if p is None else p)
 
@@ -346,7 +346,7 @@ def from_cfg(cfg: Any) -> BenchConfig:
         precision=choice("precision", precision, PRECISIONS),
         recompute=choice("recompute", c.get("recompute", "none"), RECOMPUTE),
         recompute_layers=integer("recompute_layers", c.get("recompute_layers", 1)),
-        ds_preset=choice("ds_preset", _preset_name(c.get("ds_preset")), ds_presets()),
+        ds_preset=choice("ds_preset", preset_name(c.get("ds_preset")), ds_presets()),
         compile=choice("compile", c.get("compile", False), (False, True)),
         batch=BatchConfig(micro=integer("batch.micro", c["batch"]["micro"]),
                           grad_accum=integer("batch.grad_accum", c["batch"]["grad_accum"])),

@@ -9,7 +9,7 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import ModelConfig
+from zero_bench.config import ModelConfig, preset_name
 from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu, model_flops_per_seq
 from zero_bench.records import DeviceMemStats, TrialResult
 from zero_bench.report.rows import Loaded, Row
@@ -66,12 +66,9 @@ def setup_of(c: dict) -> Setup:
                  zero=c.get("zero"), offload_optimizer=bool(c.get("offload_optimizer", c.get("offload", False))),
                  offload_param=bool(c.get("offload_param") or False), precision=str(c.get("precision", "")),
                  device=str(hw.get("device", "")), grad_accum=int(batch.get("grad_accum", 1)),
-                 recompute=str(c.get("recompute") or "none"), ds_preset=_preset(c.get("ds_preset")),
+                 recompute=str(c.get("recompute") or "none"), ds_preset=str(preset_name(c.get("ds_preset"))),
                  compile=bool(c.get("compile", False)))
 
-
-def _preset(p) -> str:
-    return str((p.get("name") if isinstance(p, dict) else p) or "default")
 
 
 def _offload_text(s: Setup) -> str:

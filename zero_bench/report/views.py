@@ -13,6 +13,7 @@ import pandas as pd
 
 from zero_bench.records import TrialResult
 from zero_bench.report.rows import Loaded, Row
+from zero_bench.report.tables import device_memory, measured_model_states
 
 MiB = 2 ** 20
 
@@ -76,15 +77,11 @@ def breakdown_frame(rows: list[Row], loaded: Loaded) -> pd.DataFrame:
 
 
 def _peak(t: TrialResult) -> Optional[int]:
-    from zero_bench.report.tables import device_memory
-
     peaks = [d.peak_bytes for d in device_memory(t)[1] if d.peak_bytes]
     return max(peaks) if peaks else None
 
 
 def _breakdown(r: Row, trials: list[TrialResult], micro: int) -> dict:
-    from zero_bench.report.tables import measured_model_states
-
     states = measured_model_states(r.measure)[0] or 0
     est = _estimate(r)
     buffers = est.buffers_total if est else 0
