@@ -229,6 +229,9 @@ class SearchConfig:
     """Bracket with several ascending sizes per launch (the answer is still decided fresh)."""
     cpu_budget_gb: float = 0.75
     """Per-rank budget on CPU when hardware.memory_gb is null."""
+    pool: bool = True
+    """Start the ranks once per search and fork a fresh process per trial (zero_bench.pool);
+    false: a deepspeed launch per trial. Either way each trial's ranks are fresh processes."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -379,7 +382,8 @@ def search_from_cfg(cfg: Any) -> SearchConfig:
                         max_trials=integer("search.max_trials", s.get("max_trials", 24), lo=2),
                         strategy=choice("search.strategy", s.get("strategy", "fit"), STRATEGIES),
                         multi=choice("search.multi", s.get("multi", True), (False, True)),
-                        cpu_budget_gb=number("search.cpu_budget_gb", s.get("cpu_budget_gb", 0.75)))
+                        cpu_budget_gb=number("search.cpu_budget_gb", s.get("cpu_budget_gb", 0.75)),
+                        pool=choice("search.pool", s.get("pool", True), (False, True)))
 
 
 def validate_static(b: BenchConfig) -> None:

@@ -95,8 +95,9 @@ def trial_env(cfg: BenchConfig) -> dict:
     return env
 
 
-def launcher_cmd(cfg: BenchConfig, spec_path: Path, port: int) -> list[str]:
+def launcher_cmd(cfg: BenchConfig, target: Path, port: int, flag: str = "--spec") -> list[str]:
     """DeepSpeed's own launcher; a hostfile makes it a multi-node launch through hw.launcher.
+    The ranks run `zero_bench.worker --spec trial.json` (one trial) or `--pool DIR` (zero_bench.pool).
 
     --no_ssh_check: DeepSpeed's pre-check runs a plain `ssh host hostname` that ignores the pdsh
     ssh options (port, -F config); a host that cannot be reached fails the launch anyway, with
@@ -117,7 +118,23 @@ def launcher_cmd(cfg: BenchConfig, spec_path: Path, port: int) -> list[str]:
             cmd += ["--launcher_args", os.environ["ZERO_BENCH_LAUNCHER_ARGS"]]
     else:
         cmd += ["--num_gpus", str(cfg.parallel.world_size)]
-    return cmd + ["--no_local_rank", "--module", "zero_bench.worker", "--spec", str(spec_path)]
+    return cmd + ["--no_local_rank", "--module", "zero_bench.worker", flag, str(target)]
+
+
+def launch_env(cfg: BenchConfig, run_dir: Path, cmd: list[str]) -> tuple[list[str], dict]:
+    """The launcher's environment; writes the env file remote ranks read and cmd.txt (to re-run it)."""
+    ours = trial_env(cfg)
+    env_file = run_dir / ".deepspeed_env"  # what remote ranks get (only PYTHON* passes otherwise)
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in ours.items()))
+    env = {**os.environ, **ours, "DS_ENV_FILE": str(env_file)}
+    # DeepSpeed's runner would turn CUDA_VISIBLE_DEVICES into --include (integers only) or
+    # ignore it next to --num_gpus; the devices travel in DEVICES_ENV instead.
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if not cfg.hardware.hostfile:
+        env["ZERO_BENCH_PARENT_PID"] = str(os.getpid())  # ranks end themselves if we are killed
+    (run_dir / "cmd.txt").write_text(" ".join(f"{k}={shlex.quote(v)}" for k, v in ours.items()) + " "
+                                     + shlex.join(cmd) + "\n")
+    return cmd, env
 
 
 def kill_tree(proc: subprocess.Popen, known: list[psutil.Process], multi_node: bool = False) -> None:
@@ -202,21 +219,14 @@ class _Launch:
         self.cap = capacity_bytes(self.cfg)
         spec = {"config": self.cfg.to_dict(), "ds_config": str(self.run_dir / "ds_config.json"),
                 "out_dir": str(self.run_dir), "plan": [e.__dict__ for e in self.plan], "capacity_bytes": self.cap}
-        spec_path = self.run_dir / "trial.json"
-        spec_path.write_text(json.dumps(spec, indent=2))
-        ours = trial_env(self.cfg)
-        env_file = self.run_dir / ".deepspeed_env"  # what remote ranks get (only PYTHON* passes otherwise)
-        env_file.write_text("".join(f"{k}={v}\n" for k, v in ours.items()))
-        env = {**os.environ, **ours, "DS_ENV_FILE": str(env_file)}
-        # DeepSpeed's runner would turn CUDA_VISIBLE_DEVICES into --include (integers only) or
-        # ignore it next to --num_gpus; the devices travel in DEVICES_ENV instead.
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        if not self.cfg.hardware.hostfile:
-            env["ZERO_BENCH_PARENT_PID"] = str(os.getpid())  # ranks end themselves if we are killed
-        cmd = launcher_cmd(self.cfg, spec_path, port)
-        self.cmd_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in ours.items()) + " " + shlex.join(cmd)
-        (self.run_dir / "cmd.txt").write_text(self.cmd_text + "\n")
+        self.spec_path.write_text(json.dumps(spec, indent=2))
+        cmd, env = launch_env(self.cfg, self.run_dir, launcher_cmd(self.cfg, self.spec_path, port))
+        self.cmd_text = (self.run_dir / "cmd.txt").read_text().strip()
         return cmd, env
+
+    @property
+    def spec_path(self) -> Path:
+        return self.run_dir / "trial.json"
 
     def emit(self, results: list[TrialResult], sampler: Sampler, logs: Logs) -> None:
         """Hand each entry's result on the moment it is final (the store writes it at once)."""
@@ -235,25 +245,19 @@ class _Launch:
             if self.hooks.on_result:
                 self.hooks.on_result(r)
 
-    def over_budget(self, proc: subprocess.Popen, msg: str) -> None:
+    def over_budget(self, ranks: "Ranks", msg: str) -> None:
         """Stop early: past the budget the batch cannot fit."""
         self.stopped.append(msg)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        ranks.kill()
 
-    def wait(self, proc: subprocess.Popen, sampler: Sampler) -> bool:
+    def wait(self, ranks: "Ranks", sampler: Sampler) -> bool:
         """Wait for the launch; True if it timed out. The clock (timeout_s) restarts whenever an
         entry finishes, so early batch sizes never eat the time of later ones. Meanwhile rank 0's
         new records go to on_event and finished entries are handed on."""
         deadline, seen, finished = time.time() + self.cfg.timeout_s, 0, 0
         while True:
-            try:
-                proc.wait(timeout=0.5)
+            if ranks.wait(0.5):
                 return False
-            except subprocess.TimeoutExpired:
-                pass
             logs = read_rank_logs(self.run_dir)
             recs = logs.get(0, [])
             if self.hooks.on_event:
@@ -275,36 +279,79 @@ class _Launch:
                 return False
 
 
-def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, hooks: Optional[Hooks] = None) -> list[TrialResult]:
-    """Launch once, run `plan` (ascending micro sizes), return one TrialResult per entry."""
+class Ranks:
+    """The rank processes of one launch: the deepspeed launcher's, started for this launch alone."""
+
+    def __init__(self, cfg: BenchConfig, cmd: list[str], env: dict, run_dir: Path):
+        self.multi_node = bool(cfg.hardware.hostfile)
+        self.run_dir = run_dir
+        with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=os.getcwd(),
+                                         start_new_session=True)
+        self.root_pid, self.forked = self.proc.pid, False
+        # ranks that sshd started on this host carry the spec path in their command line
+        self.marker = str(run_dir / "trial.json") if self.multi_node else None
+
+    def wait(self, timeout: float) -> bool:
+        """True once every rank has ended."""
+        try:
+            self.proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def end(self, known: list[psutil.Process]) -> None:
+        """Whatever happened, nothing of the launch is left running."""
+        kill_tree(self.proc, known, multi_node=self.multi_node)
+
+    @property
+    def rc(self) -> Optional[int]:
+        return self.proc.returncode
+
+    def log_tail(self) -> str:
+        return _tail(self.run_dir / "stderr.log") + _tail(self.run_dir / "stdout.log")
+
+
+def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, hooks: Optional[Hooks] = None,
+               pools=None) -> list[TrialResult]:
+    """Run `plan` (ascending micro sizes) in fresh rank processes, return one TrialResult per entry.
+
+    `pools` (a zero_bench.pool.PoolSlot): the ranks are children forked from a pool that this
+    search started once; without it, a deepspeed launch of its own.
+    """
     with machine_lock():
-        return _run(_Launch(cfg, plan, run_dir, hooks or Hooks()))
+        return _run(_Launch(cfg, plan, run_dir, hooks or Hooks()), pools)
 
 
-def _run(launch: _Launch) -> list[TrialResult]:
+def _run(launch: _Launch, pools=None) -> list[TrialResult]:
     cfg, run_dir = launch.cfg, launch.run_dir
+    pool = pools.get(cfg) if pools is not None else None  # a new pool starts while we prepare
     port = free_port()
     cmd, env = launch.prepare(port)
-    with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=os.getcwd(), start_new_session=True)
-        sampler = Sampler(proc.pid, launch.hooks.sample_interval,
-                          gpus=env.get(DEVICES_ENV, ",".join(map(str, range(local_ranks(cfg)))))
-                          if cfg.hardware.device == "gpu" else None,
-                          budget=launch.cap if cfg.hardware.device == "cpu" else None,
-                          on_over=lambda msg: launch.over_budget(proc, msg),
-                          marker=str(run_dir / "trial.json") if cfg.hardware.hostfile else None)
-        sampler.start()
-        timed_out = False
-        try:
-            timed_out = launch.wait(proc, sampler)
-        finally:
-            sampler.stop()
-            kill_tree(proc, list(sampler.procs.values()), multi_node=bool(cfg.hardware.hostfile))
-            remove_shm_buffers(port)
+    ranks = pool.submit(launch, port) if pool is not None else Ranks(cfg, cmd, env, run_dir)
+    sampler = Sampler(ranks.root_pid, launch.hooks.sample_interval,
+                      gpus=env.get(DEVICES_ENV, ",".join(map(str, range(local_ranks(cfg)))))
+                      if cfg.hardware.device == "gpu" else None,
+                      budget=launch.cap if cfg.hardware.device == "cpu" else None,
+                      on_over=lambda msg: launch.over_budget(ranks, msg),
+                      marker=ranks.marker, forked=ranks.forked)
+    sampler.start()
+    timed_out = False
+    try:
+        timed_out = launch.wait(ranks, sampler)
+    finally:
+        sampler.stop()
+        ranks.end(list(sampler.procs.values()))
+        remove_shm_buffers(port)
     sampler.write_csv(run_dir / "memory_timeline.csv")
-    end = LaunchEnd(cap=launch.cap, rc=proc.returncode, timed_out=timed_out,
-                    stopped=launch.stopped[0] if launch.stopped else None,
-                    log_tail=_tail(run_dir / "stderr.log") + _tail(run_dir / "stdout.log"))
+    end = LaunchEnd(cap=launch.cap, rc=ranks.rc, timed_out=timed_out,
+                    stopped=launch.stopped[0] if launch.stopped else None, log_tail=ranks.log_tail())
     logs = read_rank_logs(run_dir)
     launch.emit(classify(cfg, launch.plan, logs, end), sampler, logs)
     return launch.emitted

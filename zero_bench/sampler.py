@@ -50,6 +50,14 @@ def find_workers(marker: str) -> list[psutil.Process]:
     return found
 
 
+def is_worker(p: Optional[psutil.Process]) -> bool:
+    """A rank process: zero_bench.worker's command line, not the launcher that starts it."""
+    if p is None:
+        return False
+    cmd = " ".join(p.cmdline())
+    return "zero_bench.worker" in cmd and "deepspeed.launcher" not in cmd
+
+
 def env_of(proc: psutil.Process, *names: str) -> dict:
     """Selected environment variables of a process ({} where it cannot be read)."""
     try:
@@ -73,10 +81,11 @@ class Sampler(threading.Thread):
 
     def __init__(self, root_pid: int, interval: float = 0.05, gpus: Optional[str] = None,
                  budget: Optional[int] = None, on_over: Optional[Callable[[str], None]] = None,
-                 marker: Optional[str] = None):
+                 marker: Optional[str] = None, forked: bool = False):
         super().__init__(daemon=True, name="zero_bench-sampler")
         self.root_pid, self.interval, self.budget, self.on_over = root_pid, interval, budget, on_over
         self.marker = marker  # the trial's spec path: finds ranks that sshd started on this host
+        self.forked = forked  # the ranks are children forked by a pool's ranks (zero_bench.pool)
         self.samples: list[Sample] = []
         self.procs: dict[int, psutil.Process] = {}  # pid -> process, every worker ever seen
         self.ranks: dict[int, int] = {}  # pid -> rank
@@ -101,7 +110,7 @@ class Sampler(threading.Thread):
         for p in kids:
             if p.pid not in self.procs:
                 try:
-                    if "zero_bench.worker" in " ".join(p.cmdline()):
+                    if is_worker(p) and (not self.forked or is_worker(p.parent())):
                         self.procs[p.pid] = p
                 except psutil.Error:
                     continue

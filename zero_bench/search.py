@@ -28,6 +28,7 @@ from typing import Callable, Optional
 from zero_bench.capacity import capacity_bytes, trial_peak
 from zero_bench.config import BenchConfig, SearchConfig
 from zero_bench.launch import Entry, Hooks, run_launch
+from zero_bench.pool import PoolSlot
 from zero_bench.records import RankRecord, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.results import Store
 
@@ -137,11 +138,21 @@ def next_plan(known: Known, spec: SearchConfig, cap: Optional[int], seed: Option
     """The next launch: ascending micro sizes; empty when `verdict` has the answer.
 
     The first size of every launch runs fresh, so it runs full steps: if it turns out to be the
-    boundary, its measurement is already there. `allow_fit` is cleared by the caller after a
-    prediction that did not close the bracket: from then on plain bisection guarantees the end.
+    boundary, its measurement is already there. With a pool (`search.pool`) a fresh start costs
+    about a second, not a launch: the first launch, which only explores (the seed's or doubling's
+    ascending sizes), then probes its first size too. `allow_fit` is cleared by the
+    caller after a prediction that did not close the bracket: from then on plain bisection
+    guarantees the end.
     """
     plan = _next(known, spec, cap, seed, allow_fit)
-    return [Entry(plan[0].micro, "measure")] + plan[1:] if plan else []
+    if not plan or (spec.pool and _exploring(known, plan)):
+        return plan
+    return [Entry(plan[0].micro, "measure")] + plan[1:]
+
+
+def _exploring(known: Known, plan: list[Entry]) -> bool:
+    """The first launch of a search: several sizes (the seed's, or doubling) before anything is known."""
+    return len(plan) > 1 and not known.fits
 
 
 def _next(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[int], allow_fit: bool) -> list[Entry]:
@@ -242,6 +253,7 @@ class Search:
         self.trials: list[TrialResult] = []
         self.new_trials = self.launches = self.fit_launches = 0
         self.error: Optional[TrialResult] = None
+        self.pools = PoolSlot(run_dir / "pool") if spec.pool else None
         self.t0 = time.time()
 
     def say(self, text: str) -> None:
@@ -271,6 +283,8 @@ class Search:
                 self.launch(plan)
             return self.finish()
         finally:
+            if self.pools is not None:
+                self.pools.close()
             self.store.release(self.key)
 
     def plan(self) -> list[Entry]:
@@ -294,7 +308,7 @@ class Search:
         if len(plan) == 1:
             self.say(f"launch {self.launches}: micro={plan[0].micro} fresh ({plan[0].mode})")
         results = run_launch(self.cfg.with_micro(plan[0].micro), plan, self.run_dir / name,
-                             Hooks(on_result=self.record, on_event=self.live))
+                             Hooks(on_result=self.record, on_event=self.live), self.pools)
         errs = [r for r in results if r.status == Status.ERROR]
         if errs:  # a bigger batch will not fix it
             self.error = errs[0]

@@ -23,6 +23,7 @@ import statistics
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from zero_bench.capacity import compared_peak, over_capacity
 from zero_bench.records import OOM_EXIT, RankRecord
@@ -414,9 +415,19 @@ def main(argv=None) -> None:
     adopt_launcher_env()
     watch_parent()
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--spec", required=True)
+    how = ap.add_mutually_exclusive_group(required=True)
+    how.add_argument("--spec", help="run this trial spec, then exit")
+    how.add_argument("--pool", help="serve trial requests in this folder, one forked child each")
     args = ap.parse_args(argv)
-    spec = json.loads(Path(args.spec).read_text())
+    if args.pool:
+        from zero_bench.pool_rank import serve
+
+        serve(Path(args.pool))
+    run_spec(json.loads(Path(args.spec).read_text()))
+
+
+def run_spec(spec: dict) -> NoReturn:
+    """Run one trial's plan in this process and end it (a fresh launch, or a pool's forked child)."""
     try:
         rank = Rank(spec)
     except BaseException as exc:  # noqa: BLE001 - an init failure is a result ("cannot initialize")

@@ -200,22 +200,26 @@ def test_maxbatch_search_over_two_hosts(two_hosts, tmp_path):
         for p in leftovers:
             p.kill()
     assert not leftovers, f"ranks left running: {[p.pid for p in leftovers]}"
-    launches = sorted(p for p in run_dir.iterdir() if p.is_dir())
+    # the ranks were launched once (a pool over both hosts); each trial is a child forked on its node
+    launches = sorted(run_dir.glob("launch*"))
+    pools = sorted((run_dir / "pool").glob("pool*"))
     logs = "\n".join(f"--- {p.name}\n" + (p / "stderr.log").read_text()[-2000:] + (p / "stdout.log").read_text()[-2000:]
-                     for p in launches)
+                     for p in launches + pools)
     assert res.status == "done", f"{res.status}: {res.note}\n" + "\n".join(lines) + logs
     assert res.max_micro == 4 and res.max_global_batch == 8
     assert res.measure and res.measure.status == "ok" and res.measure.time_per_step_s > 0
 
-    for launch in launches:
+    assert len(pools) == 1 and len(launches) >= 2, (pools, launches)
+    for pool in pools:
         # 1. the launcher took the multi-node path: pdsh to both hosts, a node rank per host
-        out = (launch / "stdout.log").read_text() + (launch / "stderr.log").read_text()
+        out = (pool / "stdout.log").read_text() + (pool / "stderr.log").read_text()
         cmd = re.search(r"cmd = (pdsh .*)", out)
-        assert cmd, f"no pdsh command in {launch}: {out[-1500:]}"
+        assert cmd, f"no pdsh command in {pool}: {out[-1500:]}"
         assert "-w 127.0.0.1,127.0.0.2" in cmd.group(1) and "--node_rank=%n" in cmd.group(1)
         assert f"cd {os.getcwd()};" in cmd.group(1)  # the runner's cd: remote ranks start in our cwd
         for var in ("OMP_NUM_THREADS=1", "DS_ACCELERATOR=cpu", "MALLOC_MMAP_THRESHOLD_=65536", "PATH="):
             assert f"export {var}" in cmd.group(1), var
+    for launch in launches:
         # 2. every rank wrote its start record; world = 2 ranks
         starts = {}
         for f in launch.glob("rank*.jsonl"):

@@ -152,6 +152,7 @@ def test_keys_separate_configs_but_not_batches():
     (["search.granularity=0"], "search.granularity=0: must be an integer >= 1"),
     (["search.strategy=random"], "search.strategy=random: allowed values are fit, doubling"),
     (["search.max_trials=1"], "search.max_trials=1: must be an integer >= 2"),
+    (["search.pool=maybe"], "search.pool=maybe: allowed values are False, True"),
     (["+search.bogus=1"], "search.bogus: unknown key"),
 ])
 def test_search_keys_are_checked(overrides, message):

@@ -157,3 +157,19 @@ def test_predict_ignores_neighbour_noise():
     k = Known(fits={64: True, 127: True, 128: True},
               peak={64: 400 * MiB, 127: 463 * MiB, 128: 470 * MiB})  # 1 MiB/sample, +6 MiB noise
     assert predict(k, 500 * MiB, SearchConfig()) == pytest.approx(158, abs=3)
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_first_launch_probes_when_a_fresh_start_is_cheap(pool):
+    """With a pool the first launch only explores (its first size is probed; the boundary is
+    measured fresh later); a launch of its own measures its first size in case it is the answer.
+    Either way the answer is the same and its measurement is fresh."""
+    spec = SearchConfig(pool=pool)
+    first = next_plan(Known(), spec, None, seed=9)
+    assert [e.micro for e in first] == [1, 4, 9, 10]
+    assert first[0].mode == ("probe" if pool else "measure")
+    known = Known.from_trials([result(1, Status.OK, True), result(9, Status.OK, False), result(10, Status.OOM, False)])
+    assert next_plan(known, spec, None)[0].mode == "measure"  # near the boundary: always measured
+    sim = Sim(10, spec, leftover=20 * MiB, seed=9)
+    assert answer(sim) == (SearchStatus.DONE, 10, 11)
+    assert any(t.micro == 10 and t.fresh and t.mode == "measure" for t in sim.trials)

@@ -1,0 +1,58 @@
+"""Trials forked from a pool (zero_bench.pool): the same figures as a launch of their own, and a
+child that crashes, is killed or hangs ends alone while the pool serves the next trial."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zero_bench.launch import Entry, run_launch
+from zero_bench.pool import PoolSlot
+
+from conftest import cpu_cfg, worker_processes
+
+pytestmark = pytest.mark.slow
+
+
+def test_forked_child_peak_equals_a_fresh_launch(tmp_path):
+    """Same trial (gpt-mini ZeRO-2, micro 6) in a launch of its own and as the pool's second child:
+    peak RSS per rank within 1 %, live tensors, model states and losses identical."""
+    cfg = cpu_cfg("gpt-mini", zero=2).with_micro(6)
+    (fresh,) = run_launch(cfg, [Entry(6)], tmp_path / "fresh")
+    with PoolSlot(tmp_path / "pool") as pools:
+        (first,) = run_launch(cfg.with_micro(1), [Entry(1)], tmp_path / "first", pools=pools)
+        (forked,) = run_launch(cfg, [Entry(6)], tmp_path / "forked", pools=pools)
+        assert pools.started == 1
+    assert fresh.status == first.status == forked.status == "ok"
+    assert forked.fresh and "request 2" in forked.cmd
+    for a, b in zip(fresh.ranks, forked.ranks):
+        assert a.rank == b.rank
+        assert abs(b.peak_rss_bytes - a.peak_rss_bytes) <= 0.01 * a.peak_rss_bytes, (a.peak_rss_bytes, b.peak_rss_bytes)
+        assert b.peak_live_bytes == a.peak_live_bytes
+        assert b.model_states == a.model_states
+        assert b.losses == a.losses
+    # the sampler saw the children, one per rank, not the pool's parents
+    assert sorted(d.id for d in forked.devices if d.kind == "rank") == [0, 1]
+    for d in forked.devices:
+        rank = next(r for r in forked.ranks if r.rank == d.id)
+        assert d.peak_bytes <= 1.01 * rank.peak_rss_bytes
+
+
+def test_failed_children_end_alone_and_the_pool_goes_on(no_leftovers):
+    """An exception, a SIGKILL (as the OOM killer sends) and a hang, each followed by a trial that
+    fits: every outcome classified as in a launch of its own, all served by one pool."""
+    base = cpu_cfg()
+    faults = [("raise", ["ok", "error"]), ("kill", ["ok", "oom"]), ("hang", ["ok", "timeout"])]
+    with PoolSlot(no_leftovers / "pool") as pools:
+        for kind, expected in faults:
+            cfg = dataclasses.replace(base, fault={"rank": 1, "kind": kind, "min_micro": 2},
+                                      timeout_s=8 if kind == "hang" else base.timeout_s)
+            res = run_launch(cfg, [Entry(1), Entry(2)], no_leftovers / kind, pools=pools)
+            assert [r.status for r in res] == expected, (kind, [r.reason for r in res])
+            (ok,) = run_launch(base, [Entry(1)], no_leftovers / f"after_{kind}", pools=pools)
+            assert ok.status == "ok", (kind, ok.reason)
+        assert "injected fault on rank 1" in (no_leftovers / "raise" / "rank1.jsonl").read_text()
+        assert pools.started == 1 and pools.pool.n == 6
+        # between trials only the pool's parents are left: no child outlived its trial
+        assert len([p for p in worker_processes(str(no_leftovers)) if "--pool" in " ".join(p.cmdline())
+                    and "deepspeed.launcher" not in " ".join(p.cmdline())]) == 2

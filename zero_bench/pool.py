@@ -1,0 +1,180 @@
+"""Pay for the launcher once per search: ranks started once, a fresh forked child per trial.
+
+A `Pool` is one deepspeed launch of `zero_bench.worker --pool DIR` (zero_bench.pool_rank): every
+rank imports torch, deepspeed and megatron-core, then forks a child for each trial the runner
+requests. The child is the trial, exactly as a freshly launched rank would run it (its own process
+group, master port, records, logs and memory figures), so "fresh" keeps its meaning. A `PoolSlot`
+holds at most one pool for a search: started on first use, replaced when a trial needs other ranks
+(world size, nodes, environment) or when it died, closed at the end. Whatever a child does (OOM,
+crash, hang), the runner ends that child only and the pool serves the next trial; a pool that does
+not answer a kill is closed and the next trial starts a new one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import psutil
+
+from zero_bench.config import BenchConfig
+from zero_bench.launch import free_port, kill_tree, launch_env, launcher_cmd, trial_env
+from zero_bench.machine import machine_lock
+from zero_bench.pool_rank import exit_path, request_path, write_whole
+
+if TYPE_CHECKING:
+    from zero_bench.launch import _Launch
+
+# How long the ranks may take to report a killed child's exit before the pool counts as broken.
+KILL_ANSWER_S = 15.0
+
+
+def pool_key(cfg: BenchConfig) -> str:
+    """What the pool's ranks are: trials with the same key can be children of the same pool."""
+    hw = cfg.hardware
+    return json.dumps([cfg.parallel.world_size, hw.hostfile, hw.num_nodes, hw.launcher, trial_env(cfg)],
+                      sort_keys=True)
+
+
+class Pool:
+    """One deepspeed launch whose ranks fork a child per trial request."""
+
+    def __init__(self, cfg: BenchConfig, pool_dir: Path):
+        self.cfg, self.dir, self.key = cfg, pool_dir, pool_key(cfg)
+        self.multi_node = bool(cfg.hardware.hostfile)
+        self.n = 0  # requests written so far
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cmd, env = launch_env(cfg, self.dir, launcher_cmd(cfg, self.dir, free_port(), flag="--pool"))
+        self.cmd_text = (self.dir / "cmd.txt").read_text().strip()
+        with open(self.dir / "stdout.log", "w") as out, open(self.dir / "stderr.log", "w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def submit(self, launch: "_Launch", port: int) -> "PoolTrial":
+        """Ask every rank for a child running `launch`'s spec with master port `port`."""
+        self.n += 1
+        launch.cmd_text = f"{self.cmd_text}  # request {self.n}: {launch.spec_path}, MASTER_PORT={port}"
+        (launch.run_dir / "cmd.txt").write_text(launch.cmd_text + "\n")
+        for name in ("stdout.log", "stderr.log"):  # the children append to them
+            (launch.run_dir / name).write_text("")
+        job = {"spec": str(launch.spec_path), "port": port, "out_dir": str(launch.run_dir)}
+        write_whole(request_path(self.dir, self.n), json.dumps(job))
+        return PoolTrial(self, self.n, launch.run_dir)
+
+    def exits(self, n: int) -> dict[int, int]:
+        """Exit codes of request n's children, by rank, as far as reported."""
+        out = {}
+        for r in range(self.cfg.parallel.world_size):
+            with contextlib.suppress(OSError, ValueError):
+                out[r] = int(exit_path(self.dir, n, r).read_text())
+        return out
+
+    def close(self) -> None:
+        """End the pool. Its ranks hold nothing worth a clean exit: the stop file ends the ones on
+        other nodes, and the launcher's whole tree here goes at once."""
+        with contextlib.suppress(OSError):
+            (self.dir / "stop").write_text("")
+        kill_tree(self.proc, [], multi_node=self.multi_node)
+
+
+class PoolTrial:
+    """One request to a pool, seen by the runner as the rank processes of one launch."""
+    forked = True  # the sampler counts the children, not the pool's parents
+
+    def __init__(self, pool: Pool, n: int, run_dir: Path):
+        self.pool, self.n, self.run_dir = pool, n, run_dir
+        self.root_pid = pool.proc.pid
+        self.marker = str(pool.dir) if pool.multi_node else None
+        self.killed = False
+        self.first_failure: Optional[int] = None  # exit code of the first child that failed by itself
+
+    def wait(self, timeout: float) -> bool:
+        """True once every rank's child has ended (or the pool itself has). As DeepSpeed's launcher
+        does, a child that failed ends its peers, which may wait for it in a collective."""
+        end = time.time() + timeout
+        while True:
+            exits = self.pool.exits(self.n)
+            if len(exits) == self.pool.cfg.parallel.world_size or not self.pool.alive():
+                return True
+            failed = [c for _, c in sorted(exits.items()) if c]
+            if failed and not self.killed:
+                self.first_failure = failed[0]
+                self.kill()
+            if time.time() >= end:
+                return False
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        self.killed = True
+        with contextlib.suppress(OSError):
+            request_path(self.pool.dir, self.n, ".kill").write_text("")
+
+    def end(self, known: list[psutil.Process]) -> None:
+        """Leave no child running: ask the parents to kill it; a pool that does not answer goes."""
+        if self.wait(0):
+            return
+        self.kill()
+        if not self.wait(KILL_ANSWER_S):
+            for p in known:  # the children this host has
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            self.pool.close()
+
+    @property
+    def rc(self) -> Optional[int]:
+        """The first failing child's exit code, as the launcher would report it; 0 if all ended 0."""
+        if not self.pool.alive() and len(self.pool.exits(self.n)) < self.pool.cfg.parallel.world_size:
+            return self.pool.proc.returncode
+        if self.first_failure is not None:
+            return self.first_failure
+        codes = [c for _, c in sorted(self.pool.exits(self.n).items())]
+        return next((c for c in codes if c), 0)
+
+    def log_tail(self, n: int = 3000) -> str:
+        text = ""
+        for f in (self.run_dir / "stderr.log", self.run_dir / "stdout.log", self.pool.dir / "stderr.log"):
+            with contextlib.suppress(OSError):
+                text += f.read_text(errors="replace")[-n:]
+        return text
+
+
+class PoolSlot:
+    """At most one pool at a time, held by one search. It keeps the machine lock while a pool lives:
+    its idle ranks are launcher command lines another zero_bench's cleanup would kill."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.pool: Optional[Pool] = None
+        self.started = 0
+        self._lock: Optional[contextlib.ExitStack] = None
+
+    def get(self, cfg: BenchConfig) -> Pool:
+        if self.pool is not None and (self.pool.key != pool_key(cfg) or not self.pool.alive()):
+            self.close()
+        if self.pool is None:
+            if self._lock is None:
+                self._lock = contextlib.ExitStack()
+                self._lock.enter_context(machine_lock())
+            self.started += 1
+            self.pool = Pool(cfg, self.root / f"pool{self.started:02d}")
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def __enter__(self) -> "PoolSlot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,171 @@
+"""A pooled rank: started once per search by the deepspeed launcher, it forks a fresh child per trial.
+
+`python -m zero_bench.worker --pool DIR` (zero_bench.pool starts it). Most of a launch's fixed cost
+is the launcher and the imports of torch, deepspeed and megatron-core (issue 18: 10.7 s of a 16 s
+trial). The parent pays them once and then only waits: it never creates a process group, never
+touches CUDA and allocates no tensor, so each child starts from what a freshly launched rank holds
+after its imports, and its memory figures are its own (peak RSS, torch's peaks, NVML).
+
+The runner's requests are files in DIR, numbered from 1 (written whole, by rename):
+  reqNNNNN.json              {"spec": trial.json path, "port": master port, "out_dir": run dir}
+  reqNNNNN.kill              the runner ends that trial: kill the child's process group
+  reqNNNNN.rank{R}.exit      written here: the child's exit code (negative: killed by that signal)
+  stop                       end the pool (the runner also kills the launcher's process group)
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import NoReturn
+
+POLL_S = 0.02  # how often an idle parent looks for a request (a stat call per rank)
+# How often a parent looks for a kill request while its child runs: rarely, so that it takes no
+# CPU time from the trial it waits for (a kill comes 0.25 s late at most; the child's exit wakes
+# it at once through SIGCHLD).
+CHILD_POLL_S = 0.25
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+MADV_POPULATE_READ = 22  # linux/mman.h (5.14)
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# What every trial imports; children inherit these instead of importing them again.
+PRELOAD = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
+           "deepspeed.runtime.zero.stage_1_and_2", "megatron.core.models.gpt",
+           "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.tensor_parallel", "torch.profiler",
+           "zero_bench.model", "zero_bench.worker")
+
+
+def preload() -> None:
+    """Imports only: anything that starts threads, a process group or CUDA here would be shared
+    by (or broken in) every child."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+
+
+def resident_file_pages() -> list[tuple[int, int]]:
+    """(address, length) runs of file-backed pages this process has mapped and resident.
+
+    fork() copies the page tables of anonymous and written memory only; pages of files it never
+    wrote (the libraries' code and read-only data) a child maps again only when it touches them.
+    Without help its RSS would start lower than a freshly launched rank's by every page that only
+    the imports touched (39 MiB for gpt-mini: enough to move a CPU boundary by a size).
+    /proc/self/pagemap has one 64-bit entry per page; bit 63 says it is present.
+    """
+    runs: list[tuple[int, int]] = []
+    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) < 6 or not fields[5].startswith("/") or "r" not in fields[1]:
+                continue
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            pagemap.seek(lo // PAGE * 8)
+            entries = memoryview(pagemap.read((hi - lo) // PAGE * 8)).cast("Q")
+            start = None
+            for i, e in enumerate(entries):
+                if e >> 63 and start is None:
+                    start = i
+                elif not e >> 63 and start is not None:
+                    runs.append((lo + start * PAGE, (i - start) * PAGE))
+                    start = None
+            if start is not None:
+                runs.append((lo + start * PAGE, (len(entries) - start) * PAGE))
+    return runs
+
+
+def map_again(runs: list[tuple[int, int]]) -> None:
+    """Map the parent's resident file pages into this child (no copy: they are in the page cache),
+    so the child starts with the resident set a fresh rank has after the same imports."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    for addr, length in runs:
+        if libc.madvise(addr, length, MADV_POPULATE_READ) != 0:  # before Linux 5.14: touch each page
+            for a in range(addr, addr + length, PAGE):
+                ctypes.string_at(a, 1)
+
+
+def request_path(pool_dir: Path, n: int, suffix: str = ".json") -> Path:
+    return pool_dir / f"req{n:05d}{suffix}"
+
+
+def exit_path(pool_dir: Path, n: int, rank: int) -> Path:
+    return request_path(pool_dir, n, f".rank{rank}.exit")
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Readers never see half a file: write beside it, then rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def serve(pool_dir: Path) -> NoReturn:
+    """Fork a child per request until told to stop (the caller already watches the runner)."""
+    preload()
+    resident = resident_file_pages()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # pending until sigtimedwait takes it
+    rank = int(os.environ.get("RANK", "0"))
+    n = 1
+    while not (pool_dir / "stop").exists():
+        req = request_path(pool_dir, n)
+        if not req.exists():
+            time.sleep(POLL_S)
+            continue
+        job = json.loads(req.read_text())
+        pid = os.fork()
+        if pid == 0:
+            _child(job, resident)
+        with contextlib.suppress(OSError):  # as the child does: no window where killpg misses it
+            os.setpgid(pid, pid)
+        rc = _wait(pid, request_path(pool_dir, n, ".kill"), pool_dir / "stop")
+        write_whole(exit_path(pool_dir, n, rank), str(rc))
+        n += 1
+    os._exit(0)
+
+
+def _child(job: dict, resident: list[tuple[int, int]]) -> NoReturn:
+    """A fresh rank for one trial: its own process group (the parent kills it whole), killed with
+    the parent, its own master port and log files; it never returns into the parent's loop."""
+    code = 1
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # as a fresh process has it
+        os.setpgid(0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        map_again(resident)
+        out = Path(job["out_dir"])
+        for fd, name in ((1, "stdout.log"), (2, "stderr.log")):
+            f = os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        os.environ["MASTER_PORT"] = str(job["port"])
+        from zero_bench.worker import run_spec, watch_parent
+
+        watch_parent()  # threads are not inherited: watch the runner again
+        run_spec(json.loads(Path(job["spec"]).read_text()))
+    except BaseException:  # noqa: BLE001 - whatever happens, never return into the parent's loop
+        import traceback
+
+        traceback.print_exc()
+    os._exit(code)
+
+
+def _wait(pid: int, kill_file: Path, stop_file: Path) -> int:
+    """Wait for the child; kill its process group when the runner asks. Its exit code."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if kill_file.exists() or stop_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            break
+        signal.sigtimedwait({signal.SIGCHLD}, CHILD_POLL_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)  # what the child started (e.g. inductor's compile workers)
+    return os.waitstatus_to_exitcode(status)
