@@ -95,7 +95,12 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["ZERO_BENCH_SWEEP_TOTAL"] = str(sweep_size(args))
         os.environ["ZERO_BENCH_SWEEP_T0"] = str(time.time())
     sys.argv = [sys.argv[0], *args, f"command={command}"]  # after flags: argparse wants positionals together
-    app()
+    try:
+        app()
+    finally:
+        from zero_bench.commands import close_sweep_pools
+
+        close_sweep_pools()  # a multirun's shared pool ends with the sweep
     if _exit["code"]:
         raise SystemExit(_exit["code"])
 

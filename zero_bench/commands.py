@@ -128,7 +128,7 @@ def _maxbatch(cfg: DictConfig, out: Path) -> SearchResult:
     prebuild_ops(bench)
     print(f"zero_bench maxbatch: {bench.label()} strategy={spec.strategy} -> {out}", flush=True)
     opts = SearchOptions(seed=seed_micro(bench) if cfg.estimate_first else None, repeats=cfg.repeats,
-                         force=cfg.force, progress=lambda s: print(s, flush=True))
+                         force=cfg.force, progress=lambda s: print(s, flush=True), pools=sweep_pools())
     sweep_dir = _sweep_dir()
     done = finished_elsewhere(bench.search_key(), sweep_dir, store.path) if sweep_dir and not cfg.force else None
     if done is not None:
@@ -142,6 +142,29 @@ def _maxbatch(cfg: DictConfig, out: Path) -> SearchResult:
     if res.measure:
         print(result_row(res.measure))
     return res
+
+
+_SWEEP_POOLS: dict = {}
+
+
+def sweep_pools():
+    """One pool for all searches of a multirun that runs its jobs in this process (Hydra's basic
+    launcher): the ranks are launched once per sweep. Jobs in processes of their own (submitit)
+    each start their own. cli.main closes it when the sweep ends."""
+    from zero_bench.pool import PoolSlot
+
+    sweep_dir = _sweep_dir()
+    if sweep_dir is None or under_submitit():
+        return None
+    if "slot" not in _SWEEP_POOLS:
+        _SWEEP_POOLS["slot"] = PoolSlot(sweep_dir.resolve() / "pool")
+    return _SWEEP_POOLS["slot"]
+
+
+def close_sweep_pools() -> None:
+    slot = _SWEEP_POOLS.pop("slot", None)
+    if slot is not None:
+        slot.close()
 
 
 def sweep_progress(label: str, finished: bool) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from zero_bench.config import BenchConfig
 from zero_bench.launch import free_port, kill_tree, launch_env, launcher_cmd, trial_env
 from zero_bench.machine import machine_lock
 from zero_bench.pool_rank import exit_path, request_path, write_whole
+from zero_bench.sampler import is_worker
 
 if TYPE_CHECKING:
     from zero_bench.launch import _Launch
@@ -110,9 +113,16 @@ class PoolTrial:
             time.sleep(0.1)
 
     def kill(self) -> None:
+        """End this trial's children: at once where they run on this host, through the kill file
+        (read by their parents within CHILD_POLL_S) everywhere."""
         self.killed = True
         with contextlib.suppress(OSError):
             request_path(self.pool.dir, self.n, ".kill").write_text("")
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(self.root_pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error, ProcessLookupError):
+                    if is_worker(p) and is_worker(p.parent()):
+                        os.killpg(p.pid, signal.SIGKILL)  # its own group: what it started goes too
 
     def end(self, known: list[psutil.Process]) -> None:
         """Leave no child running: ask the parents to kill it; a pool that does not answer goes."""
@@ -161,8 +171,15 @@ class PoolSlot:
                 self._lock = contextlib.ExitStack()
                 self._lock.enter_context(machine_lock())
             self.started += 1
-            self.pool = Pool(cfg, self.root / f"pool{self.started:02d}")
+            self.pool = Pool(cfg, self._new_dir())
         return self.pool
+
+    def _new_dir(self) -> Path:
+        """A folder no pool used (a resumed search or sweep finds its killed predecessor's)."""
+        n = 1
+        while (self.root / f"pool{n:02d}").exists():
+            n += 1
+        return self.root / f"pool{n:02d}"
 
     def close(self) -> None:
         if self.pool is not None:

@@ -235,6 +235,7 @@ class SearchOptions:
     repeats: int = 1  # fresh full-step measurements at the answer (median reported)
     force: bool = False  # forget stored trials and measure again
     progress: Callable[[str], None] = print
+    pools: Optional[PoolSlot] = None  # a pool shared with other searches (a sweep's); None: its own
 
 
 def _mib(b: Optional[int]) -> str:
@@ -253,7 +254,8 @@ class Search:
         self.trials: list[TrialResult] = []
         self.new_trials = self.launches = self.fit_launches = 0
         self.error: Optional[TrialResult] = None
-        self.pools = PoolSlot(run_dir / "pool") if spec.pool else None
+        # the ranks are started once for this search (or once for the sweep that passes its own)
+        self.pools = (self.opts.pools or PoolSlot(run_dir / "pool")) if spec.pool else None
         self.t0 = time.time()
 
     def say(self, text: str) -> None:
@@ -283,7 +285,7 @@ class Search:
                 self.launch(plan)
             return self.finish()
         finally:
-            if self.pools is not None:
+            if self.pools is not None and self.pools is not self.opts.pools:
                 self.pools.close()
             self.store.release(self.key)
 

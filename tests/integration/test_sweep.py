@@ -67,6 +67,8 @@ def test_killed_sweep_resumes_without_losing_or_repeating(tmp_path):
 
     searches = Store(db).searches()
     assert len(searches) == 4 and len({s.label for s in searches}) == 4
+    # the ranks were launched once per sweep process (the killed one and the resumed one), not per search
+    assert sorted(p.name for p in (tmp_path / "sweep" / "pool").iterdir()) == ["pool01", "pool02"]
     skipped = [s for s in searches if s.status == "skipped"]
     assert len(skipped) == 1 and "offload=true" in skipped[0].note
     assert all(s.max_global_batch == 16 for s in searches if s.status == "done")
