@@ -8,7 +8,8 @@
 #   2. 1-GPU trial      gpt-tiny, dp=1: a trial runs and reports time/it and GPU memory
 #   3. 2-GPU trial      gpt-tiny, dp=2 over NCCL, where the machine has 2 GPUs
 #   4. CUDA OOM search  gpt-small, dp=1, an emulated 4096 MiB card: a real CUDA OOM bounds the search,
-#                       the boundary is confirmed fresh, memory is reported against 4096 MiB
+#                       the boundary is confirmed fresh, memory is reported against 4096 MiB; its
+#                       trials are children forked from one pool whose parents never initialized CUDA
 #   5. NVML mapping     CUDA_VISIBLE_DEVICES=<last GPU>: the trial ran on that GPU (nvidia-smi's UUID)
 #                       and the report names exactly that one
 set -uo pipefail
@@ -62,9 +63,10 @@ else say SKIP 2-gpu "one GPU only"; fi
 if zb maxbatch model=gpt-small parallel=dp1 hardware=gpu hardware.memory_mib=4096 search.max=1024 \
      steps.warmup=1 steps.timed=2 hydra.run.dir="$OUT/oom" > "$OUT/oom.log" 2>&1; then
   read -r status lo hi real tot <<<"$(query search)"
-  if [ "$status" = done ] && [ "$real" -ge 1 ] && [ "$tot" = 4096 ]; then
-    say PASS cuda-oom "max micro $lo, fails at $hi (fresh), $real real CUDA OOM(s), reported against $tot MiB"
-  else say FAIL cuda-oom "status=$status micro=$lo..$hi real_ooms=$real total=$tot MiB"; fi
+  pools=$(ls -d "$OUT"/oom/pool/pool* 2>/dev/null | wc -l)
+  if [ "$status" = done ] && [ "$real" -ge 1 ] && [ "$tot" = 4096 ] && [ "$pools" = 1 ]; then
+    say PASS cuda-oom "max micro $lo, fails at $hi (fresh), $real real CUDA OOM(s), reported against $tot MiB, one pool"
+  else say FAIL cuda-oom "status=$status micro=$lo..$hi real_ooms=$real total=$tot MiB pools=$pools"; fi
 else say FAIL cuda-oom "exit $?; tail: $(tail -c 300 "$OUT/oom.log")"; fi
 
 LAST=$((NGPU - 1))

@@ -48,6 +48,25 @@ def preload() -> None:
         importlib.import_module(name)
 
 
+CUDA_ERROR_NOT_INITIALIZED = 3  # cuda.h: what the driver answers before anyone called cuInit
+
+
+def cuda_untouched() -> bool:
+    """True unless this process initialized CUDA (torch's lazy init, or the driver's cuInit that
+    e.g. torch.cuda.is_available() runs): a child forked after that cannot use the GPU. Asks
+    libcuda itself; a machine without it has nothing to initialize."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return False
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return True
+    count = ctypes.c_int()
+    return libcuda.cuDeviceGetCount(ctypes.byref(count)) == CUDA_ERROR_NOT_INITIALIZED
+
+
 def resident_file_pages() -> list[tuple[int, int]]:
     """(address, length) runs of file-backed pages this process has mapped and resident.
 
@@ -107,6 +126,9 @@ def write_whole(path: Path, text: str) -> None:
 def serve(pool_dir: Path) -> NoReturn:
     """Fork a child per request until told to stop (the caller already watches the runner)."""
     preload()
+    if os.environ.get("DS_ACCELERATOR") == "cuda" and not cuda_untouched():
+        raise SystemExit("zero_bench pool: importing the trial's modules initialized CUDA, so forked "
+                         "children could not use the GPU; run with search.pool=false")
     resident = resident_file_pages()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # pending until sigtimedwait takes it
     rank = int(os.environ.get("RANK", "0"))

@@ -110,3 +110,4 @@ def test_trials_share_a_pool_only_with_the_same_ranks():
     assert pool_key(a) == pool_key(cpu_cfg(zero=3, precision="bf16"))  # what the child builds may differ
     assert pool_key(a) != pool_key(cpu_cfg(parallel=ParallelConfig(tp=1, dp=1)))
     assert pool_key(a) != pool_key(cpu_cfg(hardware=HardwareConfig(device="cpu", hostfile="hosts", num_nodes=2)))
+
