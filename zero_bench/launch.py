@@ -340,7 +340,7 @@ def _run(launch: _Launch, pools=None) -> list[TrialResult]:
                       if cfg.hardware.device == "gpu" else None,
                       budget=launch.cap if cfg.hardware.device == "cpu" else None,
                       on_over=lambda msg: launch.over_budget(ranks, msg),
-                      marker=ranks.marker, forked=ranks.forked)
+                      marker=ranks.marker, forked=ranks.forked, expect=local_ranks(cfg))
     sampler.start()
     timed_out = False
     try:

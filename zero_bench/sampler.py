@@ -81,11 +81,12 @@ class Sampler(threading.Thread):
 
     def __init__(self, root_pid: int, interval: float = 0.05, gpus: Optional[str] = None,
                  budget: Optional[int] = None, on_over: Optional[Callable[[str], None]] = None,
-                 marker: Optional[str] = None, forked: bool = False):
+                 marker: Optional[str] = None, forked: bool = False, expect: int = 0):
         super().__init__(daemon=True, name="zero_bench-sampler")
         self.root_pid, self.interval, self.budget, self.on_over = root_pid, interval, budget, on_over
         self.marker = marker  # the trial's spec path: finds ranks that sshd started on this host
         self.forked = forked  # the ranks are children forked by a pool's ranks (zero_bench.pool)
+        self.expect = expect  # rank processes this host will have
         self.samples: list[Sample] = []
         self.procs: dict[int, psutil.Process] = {}  # pid -> process, every worker ever seen
         self.ranks: dict[int, int] = {}  # pid -> rank
@@ -96,9 +97,10 @@ class Sampler(threading.Thread):
         self._stop_evt = threading.Event()
 
     def _workers(self) -> list[psutil.Process]:
-        # Walking /proc for new ranks costs ~1.5 ms: do it once a second, not on every tick.
+        # Walking /proc for new ranks costs ~1.5 ms: do it once a second, not on every tick - except
+        # until every rank of this host was seen (a forked trial can be over within a second).
         now = time.monotonic()
-        if now - getattr(self, "_scanned", 0.0) < 1.0:
+        if now - getattr(self, "_scanned", 0.0) < 1.0 and len(self.procs) >= self.expect:
             return [p for p in self.procs.values() if p.is_running()]
         self._scanned = now
         try:

@@ -51,6 +51,8 @@ def test_failed_children_end_alone_and_the_pool_goes_on(no_leftovers):
             assert [r.status for r in res] == expected, (kind, [r.reason for r in res])
             (ok,) = run_launch(base, [Entry(1)], no_leftovers / f"after_{kind}", pools=pools)
             assert ok.status == "ok", (kind, ok.reason)
+            # a trial over within a second is sampled too: every rank's child was found in time
+            assert sorted(d.id for d in ok.devices if d.kind == "rank") == [0, 1], (kind, ok.devices)
         assert "injected fault on rank 1" in (no_leftovers / "raise" / "rank1.jsonl").read_text()
         assert pools.started == 1 and pools.pool.n == 6
         # between trials only the pool's parents are left: no child outlived its trial
