@@ -1,8 +1,10 @@
-"""Run one deepspeed launch (one or more batch sizes) and hand on one TrialResult per entry.
+"""Run one trial's rank processes (one or more batch sizes) and hand on one TrialResult per entry.
 
-The launch: DeepSpeed's own launcher (`python -m deepspeed.launcher.runner`, so hostfiles and
-multi-node launchers work unchanged) in its own process group, with a free master port, a timeout
-per batch size, a memory sampler beside it, and the whole tree killed afterwards whatever happened.
+The ranks are a deepspeed launch of their own (`Ranks`) or, in a search, children forked from the
+search's pool (zero_bench.pool). The launch: DeepSpeed's own launcher (`python -m
+deepspeed.launcher.runner`, so hostfiles and multi-node launchers work unchanged) in its own
+process group, with a free master port, a timeout per batch size, a memory sampler beside it, and
+the whole tree killed afterwards whatever happened.
 What the ranks wrote becomes results in zero_bench.outcome; the machine lock (zero_bench.machine)
 keeps two zero_bench processes from launching on one machine at once.
 """
@@ -121,8 +123,9 @@ def launcher_cmd(cfg: BenchConfig, target: Path, port: int, flag: str = "--spec"
     return cmd + ["--no_local_rank", "--module", "zero_bench.worker", flag, str(target)]
 
 
-def launch_env(cfg: BenchConfig, run_dir: Path, cmd: list[str]) -> tuple[list[str], dict]:
-    """The launcher's environment; writes the env file remote ranks read and cmd.txt (to re-run it)."""
+def launch_env(cfg: BenchConfig, run_dir: Path, cmd: list[str]) -> tuple[dict, str]:
+    """The launcher's environment and command line as text; writes the env file remote ranks read
+    and cmd.txt (to re-run it by hand)."""
     ours = trial_env(cfg)
     env_file = run_dir / ".deepspeed_env"  # what remote ranks get (only PYTHON* passes otherwise)
     env_file.write_text("".join(f"{k}={v}\n" for k, v in ours.items()))
@@ -132,9 +135,9 @@ def launch_env(cfg: BenchConfig, run_dir: Path, cmd: list[str]) -> tuple[list[st
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if not cfg.hardware.hostfile:
         env["ZERO_BENCH_PARENT_PID"] = str(os.getpid())  # ranks end themselves if we are killed
-    (run_dir / "cmd.txt").write_text(" ".join(f"{k}={shlex.quote(v)}" for k, v in ours.items()) + " "
-                                     + shlex.join(cmd) + "\n")
-    return cmd, env
+    text = " ".join(f"{k}={shlex.quote(v)}" for k, v in ours.items()) + " " + shlex.join(cmd)
+    (run_dir / "cmd.txt").write_text(text + "\n")
+    return env, text
 
 
 def kill_tree(proc: subprocess.Popen, known: list[psutil.Process], multi_node: bool = False) -> None:
@@ -220,8 +223,8 @@ class _Launch:
         spec = {"config": self.cfg.to_dict(), "ds_config": str(self.run_dir / "ds_config.json"),
                 "out_dir": str(self.run_dir), "plan": [e.__dict__ for e in self.plan], "capacity_bytes": self.cap}
         self.spec_path.write_text(json.dumps(spec, indent=2))
-        cmd, env = launch_env(self.cfg, self.run_dir, launcher_cmd(self.cfg, self.spec_path, port))
-        self.cmd_text = (self.run_dir / "cmd.txt").read_text().strip()
+        cmd = launcher_cmd(self.cfg, self.spec_path, port)
+        env, self.cmd_text = launch_env(self.cfg, self.run_dir, cmd)
         return cmd, env
 
     @property

@@ -50,8 +50,8 @@ class Pool:
         self.multi_node = bool(cfg.hardware.hostfile)
         self.n = 0  # requests written so far
         self.dir.mkdir(parents=True, exist_ok=True)
-        cmd, env = launch_env(cfg, self.dir, launcher_cmd(cfg, self.dir, free_port(), flag="--pool"))
-        self.cmd_text = (self.dir / "cmd.txt").read_text().strip()
+        cmd = launcher_cmd(cfg, self.dir, free_port(), flag="--pool")
+        env, self.cmd_text = launch_env(cfg, self.dir, cmd)
         with open(self.dir / "stdout.log", "w") as out, open(self.dir / "stderr.log", "w") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
 
@@ -65,7 +65,8 @@ class Pool:
         (launch.run_dir / "cmd.txt").write_text(launch.cmd_text + "\n")
         for name in ("stdout.log", "stderr.log"):  # the children append to them
             (launch.run_dir / name).write_text("")
-        job = {"spec": str(launch.spec_path), "port": port, "out_dir": str(launch.run_dir)}
+        # absolute: the ranks' working directory is the pool's, not this job's
+        job = {"spec": str(launch.spec_path.resolve()), "port": port, "out_dir": str(launch.run_dir.resolve())}
         write_whole(request_path(self.dir, self.n), json.dumps(job))
         return PoolTrial(self, self.n, launch.run_dir)
 
@@ -154,8 +155,9 @@ class PoolTrial:
 
 
 class PoolSlot:
-    """At most one pool at a time, held by one search. It keeps the machine lock while a pool lives:
-    its idle ranks are launcher command lines another zero_bench's cleanup would kill."""
+    """At most one pool at a time, held by one search (or by a sweep's searches in one process). It
+    keeps the machine lock while a pool lives: its idle ranks are launcher command lines another
+    zero_bench's cleanup would kill."""
 
     def __init__(self, root: Path):
         self.root = root
