@@ -153,7 +153,6 @@ def serve(pool_dir: Path) -> NoReturn:
 def _child(job: dict, resident: list[tuple[int, int]]) -> NoReturn:
     """A fresh rank for one trial: its own process group (the parent kills it whole), killed with
     the parent, its own master port and log files; it never returns into the parent's loop."""
-    code = 1
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})  # as a fresh process has it
         os.setpgid(0, 0)
@@ -173,7 +172,7 @@ def _child(job: dict, resident: list[tuple[int, int]]) -> NoReturn:
         import traceback
 
         traceback.print_exc()
-    os._exit(code)
+    os._exit(1)  # run_spec ends the process itself: reaching here means it never started
 
 
 def _wait(pid: int, kill_file: Path, stop_file: Path) -> int:
