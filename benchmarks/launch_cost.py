@@ -25,7 +25,8 @@ from pathlib import Path
 import yaml
 
 from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
-from zero_bench.launch import Entry, free_port, run_launch
+from zero_bench.launch import LaunchOptions, free_port, run_launch
+from zero_bench.records import Entry
 from zero_bench.pool import PoolSlot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +58,7 @@ def first_step(run_dir: Path) -> float:
 
 def trial_cost(cfg: BenchConfig, run_dir: Path, pools=None) -> float:
     t0 = time.time()
-    (r,) = run_launch(cfg, [Entry(1, "measure")], run_dir, pools=pools)
+    (r,) = run_launch(cfg, [Entry(1, "measure")], run_dir, LaunchOptions(pools=pools))
     if r.status != "ok":
         raise RuntimeError(f"{run_dir}: {r.status} {r.reason}")
     return first_step(run_dir) - t0

@@ -17,7 +17,8 @@ from pathlib import Path
 import yaml
 
 from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
-from zero_bench.launch import Entry, run_launch
+from zero_bench.launch import run_launch
+from zero_bench.records import Entry
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import yaml
 
-from zero_bench.config import RECOMPUTE, BenchConfig, HardwareConfig, ModelConfig, StepsConfig
+from zero_bench.config import Recompute, BenchConfig, HardwareConfig, ModelConfig, StepsConfig
 from zero_bench.estimate import activation_bytes_per_sample
-from zero_bench.launch import Entry, run_launch
+from zero_bench.launch import run_launch
+from zero_bench.records import Entry
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -36,7 +37,7 @@ def slope(results, field: str, micros: tuple) -> float:
 def recompute_table(micros: tuple, tmp: Path) -> None:
     print(f"{'recompute':10} {'live MiB/sample':>16} {'formula MiB/sample':>19} {'RSS MiB/sample':>15} {'vs none':>8}")
     base = None
-    for mode in RECOMPUTE:
+    for mode in Recompute:
         cfg = BenchConfig(model=LAYERED, hardware=HardwareConfig(device="cpu"), recompute=mode,
                           steps=StepsConfig(probe=1))
         results = run_launch(cfg, [Entry(m) for m in micros], tmp / mode)

@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 
 from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
-from zero_bench.launch import Entry, Hooks, run_launch
+from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.records import Entry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +33,7 @@ def main() -> None:
         for i in range(pairs):
             for mode, interval in (("on", 0.05), ("off", 0.0)):
                 (r,) = run_launch(cfg, [Entry(micro, "measure")], Path(tmp) / f"{mode}{i}",
-                                  Hooks(sample_interval=interval))
+                                  LaunchOptions(sample_interval=interval))
                 assert r.status == "ok", r.reason
                 # every timed step of every rank: the sampler would slow all of them
                 times[mode] += [rk.time_per_step for rk in r.ranks]

@@ -22,7 +22,7 @@ import yaml
 
 from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, SearchConfig
 from zero_bench.estimate import seed_micro
-from zero_bench.results import Store
+from zero_bench.store import Store
 from zero_bench.search import SearchOptions, run_search
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,9 +21,10 @@ from typing import Optional
 
 from hydra import compose, initialize_config_dir
 
-from zero_bench.commands import bench_for_estimate
+from zero_bench.configure import from_cfg
 from zero_bench.config import CONF_DIR
-from zero_bench.estimate import MiB, estimate
+from zero_bench.estimate import estimate
+from zero_bench.units import MiB
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT.parent / "shared" / "seeds" / "zero_table_8xA100.md"
@@ -65,7 +66,7 @@ def predict(row: Row):
         cfg = compose("config", overrides=["+sweep=seed_grid", f"model={MODELS[row.model]}", f"parallel.dp={row.dp}",
                                            f"parallel.tp={row.mp}", f"zero={row.zero}",
                                            f"offload={str(row.offload).lower()}"])
-    return estimate(bench_for_estimate(cfg))
+    return estimate(from_cfg(cfg, here=False))
 
 
 def power_of_two_below(x: int) -> int:

@@ -23,7 +23,7 @@ zb() { "$PY" -m zero_bench "$@" "store=$STORE"; }
 query() {  # python one-liner over the store: prints what the check compares
   "$PY" - "$STORE" "$@" <<'EOF'
 import sys
-from zero_bench.results import Store
+from zero_bench.store import Store
 store, what = Store(sys.argv[1]), sys.argv[2]
 trials = store.trials()
 if what == "last_ok":

@@ -30,7 +30,7 @@ def worker_processes(marker: str = "") -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if ("zero_bench.worker" in cmd or "deepspeed.launcher" in cmd) and marker in cmd:
+        if ("zero_bench.rank" in cmd or "deepspeed.launcher" in cmd) and marker in cmd:
             out.append(p)
     return out
 

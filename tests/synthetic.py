@@ -9,7 +9,7 @@ import pandas as pd
 
 from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig
 from zero_bench.records import DeviceMemStats, RankRecord, SearchResult, TrialResult
-from zero_bench.results import Store
+from zero_bench.store import Store
 
 from conftest import model
 
@@ -25,7 +25,7 @@ NUMERIC = ["num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", 
 def gpu_cfg(name, layers, hidden, heads, dp=8, tp=1, zero=1, offload=False) -> BenchConfig:
     return BenchConfig(model=ModelConfig(name, layers, hidden, heads, 1024, 50304), zero=zero,
                        parallel=ParallelConfig(tp=tp, dp=dp), hardware=HardwareConfig(device="gpu"),
-                       offload_optimizer=offload, precision="bf16")
+                       offload=offload, precision="bf16")
 
 
 def measured(cfg: BenchConfig, micro: int, step_s: float, used_mib: list, total_mib=40537, **kw) -> TrialResult:
@@ -39,7 +39,7 @@ def measured(cfg: BenchConfig, micro: int, step_s: float, used_mib: list, total_
                        ranks=[RankRecord(rank=i, event="end", model_states={"params": 700 * MiB, "master": 0,
                                                                             "optimizer": 600 * MiB, "grads": 0})
                               for i in range(len(used_mib))],
-                       cmd=f"deepspeed --num_gpus {len(used_mib)} -m zero_bench.worker",
+                       cmd=f"deepspeed --num_gpus {len(used_mib)} -m zero_bench.rank",
                        ds_config={"zero_optimization": {"stage": cfg.zero}}, **kw)
 
 

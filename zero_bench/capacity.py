@@ -11,33 +11,32 @@ The peak compared with it: on CPU the rank process's peak RSS; on GPU torch's pe
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional
 
 import psutil
 
+from zero_bench.config import BenchConfig
 from zero_bench.records import RankRecord
-
-if TYPE_CHECKING:
-    from zero_bench.config import BenchConfig
+from zero_bench.units import GiB, MiB
 
 
-def local_ranks(cfg: "BenchConfig") -> int:
+def local_ranks(cfg: BenchConfig) -> int:
     """Ranks on one node (the deepspeed launcher spreads them evenly)."""
     return max(1, cfg.parallel.world_size // max(1, cfg.hardware.num_nodes))
 
 
-def capacity_bytes(cfg: "BenchConfig") -> Optional[int]:
+def capacity_bytes(cfg: BenchConfig) -> Optional[int]:
     """Per-rank capacity a launch enforces; None on GPU without memory_gb (the card decides)."""
     if cfg.hardware.memory_mib:
-        return cfg.hardware.memory_mib * 2**20
+        return cfg.hardware.memory_mib * MiB
     if cfg.hardware.memory_gb:
-        return int(cfg.hardware.memory_gb * 2**30)
+        return int(cfg.hardware.memory_gb * GiB)
     if cfg.hardware.device == "gpu":
         return None
     return psutil.virtual_memory().total // local_ranks(cfg)
 
 
-def device_capacity(cfg: "BenchConfig") -> Optional[int]:
+def device_capacity(cfg: BenchConfig) -> Optional[int]:
     """Per-rank capacity for the estimate: the launch's, else the visible card's total memory."""
     cap = capacity_bytes(cfg)
     if cap is None and cfg.hardware.device == "gpu":
@@ -51,7 +50,7 @@ def device_capacity(cfg: "BenchConfig") -> Optional[int]:
     return cap
 
 
-def with_cpu_budget(cfg: "BenchConfig", budget_gb: float) -> "BenchConfig":
+def with_cpu_budget(cfg: BenchConfig, budget_gb: float) -> BenchConfig:
     """On CPU a search needs a per-rank budget: filling the host's whole RAM would take hours."""
     if cfg.hardware.device != "cpu" or cfg.hardware.memory_gb or cfg.hardware.memory_mib:
         return cfg

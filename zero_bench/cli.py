@@ -1,22 +1,41 @@
-"""Entry point: `zero_bench [run|maxbatch|report|estimate|doctor] [hydra overrides]`.
+"""Entry point: `zero_bench [run|maxbatch|report|estimate|doctor|status] [hydra overrides]`.
 
-Exit codes: see zero_bench.commands (and `zero_bench --help`).
-
-One Hydra app serves every sub-command (a `command` key), so `python -m zero_bench ...`,
-`zero_bench run ...` and Hydra's multirun (`-m zero=0,1,2,3`) all compose the same config.
+One Hydra app serves every sub-command (the `command` key), so `python -m zero_bench ...`,
+`zero_bench run ...` and Hydra's multirun (`-m zero=0,1,2,3`) compose the same config. Before Hydra
+starts, the overrides are composed once per swept value and checked (`precheck`): a bad key or
+value is one line and exit 2 for every sub-command, before anything is launched, instead of
+Hydra's multi-line error. Exit codes: zero_bench.commands (and `zero_bench --help`).
 """
 from __future__ import annotations
 
-import os
 import sys
-import time
 from pathlib import Path
+from typing import Optional
 
-import hydra
-from omegaconf import DictConfig
+from zero_bench.commands import COMMANDS, Invocation
+from zero_bench.config import CONF_DIR
+from zero_bench.configure import check_all, compose, keys_help
+from zero_bench.errors import ConfigError, MachineBusy
+from zero_bench.pool import PoolSlot
+from zero_bench.sweeps import current_sweep, swept_values
 
-from zero_bench.config import CONF_DIR, ConfigError
-from zero_bench.errors import MachineBusy
+GROUPS = ("model", "parallel", "hardware", "sweep")
+BAD_INPUT, BUSY = 2, 5
+HEADER = """zero_bench [run|maxbatch|report|estimate|doctor|status] [key=value ...] [-m for a sweep]
+  run       one trial at batch.micro          maxbatch  the largest global batch that fits
+  report    store -> .xlsx / .csv / .md       estimate  predicted memory per rank, no launch
+  doctor    what this machine can run         status    zero_bench status <sweep dir>: each job's state"""
+FOOTER = """Exit codes: 0 answered (maxbatch: a boundary, or "does not fit" / "cannot initialize");
+2 bad input (one line names the key and what is allowed); 3 run: the trial did not fit;
+4 a trial or search ended in error, timeout, flaky or incomplete; 5 another zero_bench holds
+this machine's trial lock (DeepSpeed's cleanup would kill each other's trials).
+Hydra's own flags: --hydra-help; `python -m zero_bench --cfg job` prints the composed config."""
+
+
+def help_text() -> str:
+    groups = [f"  {g}={'|'.join(group_options(g))}" for g in GROUPS]
+    return "\n".join([HEADER, "", "Presets (conf/):", *groups, "", "Keys (key=default (choices)  meaning):",
+                       *keys_help(), "", FOOTER])
 
 
 def group_options(group: str) -> list[str]:
@@ -24,85 +43,108 @@ def group_options(group: str) -> list[str]:
 
 
 def check_group_overrides(overrides: list[str]) -> None:
-    """Hydra's own error for an unknown option is a multi-line traceback; say it in one line."""
+    """Hydra's own error for an unknown preset is a multi-line traceback; say it in one line."""
     for ov in overrides:
         key, _, value = ov.lstrip("~+").partition("=")
-        if key in ("model", "parallel", "hardware", "sweep", "ds_preset") and value and "," not in value:
-            if value not in group_options(key):
-                raise ConfigError(f"{key}={value}: unknown option; allowed: {', '.join(group_options(key))}")
+        if key in GROUPS and value:
+            for v in value.split(","):
+                if v not in group_options(key):
+                    raise ConfigError(f"{key}={v}: unknown option; allowed: {', '.join(group_options(key))}")
 
 
-COMMANDS = ("run", "maxbatch", "report", "estimate", "doctor", "status")
+def precheck(overrides: list[str]) -> None:
+    """Compose the config as each job of the command line would get it (each swept value in turn,
+    the other keys at their first value) and check every section's values, whatever the
+    sub-command uses. Checks across keys are left to the jobs: in a grid, a failing combination is
+    recorded as skipped."""
+    check_group_overrides(overrides)
+    ours = [o for o in overrides if "=" in o and not o.startswith("-") and not o.lstrip("+~").startswith("hydra")]
+    swept = swept_values(ours)
+    first = [o for o in ours if o.lstrip("+~").partition("=")[0] not in swept]
+    variants = [first + [f"{k}={vs[0]}" for k, vs in swept.items()]]
+    for key, values in swept.items():
+        others = [f"{k}={vs[0]}" for k, vs in swept.items() if k != key]
+        variants += [first + others + [f"{key}={v}"] for v in values[1:]]
+    for variant in variants:
+        check_all(compose(variant))
 
 
-def _output_dir() -> Path:
-    from hydra.core.hydra_config import HydraConfig
-
-    return Path(HydraConfig.get().runtime.output_dir)
-
-
-# The worst exit code of the jobs this process ran (a multirun runs several in one process).
-_exit = {"code": 0}
+def fail(exc: Exception, code: int) -> None:
+    print(f"zero_bench: error: {exc}", file=sys.stderr)
+    raise SystemExit(code)
 
 
-@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
-def app(cfg: DictConfig) -> None:
-    from zero_bench import commands
+class Session:
+    """This process's run of Hydra: one job, or the jobs of a multirun Hydra runs here; the pool they
+    share (the ranks are launched once per sweep) and the worst exit code among them."""
 
-    try:
-        code = getattr(commands, cfg.command)(cfg, _output_dir())
-    except ConfigError as exc:
-        # One line, no traceback, before any launch.
-        print(f"zero_bench: error: {exc}", file=sys.stderr)
-        raise SystemExit(commands.BAD_INPUT)
-    except MachineBusy as exc:
-        print(f"zero_bench: error: {exc}", file=sys.stderr)
-        raise SystemExit(commands.BUSY)
-    _exit["code"] = max(_exit["code"], code if isinstance(code, int) else 0)
+    def __init__(self, explicit: frozenset):
+        self.explicit = explicit
+        self.exit_code = 0
+        self.pools = None  # pool.PoolSlot, started by the first in-process multirun job that needs it
+
+    def job(self, cfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        sweep = current_sweep(self._pools(HydraConfig.get()))
+        inv = Invocation(out=Path(HydraConfig.get().runtime.output_dir), sweep=sweep, explicit=self.explicit)
+        try:
+            code = COMMANDS[cfg.command](cfg, inv)
+        except ConfigError as exc:  # one line, no traceback, before any launch
+            fail(exc, BAD_INPUT)
+        except MachineBusy as exc:
+            fail(exc, BUSY)
+        self.exit_code = max(self.exit_code, code)
+
+    def _pools(self, hc):
+        from hydra.types import RunMode
+
+        if hc.mode == RunMode.MULTIRUN and self.pools is None:
+            self.pools = PoolSlot(Path(hc.sweep.dir).resolve() / "pool")
+        return self.pools
+
+    def close(self) -> None:
+        if self.pools is not None:
+            self.pools.close()
 
 
-def sweep_size(args: list[str]) -> int:
-    """Jobs a multirun will launch: the product of swept values (command line over preset)."""
-    import math
-
-    import yaml
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    params: dict[str, int] = {}
-    for a in args:
-        if a.startswith("+sweep="):
-            preset = yaml.safe_load((CONF_DIR / "sweep" / f"{a.split('=', 1)[1]}.yaml").read_text())
-            for k, v in ((preset.get("hydra") or {}).get("sweeper") or {}).get("params", {}).items():
-                params[k] = len(str(v).split(","))
-    for o in OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")]):
-        if o.is_sweep_override():
-            params[o.key_or_group] = len(list(o.sweep_iterator()))
-    return math.prod(params.values()) if params else 1
+COMMAND_NAMES = ("run", "maxbatch", "report", "estimate", "doctor", "status")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    command = args.pop(0) if args and args[0] in COMMANDS else "run"
+def parse(argv: list[str]) -> tuple[str, list[str]]:
+    """(sub-command, Hydra arguments)."""
+    args = list(argv)
+    command = args.pop(0) if args and args[0] in COMMAND_NAMES else "run"
     if command == "status" and args and "=" not in args[0] and not args[0].startswith("-"):
-        args[0] = f"+status_dir={args[0]}"  # `zero_bench status <sweep dir>`
-    args = ["json=true" if a == "--json" else a for a in args]
-    try:
-        check_group_overrides(args)
-    except ConfigError as exc:
-        print(f"zero_bench: error: {exc}", file=sys.stderr)
-        raise SystemExit(2)
-    if any(a in ("-m", "--multirun") or a.startswith("+sweep=") for a in args):
-        os.environ["ZERO_BENCH_SWEEP_TOTAL"] = str(sweep_size(args))
-        os.environ["ZERO_BENCH_SWEEP_T0"] = str(time.time())
+        args[0] = f"status_dir={args[0]}"  # `zero_bench status <sweep dir>`
+    return command, ["json=true" if a == "--json" else a for a in args]
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import hydra
+
+    command, args = parse(sys.argv[1:] if argv is None else argv)
+    if any(a in ("--help", "-h") for a in args):
+        print(help_text())
+        return
+    if not any(a in ("--hydra-help", "--info") for a in args):
+        try:
+            precheck(args)
+        except ConfigError as exc:
+            fail(exc, BAD_INPUT)
+    session = Session(frozenset(a.lstrip("~+").partition("=")[0] for a in args if "=" in a))
     sys.argv = [sys.argv[0], *args, f"command={command}"]  # after flags: argparse wants positionals together
+
+    @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+    def app(cfg) -> None:
+        session.job(cfg)
+
     try:
         app()
     finally:
-        from zero_bench.commands import close_sweep_pools
-
-        close_sweep_pools()  # a multirun's shared pool ends with the sweep
-    if _exit["code"]:
-        raise SystemExit(_exit["code"])
+        session.close()  # a multirun's shared pool ends with the sweep
+    if session.exit_code:
+        raise SystemExit(session.exit_code)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,14 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from zero_bench import metrics
+from zero_bench.configure import from_cfg
+from zero_bench.errors import ConfigError
+from zero_bench.hosts import check_hostfile, master_addr
+from zero_bench.launch import extensions_dir
+from zero_bench.nvml import Nvml
+from zero_bench.preflight import preflight, validate_machine
+
 OK, FIX, NA = "ok", "FIX", "--"
 
 
@@ -73,8 +81,6 @@ def check_accelerator(device: str) -> list[Check]:
 
 
 def check_nvml(device: str) -> Check:
-    from zero_bench.nvml import Nvml
-
     n = Nvml()
     try:
         if n.nv is None:
@@ -95,10 +101,6 @@ def check_nvml(device: str) -> Check:
 def check_peak_flops(device: str, precision: str) -> Check:
     import torch
 
-    try:
-        from zero_bench import metrics
-    except ImportError:
-        return Check(NA, "peak FLOP/s", "zero_bench.metrics not present: MFU is not reported")
     if torch.cuda.is_available():
         name = torch.cuda.get_device_properties(0).name
         peak = metrics.gpu_peak_flops(name, precision)
@@ -113,12 +115,7 @@ def check_peak_flops(device: str, precision: str) -> Check:
 
 def _jit_cached(op: str) -> Optional[str]:
     """Path of a JIT-built op in the torch extensions cache, if one was built."""
-    try:
-        from zero_bench.launch import extensions_dir
-
-        root = extensions_dir()
-    except Exception:  # noqa: BLE001
-        return None
+    root = extensions_dir()
     hits = glob.glob(os.path.join(root, "*", op, "*.so")) + glob.glob(os.path.join(root, op, "*.so"))
     return hits[0] if hits else None
 
@@ -163,7 +160,7 @@ def needed_ops(bench) -> dict[str, str]:
     """
     if bench.hardware.device == "cpu":
         return {"deepspeed_shm_comm": "init_distributed on CPU (~34 s to JIT-build once)"}
-    if bench.offload_optimizer:
+    if bench.offload:
         return {"cpu_adam": "DeepSpeedCPUAdam for optimizer offload (JIT-built with the host compiler)"}
     return {"fused_adam": "FusedAdam for AdamW (JIT-built with nvcc)"}
 
@@ -175,9 +172,6 @@ def prebuild_ops(bench, say=print) -> list[str]:
         return []  # CPU: make builds the shared-memory op at install time
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
-
-    from zero_bench.errors import ConfigError
-    from zero_bench.launch import extensions_dir
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())  # where the ranks will look
     built = []
@@ -265,9 +259,6 @@ def check_launchers(bench=None) -> list[Check]:
             out.append(Check(NA, f"launcher {tool}", "missing (only multi-node runs need it)"
                              + (f"; to add it: {HOW[tool]}" if tool in HOW else "")))
     if multi:
-        from zero_bench.config import ConfigError
-        from zero_bench.hosts import check_hostfile, master_addr
-
         try:
             hosts = check_hostfile(bench)
             addr = master_addr(hosts) or f"found by DeepSpeed via `ssh {next(iter(hosts))} hostname -I`"
@@ -284,8 +275,6 @@ def check_launchers(bench=None) -> list[Check]:
 # -- the configured run (the demo by default) --------------------------------------------------------
 
 def check_run(cfg: Any) -> tuple[list[Check], Optional[object]]:
-    from zero_bench.config import ConfigError, from_cfg, validate_machine
-
     try:
         bench = from_cfg(cfg)
         validate_machine(bench)
@@ -294,8 +283,6 @@ def check_run(cfg: Any) -> tuple[list[Check], Optional[object]]:
     out = [Check(OK, "config", f"{bench.label()}, {bench.hardware.device}, world size {bench.parallel.world_size}"
                  + (f" over {bench.hardware.num_nodes} nodes" if bench.hardware.hostfile else ""))]
     try:
-        from zero_bench.preflight import preflight
-
         refused = preflight(bench)
     except Exception as exc:  # noqa: BLE001 - the estimate is advice, not a gate
         out.append(Check(NA, "memory estimate", f"not available: {type(exc).__name__}: {exc}"))

@@ -12,9 +12,10 @@ import json
 import os
 from pathlib import Path
 
-from zero_bench.config import BenchConfig
+from zero_bench.config import DS_TEMPLATES, BenchConfig
+from zero_bench.errors import ConfigError
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+TEMPLATE_DIR = DS_TEMPLATES
 
 # DeepSpeed's defaults are sized for billion-parameter models; on a small model they dwarf the
 # partitions ZeRO saves (field notes: ZeRO-3 used more RSS than ZeRO-0 with them).
@@ -52,7 +53,7 @@ def scaled_buckets(num_params_per_rank: int) -> dict:
 
 def build(cfg: BenchConfig) -> dict:
     ds = merge(load_template("base"), load_template(f"zero{cfg.zero}"))
-    if cfg.offload_optimizer:
+    if cfg.offload:
         ds = merge(ds, load_template("offload_optimizer"))
     if cfg.offload_param:
         ds = merge(ds, load_template("offload_param"))
@@ -86,7 +87,7 @@ def _with_preset(ds: dict, cfg: BenchConfig) -> dict:
     if cfg.ds_preset == "default":
         return ds
     ds = merge(ds, load_template(cfg.ds_preset))
-    for suffix, wanted in (("zero3", cfg.zero == 3), ("offload", cfg.offload_optimizer)):
+    for suffix, wanted in (("zero3", cfg.zero == 3), ("offload", cfg.offload)):
         if wanted and (TEMPLATE_DIR / f"{cfg.ds_preset}_{suffix}.json").exists():
             ds = merge(ds, load_template(f"{cfg.ds_preset}_{suffix}"))
     return ds
@@ -102,8 +103,6 @@ def check_with_deepspeed(cfg: BenchConfig) -> None:
     """Validate the JSON with DeepSpeed's own config model, in this process, before any launch:
     a bad `ds.*` key is then one line here instead of a failure inside every rank 15 s later."""
     import logging
-
-    from zero_bench.errors import ConfigError
 
     ds = build(cfg)
     # DeepSpeedConfig checks train_batch_size against the world size it finds (1 here).

@@ -10,8 +10,9 @@ import os
 import platform
 
 from zero_bench.metrics import cpu_model
+from zero_bench.nvml import nvml_module
+from zero_bench.units import MiB
 
-MiB = 2**20
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,8 +39,6 @@ def machine_environment() -> dict:
 
 def _gpu_environment() -> dict:
     try:
-        from zero_bench.nvml import nvml_module
-
         nv = nvml_module()
         nv.nvmlInit()
     except Exception:  # no driver / no library: a CPU machine

@@ -28,11 +28,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from zero_bench import ds_config
 from zero_bench.capacity import device_capacity, local_ranks
-from zero_bench.config import BenchConfig, ModelConfig
+from zero_bench.config import BenchConfig
+from zero_bench.models import ModelConfig, param_numels
+from zero_bench.units import GiB, MiB
+
+__all__ = ["BYTES", "Estimate", "GiB", "MiB", "activation_bytes_per_sample", "deepspeed_buffers", "estimate",
+           "model_states_bytes", "param_numels", "seed_micro"]
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-MiB, GiB = 2**20, 2**30
 
 # Fixed cost of one rank before any model tensor: python + torch + deepspeed + megatron imports,
 # gloo, allocator arenas (RSS of a GPT-tiny rank on this machine: ~410 MiB). On GPU: the CUDA
@@ -185,21 +190,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed's buffers
 # ---------------------------------------------------------------------------------------------
-def param_numels(model: ModelConfig, tp: int = 1) -> list[int]:
-    """Element counts of the parameters one tensor-parallel rank holds (megatron GPT, local spec)."""
-    h, V, S = model.hidden_size, model.padded_vocab(tp), model.seq_len
-    layer = [h, h,                      # input LayerNorm
-             3 * h * h // tp, 3 * h // tp,  # QKV
-             h * h // tp, h,            # projection (row parallel: bias replicated)
-             h, h,                      # pre-MLP LayerNorm
-             4 * h * h // tp, 4 * h // tp,  # fc1
-             4 * h * h // tp, h]        # fc2
-    return [V // tp * h, S * h] + layer * model.num_layers + [h, h]
-
-
 def _zero_cfg(bench: BenchConfig) -> dict:
-    from zero_bench import ds_config
-
     return ds_config.build(bench).get("zero_optimization") or {}
 
 
@@ -244,7 +235,7 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
         bucket = n * get("reduce_bucket_size") * red_b if zc.get("contiguous_gradients", True) else 0
         out["reduce_bucket"] = (bucket, ("act", "bwd_end"))
         out["allgather_bucket"] = (0, ("step",))
-        if stage == 1 and not bench.offload_optimizer:
+        if stage == 1 and not bench.offload:
             out["grad_partition_fp32"] = (4 * part, ("bwd_end", "step"))
         out["grad_flat_fp32"] = (4 * part, ("step",))
     else:
@@ -266,8 +257,6 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
 
 
 def ds_full(bench: BenchConfig) -> dict:
-    from zero_bench import ds_config
-
     return ds_config.build(bench)
 
 
@@ -386,7 +375,7 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp
     P = m.params_per_shard(tp)
     states = model_states_bytes(P, bench.zero, dp, 1, bench.precision,
-                                bench.offload_optimizer, bench.offload_param and bench.zero == 3)
+                                bench.offload, bench.offload_param and bench.zero == 3)
     on_cpu = bench.hardware.device == "cpu"
     checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing)
@@ -394,14 +383,14 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     per_sample = act["total"] + (act["host"] if on_cpu else 0)  # on CPU the host is the device
     b = BYTES[bench.precision]
     grads = states["grads"]
-    if not on_cpu and bench.offload_optimizer:  # the host part of the gradients is not on the device
+    if not on_cpu and bench.offload:  # the host part of the gradients is not on the device
         grads = 0 if bench.zero >= 2 else b * P
     first = b * max(param_numels(m, tp))  # ZeRO-0/1: the tied embedding's gradient comes first
     grads_phase = {"act": first if bench.zero <= 1 else grads, "bwd_end": grads,
-                   "step": 0 if bench.zero == 1 and not bench.offload_optimizer else grads}
+                   "step": 0 if bench.zero == 1 and not bench.offload else grads}
     return Estimate(
         label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
-        offload_optimizer=bench.offload_optimizer, offload_param=bench.offload_param, dp=dp, tp=tp,
+        offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=dp, tp=tp,
         num_params=m.num_params, params_per_shard=P, states=states, buffers=deepspeed_buffers(bench, ds),
         activations=act, act_per_sample=int(per_sample * factor),
         overhead=CPU_RANK_OVERHEAD if on_cpu else GPU_RANK_OVERHEAD, init_peak=_init_peak(bench, P),

@@ -5,12 +5,13 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+import dataclasses
+import subprocess
+from typing import Optional
 
+from zero_bench.capacity import local_ranks
+from zero_bench.config import BenchConfig
 from zero_bench.errors import ConfigError
-
-if TYPE_CHECKING:
-    from zero_bench.config import BenchConfig
 
 
 def read_hostfile(path: str) -> dict[str, int]:
@@ -36,7 +37,7 @@ def read_hostfile(path: str) -> dict[str, int]:
     return hosts
 
 
-def check_hostfile(cfg: "BenchConfig") -> dict[str, int]:
+def check_hostfile(cfg: BenchConfig) -> dict[str, int]:
     """The hosts a multi-node launch will use; every mismatch with the config is one-line ConfigError."""
     hw, world = cfg.hardware, cfg.parallel.world_size
     hosts = read_hostfile(hw.hostfile)
@@ -75,7 +76,7 @@ def master_addr(hosts: dict[str, int]) -> Optional[str]:
     return first if _is_ip(first) else None
 
 
-def device_tokens(cfg: "BenchConfig") -> Optional[list[str]]:
+def device_tokens(cfg: BenchConfig) -> Optional[list[str]]:
     """The GPUs ranks may use on each node, as CUDA_VISIBLE_DEVICES spells them, or None (0..N-1).
 
     hardware.devices wins; else this shell's CUDA_VISIBLE_DEVICES, on a single-node run only (on
@@ -94,18 +95,13 @@ def device_tokens(cfg: "BenchConfig") -> Optional[list[str]]:
     return tokens
 
 
-def with_slurm_hostfile(cfg: "BenchConfig", run_dir: Path) -> "BenchConfig":
+def with_slurm_hostfile(cfg: BenchConfig, run_dir: Path) -> BenchConfig:
     """hardware.hostfile=slurm: the nodes of this Slurm allocation as a DeepSpeed hostfile.
 
     A job of a multi-node sweep (Hydra's submitit_slurm with nodes > 1) runs one zero_bench per
     allocation, which reaches the other nodes through DeepSpeed's launcher (pdsh over ssh, as
     launch/slurm_maxbatch.sbatch does); the first node is the master.
     """
-    import dataclasses
-    import subprocess
-
-    from zero_bench.capacity import local_ranks
-
     if cfg.hardware.hostfile != "slurm":
         return cfg
     nodelist = os.environ.get("SLURM_JOB_NODELIST")

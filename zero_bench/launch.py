@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 import psutil
 
@@ -32,11 +32,15 @@ from zero_bench.environment import machine_environment_cached
 from zero_bench.gpu import DEVICES_ENV
 from zero_bench.hosts import check_hostfile, device_tokens, master_addr
 from zero_bench.machine import machine_lock, remove_shm_buffers
-from zero_bench.outcome import Entry, LaunchEnd, Logs, classify, finished_prefix, gpu_devices
-from zero_bench.records import RankRecord, Status, TrialResult
-from zero_bench.sampler import Sampler, summarize
+from zero_bench.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
+from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
+from zero_bench.sampler import RANK_MODULE, Sampler, summarize
 
-__all__ = ["Entry", "Hooks", "run_launch", "launcher_cmd", "trial_env", "extensions_dir", "read_rank_logs"]
+if TYPE_CHECKING:
+    from zero_bench.pool import PoolSlot
+
+__all__ = ["Entry", "LaunchOptions", "RunningRanks", "run_launch", "launcher_cmd", "trial_env", "extensions_dir",
+           "read_rank_logs"]
 
 # Variables a remote rank needs from this process. Over pdsh/ssh only PYTHON*/UCX*/MV2*/MLFLOW*
 # (and NCCL* on CUDA) pass by themselves; the rest must travel in the env file (DS_ENV_FILE).
@@ -46,11 +50,37 @@ FAILURE_GRACE_S = 5.0
 
 
 @dataclass
-class Hooks:
-    """What the caller wants to hear while a launch runs."""
+class LaunchOptions:
+    """How a launch runs beyond its config and plan, and what the caller wants to hear meanwhile."""
     on_result: Optional[Callable[[TrialResult], None]] = None  # each entry the moment it is final
     on_event: Optional[Callable[[RankRecord], None]] = None  # rank 0's records as they appear
     sample_interval: float = 0.05  # seconds between memory samples; 0 turns the sampler off
+    pools: Optional["PoolSlot"] = None  # fork the ranks from this search's pool; None: a launch of its own
+    fault: Optional[Fault] = None  # tests only: a fault the ranks inject into this trial (zero_bench.faults)
+
+
+class RunningRanks(Protocol):
+    """The rank processes of a trial while it runs: a launch of its own (Ranks) or children forked
+    from a pool (pool.PoolTrial). The runner waits for, samples and ends them through this."""
+    root_pid: int  # the process whose descendants are the ranks (the sampler walks from it)
+    forked: bool  # the ranks are a pool's children: the sampler counts them, not their parents
+    marker: Optional[str]  # multi-node: text in the command line of ranks sshd started on this host
+
+    def wait(self, timeout: float) -> bool:
+        """True once every rank has ended."""
+
+    def kill(self) -> None:
+        """End the ranks now (over budget)."""
+
+    def end(self, known: list[psutil.Process]) -> None:
+        """Whatever happened, nothing of the trial is left running."""
+
+    @property
+    def rc(self) -> Optional[int]:
+        """The exit code the launcher would report."""
+
+    def log_tail(self) -> str:
+        """The end of the ranks' stderr and stdout."""
 
 
 def free_port() -> int:
@@ -99,7 +129,7 @@ def trial_env(cfg: BenchConfig) -> dict:
 
 def launcher_cmd(cfg: BenchConfig, target: Path, port: int, flag: str = "--spec") -> list[str]:
     """DeepSpeed's own launcher; a hostfile makes it a multi-node launch through hw.launcher.
-    The ranks run `zero_bench.worker --spec trial.json` (one trial) or `--pool DIR` (zero_bench.pool).
+    The ranks run `zero_bench.rank --spec trial.json` (one trial) or `--pool DIR` (zero_bench.pool).
 
     --no_ssh_check: DeepSpeed's pre-check runs a plain `ssh host hostname` that ignores the pdsh
     ssh options (port, -F config); a host that cannot be reached fails the launch anyway, with
@@ -120,7 +150,7 @@ def launcher_cmd(cfg: BenchConfig, target: Path, port: int, flag: str = "--spec"
             cmd += ["--launcher_args", os.environ["ZERO_BENCH_LAUNCHER_ARGS"]]
     else:
         cmd += ["--num_gpus", str(cfg.parallel.world_size)]
-    return cmd + ["--no_local_rank", "--module", "zero_bench.worker", flag, str(target)]
+    return cmd + ["--no_local_rank", "--module", RANK_MODULE, flag, str(target)]
 
 
 def launch_env(cfg: BenchConfig, run_dir: Path, cmd: list[str]) -> tuple[dict, str]:
@@ -184,7 +214,7 @@ def read_rank_logs(out_dir: Path) -> Logs:
 def first_failure(logs: Logs) -> Optional[float]:
     """When the first rank recorded a failure (an entry ended oom/error, or init failed), if any."""
     times = [r.time for recs in logs.values() for r in recs
-             if r.event == "init_failed" or (r.event == "end" and r.status in ("oom", "error"))]
+             if r.event == Event.INIT_FAILED or (r.event == Event.END and r.status in (RankStatus.OOM, RankStatus.ERROR))]
     return min(times) if times else None
 
 
@@ -204,7 +234,7 @@ class _Launch:
     cfg: BenchConfig
     plan: list[Entry]
     run_dir: Path
-    hooks: Hooks
+    opts: LaunchOptions
     cap: Optional[int] = None
     ds: dict = field(default_factory=dict)
     cmd_text: str = ""
@@ -220,9 +250,11 @@ class _Launch:
             old.unlink()
         self.ds = dsc.write(self.cfg, self.run_dir / "ds_config.json")
         self.cap = capacity_bytes(self.cfg)
-        spec = {"config": self.cfg.to_dict(), "ds_config": str(self.run_dir / "ds_config.json"),
-                "out_dir": str(self.run_dir), "plan": [e.__dict__ for e in self.plan], "capacity_bytes": self.cap}
-        self.spec_path.write_text(json.dumps(spec, indent=2))
+        # absolute: a pool's ranks run in the pool's working directory, not this job's
+        spec = TrialSpec(config=self.cfg, ds_config=str((self.run_dir / "ds_config.json").resolve()),
+                         out_dir=str(self.run_dir.resolve()), plan=self.plan, capacity_bytes=self.cap,
+                         fault=self.opts.fault)
+        self.spec_path.write_text(spec.to_json())
         cmd = launcher_cmd(self.cfg, self.spec_path, port)
         env, self.cmd_text = launch_env(self.cfg, self.run_dir, cmd)
         return cmd, env
@@ -245,15 +277,15 @@ class _Launch:
             if sampler.error:
                 r.reason = (r.reason + "; " if r.reason else "") + sampler.error
             self.emitted.append(r)
-            if self.hooks.on_result:
-                self.hooks.on_result(r)
+            if self.opts.on_result:
+                self.opts.on_result(r)
 
-    def over_budget(self, ranks: "Ranks", msg: str) -> None:
+    def over_budget(self, ranks: RunningRanks, msg: str) -> None:
         """Stop early: past the budget the batch cannot fit."""
         self.stopped.append(msg)
         ranks.kill()
 
-    def wait(self, ranks: "Ranks", sampler: Sampler) -> bool:
+    def wait(self, ranks: RunningRanks, sampler: Sampler) -> bool:
         """Wait for the launch; True if it timed out. The clock (timeout_s) restarts whenever an
         entry finishes, so early batch sizes never eat the time of later ones. Meanwhile rank 0's
         new records go to on_event and finished entries are handed on."""
@@ -263,11 +295,11 @@ class _Launch:
                 return False
             logs = read_rank_logs(self.run_dir)
             recs = logs.get(0, [])
-            if self.hooks.on_event:
+            if self.opts.on_event:
                 for rec in recs[seen:]:
-                    self.hooks.on_event(rec)
+                    self.opts.on_event(rec)
             seen = len(recs)
-            ended = sum(1 for r in recs if r.event == "end")
+            ended = sum(1 for r in recs if r.event == Event.END)
             if ended > finished:
                 finished, deadline = ended, time.time() + self.cfg.timeout_s
             done = finished_prefix(self.plan, logs, self.cfg.parallel.world_size)
@@ -321,24 +353,24 @@ class Ranks:
         return _tail(self.run_dir / "stderr.log") + _tail(self.run_dir / "stdout.log")
 
 
-def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path, hooks: Optional[Hooks] = None,
-               pools=None) -> list[TrialResult]:
-    """Run `plan` (ascending micro sizes) in fresh rank processes, return one TrialResult per entry.
-
-    `pools` (a zero_bench.pool.PoolSlot): the ranks are children forked from a pool that this
-    search started once; without it, a deepspeed launch of its own.
-    """
+def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path,
+               opts: Optional[LaunchOptions] = None) -> list[TrialResult]:
+    """Run `plan` (ascending micro sizes) in fresh rank processes, return one TrialResult per entry:
+    children forked from the search's pool when opts.pools has one, else a deepspeed launch of its own."""
     with machine_lock():
-        return _run(_Launch(cfg, plan, run_dir, hooks or Hooks()), pools)
+        return _run(_Launch(cfg, plan, run_dir, opts or LaunchOptions()))
 
 
-def _run(launch: _Launch, pools=None) -> list[TrialResult]:
-    cfg, run_dir = launch.cfg, launch.run_dir
-    pool = pools.get(cfg) if pools is not None else None  # a new pool starts while we prepare
+def _run(launch: _Launch) -> list[TrialResult]:
+    cfg, run_dir, opts = launch.cfg, launch.run_dir, launch.opts
+    pool = opts.pools.get(cfg) if opts.pools is not None else None  # a new pool starts while we prepare
     port = free_port()
     cmd, env = launch.prepare(port)
-    ranks = pool.submit(launch, port) if pool is not None else Ranks(cfg, cmd, env, run_dir)
-    sampler = Sampler(ranks.root_pid, launch.hooks.sample_interval,
+    if pool is not None:
+        ranks, launch.cmd_text = pool.submit(launch.spec_path, run_dir, port)
+    else:
+        ranks = Ranks(cfg, cmd, env, run_dir)
+    sampler = Sampler(ranks.root_pid, opts.sample_interval,
                       gpus=env.get(DEVICES_ENV, ",".join(map(str, range(local_ranks(cfg)))))
                       if cfg.hardware.device == "gpu" else None,
                       budget=launch.cap if cfg.hardware.device == "cpu" else None,

@@ -22,7 +22,6 @@ from typing import Iterator
 from zero_bench.errors import MachineBusy
 
 SHM = Path("/dev/shm")
-_held = {"fd": None, "depth": 0}
 
 
 def lock_path() -> Path:
@@ -31,21 +30,43 @@ def lock_path() -> Path:
 
 @contextlib.contextmanager
 def machine_lock(wait: bool = False) -> Iterator[None]:
-    """Hold the machine's trial lock. Another process has it: MachineBusy naming the holder, or with
-    `wait` (jobs of one sweep on one machine, e.g. Hydra's submitit_local), wait for it."""
-    if _held["depth"] == 0:
-        _acquire(wait)
-    _held["depth"] += 1
+    """Hold the machine's trial lock for the block. Another process has it: MachineBusy naming the
+    holder, or with `wait` (jobs of one sweep on one machine, e.g. Hydra's submitit_local), wait
+    for it. Within the holding process it is re-entrant: a command holds it for its whole run and
+    every launch inside takes it again for free (the lock file names its holder: no state here)."""
+    if held_by_me():
+        yield
+        return
+    fd = _acquire(wait)
     try:
         yield
     finally:
-        _held["depth"] -= 1
-        if _held["depth"] == 0:
-            os.close(_held["fd"])  # closing the descriptor releases the flock
-            _held["fd"] = None
+        os.ftruncate(fd, 0)  # a released lock names no holder
+        os.close(fd)  # closing the descriptor releases the flock
 
 
-def _acquire(wait: bool) -> None:
+def held_by_me() -> bool:
+    """This process holds the lock: the file names it, and the flock is taken (a probe on a
+    second descriptor cannot get it)."""
+    try:
+        holder = lock_path().read_text()
+    except OSError:
+        return False
+    if not holder.startswith(f"pid {os.getpid()}:"):
+        return False
+    fd = os.open(lock_path(), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False  # stale text left by a killed process that had our pid
+    finally:
+        os.close(fd)
+
+
+def _acquire(wait: bool) -> int:
     path = lock_path()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     said = 0.0
@@ -65,8 +86,8 @@ def _acquire(wait: bool) -> None:
             time.sleep(2)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}".encode(), 0)
-    _held["fd"] = fd
     remove_stale_shm()
+    return fd
 
 
 def remove_shm_buffers(port: int) -> None:

@@ -9,28 +9,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from zero_bench.capacity import trial_peak
-from zero_bench.records import OOM_EXIT, DeviceMemStats, RankRecord, Status, TrialResult
+from zero_bench.config import BenchConfig
+from zero_bench.oom import oom_in_log
+from zero_bench.records import (OOM_EXIT, DeviceMemStats, Entry, Event, RankRecord, RankStatus, Status,
+                                TrialResult)
+from zero_bench.units import MiB
 
-if TYPE_CHECKING:
-    from zero_bench.config import BenchConfig
-
-# What ranks print when an allocation fails, or what the launcher says when the kernel killed one.
-OOM_PATTERNS = re.compile(r"out of memory|OutOfMemoryError|can't allocate memory|MemoryError|"
-                          r"return code = -9\b|Failed to CUDA (calloc|malloc|host alloc)|cudaErrorMemoryAllocation|"
-                          r"CUDA_ERROR_OUT_OF_MEMORY", re.I)
 # What peers of a dead rank raise: consequences, not causes.
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote worker|NCCL communicator was aborted",
                        re.I)
-
-
-@dataclass
-class Entry:
-    """One batch size of a launch's plan."""
-    micro: int
-    mode: str = "probe"  # "probe" (steady peak memory) or "measure" (warm-up + timed steps)
 
 
 @dataclass
@@ -47,7 +37,7 @@ Logs = dict[int, list[RankRecord]]
 
 
 def end_of(logs: Logs, rank: int, micro: int) -> Optional[RankRecord]:
-    return next((x for x in logs.get(rank, []) if x.event == "end" and x.micro == micro), None)
+    return next((x for x in logs.get(rank, []) if x.event == Event.END and x.micro == micro), None)
 
 
 def finished_prefix(plan: list[Entry], logs: Logs, world: int) -> int:
@@ -55,13 +45,13 @@ def finished_prefix(plan: list[Entry], logs: Logs, world: int) -> int:
     n = 0
     for entry in plan:
         ends = [end_of(logs, r, entry.micro) for r in range(world)]
-        if not all(e is not None and e.status == "ok" for e in ends):
+        if not all(e is not None and e.status == RankStatus.OK for e in ends):
             break
         n += 1
     return n
 
 
-def classify(cfg: "BenchConfig", plan: list[Entry], logs: Logs, end: LaunchEnd) -> list[TrialResult]:
+def classify(cfg: BenchConfig, plan: list[Entry], logs: Logs, end: LaunchEnd) -> list[TrialResult]:
     """Per entry: ok / oom / error / timeout / not_run, from every rank's records and the exit."""
     results: list[TrialResult] = []
     for i, entry in enumerate(plan):
@@ -72,30 +62,30 @@ def classify(cfg: "BenchConfig", plan: list[Entry], logs: Logs, end: LaunchEnd) 
     return results
 
 
-def trial(cfg: "BenchConfig", entry: Entry, index: int, status: Status, **kw) -> TrialResult:
+def trial(cfg: BenchConfig, entry: Entry, index: int, status: Status, **kw) -> TrialResult:
     c = cfg.with_micro(entry.micro)
     return TrialResult(search_key=cfg.search_key(), trial_key=c.trial_key(), label=cfg.label(), micro=entry.micro,
                        global_batch=c.global_batch, status=status, mode=entry.mode, fresh=index == 0,
                        config=c.to_dict(), **kw)
 
 
-def _entry(cfg: "BenchConfig", entry: Entry, index: int, logs: Logs, end: LaunchEnd) -> TrialResult:
+def _entry(cfg: BenchConfig, entry: Entry, index: int, logs: Logs, end: LaunchEnd) -> TrialResult:
     world = cfg.parallel.world_size
     ends = {r: end_of(logs, r, entry.micro) for r in range(world)}
     done = [e for e in ends.values() if e]
     statuses = {e.status for e in done}
-    if len(done) == world and statuses == {"ok"}:
+    if len(done) == world and statuses == {RankStatus.OK}:
         return _ok(cfg, entry, index, done)
-    if len(done) == world and statuses <= {"ok", "over_capacity"}:
+    if len(done) == world and statuses <= {RankStatus.OK, RankStatus.OVER_CAPACITY}:
         peak = trial_peak(done, cfg.hardware.device) or 0
-        cap = f"{end.cap / 2**20:.0f}" if end.cap else "?"
+        cap = f"{end.cap / MiB:.0f}" if end.cap else "?"
         return trial(cfg, entry, index, Status.OOM, phase="step", ranks=[e.summary() for e in done],
-                     reason=f"peak {peak / 2**20:.0f} MiB > capacity {cap} MiB per rank")
-    inits = [x for recs in logs.values() for x in recs if x.event == "init_failed"]
-    begun = any(x.event == "begin" and x.micro == entry.micro for recs in logs.values() for x in recs)
+                     reason=f"peak {peak / MiB:.0f} MiB > capacity {cap} MiB per rank")
+    inits = [x for recs in logs.values() for x in recs if x.event == Event.INIT_FAILED]
+    begun = any(x.event == Event.BEGIN and x.micro == entry.micro for recs in logs.values() for x in recs)
     # Earliest first: a rank's crash makes its peers fail next ("Connection closed by peer").
-    errs = sorted([e for e in done if e.status in ("oom", "error")] + inits, key=lambda e: e.time)
-    silent = [r for r in range(world) if not ends.get(r) and not any(x.event == "init_failed"
+    errs = sorted([e for e in done if e.status in (RankStatus.OOM, RankStatus.ERROR)] + inits, key=lambda e: e.time)
+    silent = [r for r in range(world) if not ends.get(r) and not any(x.event == Event.INIT_FAILED
                                                                         for x in logs.get(r, []))]
     status, reason = _failure(errs, end, silent)
     return trial(cfg, entry, index, status, reason=reason, phase="init" if (inits or not begun) else "step")
@@ -104,7 +94,7 @@ def _entry(cfg: "BenchConfig", entry: Entry, index: int, logs: Logs, end: Launch
 def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple[Status, str]:
     if end.stopped:
         return Status.OOM, f"stopped early: {end.stopped}"
-    oom = [e for e in errs if e.status == "oom"]
+    oom = [e for e in errs if e.status == RankStatus.OOM]
     if oom:
         return Status.OOM, f"rank {oom[0].rank}: {oom[0].error}"
     if silent and errs and all(PEER_LOST.search(e.error) for e in errs):
@@ -114,9 +104,9 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
                             f"peers: {errs[0].error[:200]}")
     if not end.timed_out and end.rc in (OOM_EXIT, -9, 137, 247, 256 - OOM_EXIT):  # after a timeout, -9 is ours
         return Status.OOM, f"a rank was killed or ran out of memory (launcher exit {end.rc})"
-    m = OOM_PATTERNS.search(end.log_tail)
-    if m:
-        return Status.OOM, "allocation failure in the logs: " + m.group(0)
+    sign = oom_in_log(end.log_tail)
+    if sign:
+        return Status.OOM, "allocation failure in the logs: " + sign
     if errs:
         return Status.ERROR, f"rank {errs[0].rank}: {errs[0].error}"
     if end.timed_out:
@@ -124,7 +114,7 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
     return Status.ERROR, f"launcher exit {end.rc}: " + end.log_tail[-1500:].strip()
 
 
-def _ok(cfg: "BenchConfig", entry: Entry, index: int, done: list[RankRecord]) -> TrialResult:
+def _ok(cfg: BenchConfig, entry: Entry, index: int, done: list[RankRecord]) -> TrialResult:
     # The slowest rank sets the pace of a synchronous step.
     tps = max(e.time_per_step for e in done)
     samples = cfg.with_micro(entry.micro).global_batch / tps

@@ -1,6 +1,6 @@
 """Pay for the launcher once per search: ranks started once, a fresh forked child per trial.
 
-A `Pool` is one deepspeed launch of `zero_bench.worker --pool DIR` (zero_bench.pool_rank): every
+A `Pool` is one deepspeed launch of `zero_bench.rank --pool DIR` (zero_bench.pool_rank): every
 rank imports torch, deepspeed and megatron-core, then forks a child for each trial the runner
 requests. The child is the trial, exactly as a freshly launched rank would run it (its own process
 group, master port, records, logs and memory figures), so "fresh" keeps its meaning. A `PoolSlot`
@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import psutil
 
@@ -26,10 +26,8 @@ from zero_bench.config import BenchConfig
 from zero_bench.launch import free_port, kill_tree, launch_env, launcher_cmd, trial_env
 from zero_bench.machine import machine_lock
 from zero_bench.pool_rank import exit_path, request_path, write_whole
+from zero_bench.records import PoolRequest
 from zero_bench.sampler import is_worker
-
-if TYPE_CHECKING:
-    from zero_bench.launch import _Launch
 
 # How long the ranks may take to report a killed child's exit before the pool counts as broken.
 KILL_ANSWER_S = 15.0
@@ -58,17 +56,18 @@ class Pool:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def submit(self, launch: "_Launch", port: int) -> "PoolTrial":
-        """Ask every rank for a child running `launch`'s spec with master port `port`."""
+    def submit(self, spec_path: Path, run_dir: Path, port: int) -> tuple["PoolTrial", str]:
+        """Ask every rank for a child running the trial spec at `spec_path` with master port `port`;
+        the running trial and the command text that re-runs it (also written to run_dir/cmd.txt)."""
         self.n += 1
-        launch.cmd_text = f"{self.cmd_text}  # request {self.n}: {launch.spec_path}, MASTER_PORT={port}"
-        (launch.run_dir / "cmd.txt").write_text(launch.cmd_text + "\n")
+        cmd_text = f"{self.cmd_text}  # request {self.n}: {spec_path}, MASTER_PORT={port}"
+        (run_dir / "cmd.txt").write_text(cmd_text + "\n")
         for name in ("stdout.log", "stderr.log"):  # the children append to them
-            (launch.run_dir / name).write_text("")
+            (run_dir / name).write_text("")
         # absolute: the ranks' working directory is the pool's, not this job's
-        job = {"spec": str(launch.spec_path.resolve()), "port": port, "out_dir": str(launch.run_dir.resolve())}
-        write_whole(request_path(self.dir, self.n), json.dumps(job))
-        return PoolTrial(self, self.n, launch.run_dir)
+        req = PoolRequest(spec=str(spec_path.resolve()), port=port, out_dir=str(run_dir.resolve()))
+        write_whole(request_path(self.dir, self.n), req.to_json())
+        return PoolTrial(self, self.n, run_dir), cmd_text
 
     def exits(self, n: int) -> dict[int, int]:
         """Exit codes of request n's children, by rank, as far as reported."""

@@ -1,13 +1,13 @@
 """A pooled rank: started once per search by the deepspeed launcher, it forks a fresh child per trial.
 
-`python -m zero_bench.worker --pool DIR` (zero_bench.pool starts it). Most of a launch's fixed cost
+`python -m zero_bench.rank --pool DIR` (zero_bench.pool starts it). Most of a launch's fixed cost
 is the launcher and the imports of torch, deepspeed and megatron-core (issue 18: 10.7 s of a 16 s
 trial). The parent pays them once and then only waits: it never creates a process group, never
 touches CUDA and allocates no tensor, so each child starts from what a freshly launched rank holds
 after its imports, and its memory figures are its own (peak RSS, torch's peaks, NVML).
 
 The runner's requests are files in DIR, numbered from 1 (written whole, by rename):
-  reqNNNNN.json              {"spec": trial.json path, "port": master port, "out_dir": run dir}
+  reqNNNNN.json              a records.PoolRequest: trial.json path, master port, run dir
   reqNNNNN.kill              the runner ends that trial: kill the child's process group
   reqNNNNN.rank{R}.exit      written here: the child's exit code (negative: killed by that signal)
   stop                       end the pool (the runner also kills the launcher's process group)
@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
-import json
 import os
 import signal
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
+
+from zero_bench.records import PoolRequest
 
 POLL_S = 0.02  # how often an idle parent looks for a request (a stat call per rank)
 # How often a parent looks for a kill request while its child runs: rarely, so that it takes no
@@ -38,7 +39,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 PRELOAD = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
            "deepspeed.runtime.zero.stage_1_and_2", "megatron.core.models.gpt",
            "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.tensor_parallel", "torch.profiler",
-           "zero_bench.model", "zero_bench.worker")
+           "zero_bench.worker")
 
 
 def preload() -> None:
@@ -123,8 +124,9 @@ def write_whole(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def serve(pool_dir: Path) -> NoReturn:
-    """Fork a child per request until told to stop (the caller already watches the runner)."""
+def serve(pool_dir: Path, run_trial: Callable[[Path], NoReturn]) -> NoReturn:
+    """Fork a child per request until told to stop (the caller already watches the runner); each
+    child runs `run_trial(spec path)` (zero_bench.rank.trial), which never returns."""
     preload()
     if os.environ.get("DS_ACCELERATOR") == "cuda" and not cuda_untouched():
         raise SystemExit("zero_bench pool: importing the trial's modules initialized CUDA, so forked "
@@ -138,10 +140,10 @@ def serve(pool_dir: Path) -> NoReturn:
         if not req.exists():
             time.sleep(POLL_S)
             continue
-        job = json.loads(req.read_text())
+        job = PoolRequest.from_json(req.read_text())
         pid = os.fork()
         if pid == 0:
-            _child(job, resident)
+            _child(job, resident, run_trial)
         with contextlib.suppress(OSError):  # as the child does: no window where killpg misses it
             os.setpgid(pid, pid)
         rc = _wait(pid, request_path(pool_dir, n, ".kill"), pool_dir / "stop")
@@ -150,7 +152,7 @@ def serve(pool_dir: Path) -> NoReturn:
     os._exit(0)
 
 
-def _child(job: dict, resident: list[tuple[int, int]]) -> NoReturn:
+def _child(job: PoolRequest, resident: list[tuple[int, int]], run_trial: Callable[[Path], NoReturn]) -> NoReturn:
     """A fresh rank for one trial: its own process group (the parent kills it whole), killed with
     the parent, its own master port and log files; it never returns into the parent's loop."""
     try:
@@ -158,16 +160,13 @@ def _child(job: dict, resident: list[tuple[int, int]]) -> NoReturn:
         os.setpgid(0, 0)
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         map_again(resident)
-        out = Path(job["out_dir"])
+        out = Path(job.out_dir)
         for fd, name in ((1, "stdout.log"), (2, "stderr.log")):
             f = os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(f, fd)
             os.close(f)
-        os.environ["MASTER_PORT"] = str(job["port"])
-        from zero_bench.worker import run_spec, watch_parent
-
-        watch_parent()  # threads are not inherited: watch the runner again
-        run_spec(json.loads(Path(job["spec"]).read_text()))
+        os.environ["MASTER_PORT"] = str(job.port)
+        run_trial(Path(job.spec))
     except BaseException:  # noqa: BLE001 - whatever happens, never return into the parent's loop
         import traceback
 

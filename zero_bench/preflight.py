@@ -1,18 +1,59 @@
-"""Before any launch: refuse what cannot fit this host, and label grid entries that are invalid."""
+"""Before any launch: check the config against this machine, refuse what the estimate says cannot
+fit this host, and label grid entries that are invalid."""
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Optional
 
 import psutil
 
 from zero_bench.capacity import device_capacity, local_ranks
-from zero_bench.config import BenchConfig, make_label
-from zero_bench.outcome import Entry, trial
-from zero_bench.records import SearchResult, SearchStatus, Status, TrialResult
+from zero_bench.config import BenchConfig, ConfigError, make_label
+from zero_bench.ds_config import check_with_deepspeed
+from zero_bench.estimate import estimate
+from zero_bench.hosts import check_hostfile, device_tokens
+from zero_bench.outcome import trial
+from zero_bench.records import Entry, SearchResult, SearchStatus, Status, TrialResult
+from zero_bench.units import GiB
 
-GiB = 2**30
+
+def available_devices(device: str) -> int:
+    if device == "gpu":
+        import torch
+
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+def check_devices(b: BenchConfig) -> None:
+    """Every rank of a node needs its own GPU from the list the user gave."""
+    tokens = device_tokens(b) if b.hardware.device == "gpu" else None
+    if tokens is not None and len(tokens) < local_ranks(b):
+        key = "hardware.devices" if b.hardware.devices is not None else "CUDA_VISIBLE_DEVICES"
+        raise ConfigError(f"{key}={','.join(tokens)}: lists {len(tokens)} GPUs but {local_ranks(b)} ranks per node "
+                          "need one each")
+
+
+def validate_machine(b: BenchConfig) -> None:
+    """Checks against this machine: device count, bf16 support, hostfile, DeepSpeed's view of `ds`."""
+    check_devices(b)
+    check_with_deepspeed(b)
+    if b.hardware.hostfile:
+        check_hostfile(b)  # ranks live on the hostfile's hosts, not here
+        return
+    have = available_devices(b.hardware.device)
+    # CPU ranks are processes: allow two per core before calling it a mistake.
+    limit = have if b.hardware.device == "gpu" else 2 * have
+    if b.parallel.world_size > limit:
+        raise ConfigError(f"parallel.dp={b.parallel.dp}: world size tp*dp={b.parallel.world_size} exceeds the "
+                          f"{have} {b.hardware.device.upper()} devices here (max {limit})")
+    if b.precision == "bf16" and b.hardware.device == "gpu":
+        import torch
+
+        if not torch.cuda.is_bf16_supported():
+            raise ConfigError("precision=bf16: this GPU has no bf16; allowed here: fp32, fp16")
 
 
 def preflight(bench: BenchConfig, force: bool = False, micro: Optional[int] = None) -> Optional[TrialResult]:
@@ -25,8 +66,6 @@ def preflight(bench: BenchConfig, force: bool = False, micro: Optional[int] = No
     Multi-node (hostfile) skips the host checks: the ranks' hosts are not this one.
     None when it fits, when force=true, or when the estimate cannot be made.
     """
-    from zero_bench.estimate import estimate
-
     if force:
         return None
     try:

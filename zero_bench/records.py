@@ -1,10 +1,12 @@
-"""The records that cross module seams, written once and read everywhere.
+"""The records that cross module and process seams, written once and read everywhere.
 
-worker.py writes a `RankRecord` per plan entry (one JSON line per record in rank{R}.jsonl);
-outcome.py turns a launch's rank records into one `TrialResult` per entry; sampler.py summarises
-its timeline as one `DeviceMemStats` per device; search.py sums trials up in a `SearchResult`;
-results.py stores the last two; report/ reads them back. Statuses are enums, devices are keyed
-by (kind, id), and every record round-trips through JSON with `to_dict` / `from_dict`.
+Between processes: the runner writes a `TrialSpec` (trial.json: the config, the plan of `Entry`s,
+where to write; a test may add a `Fault`) and, for a pooled trial, a `PoolRequest`; each rank
+writes a `RankRecord` per event (one JSON line in rank{R}.jsonl). Within the runner: outcome.py
+turns a launch's rank records into one `TrialResult` per entry; sampler.py summarises its timeline
+as one `DeviceMemStats` per device; search.py sums trials up in a `SearchResult`; store.py keeps
+the last two; report/ reads them back. Every status, event and mode is an enum; every record
+round-trips through JSON.
 """
 from __future__ import annotations
 
@@ -15,8 +17,100 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional
 
+from zero_bench.config import BenchConfig
+
 # Exit code of a rank whose allocation failed: the runner reads it as "does not fit".
 OOM_EXIT = 86
+
+
+class Mode(StrEnum):
+    """What a plan entry measures."""
+    PROBE = "probe"  # steady peak memory: steps.probe optimizer steps, then one profiled step
+    MEASURE = "measure"  # warm-up + timed steps (time/it), then the profiled step
+
+
+class Event(StrEnum):
+    """What a RankRecord reports."""
+    START = "start"  # the rank's identity (host, pid, GPU)
+    BEGIN = "begin"  # a plan entry starts
+    END = "end"  # a plan entry ended (status says how)
+    INIT_FAILED = "init_failed"  # the trial failed before its first entry
+    DONE = "done"  # the whole plan ran
+
+
+class RankStatus(StrEnum):
+    """How a plan entry ended on one rank."""
+    OK = "ok"
+    OVER_CAPACITY = "over_capacity"  # finished, but some rank's peak passed the capacity
+    OOM = "oom"  # an allocation failed
+    ERROR = "error"
+
+
+class FaultKind(StrEnum):
+    """Test-only faults a trial spec can carry (zero_bench.faults)."""
+    RAISE = "raise"  # an exception in the step
+    OOM = "oom"  # a real allocator failure
+    KILL = "kill"  # SIGKILL, as the kernel's OOM killer sends
+    HANG = "hang"  # a rank that never finishes its step
+
+
+@dataclass
+class Entry:
+    """One batch size of a launch's plan."""
+    micro: int
+    mode: Mode = Mode.PROBE
+
+    def __post_init__(self) -> None:
+        self.mode = Mode(self.mode)
+
+
+@dataclass
+class Fault:
+    """A fault a test injects into a real trial: on `rank`, in every step of entries with micro >= min_micro."""
+    kind: FaultKind
+    rank: int = 1
+    min_micro: int = 1
+
+    def __post_init__(self) -> None:
+        self.kind = FaultKind(self.kind)
+
+
+@dataclass
+class TrialSpec:
+    """trial.json: everything a rank needs to run one trial's plan, written by the runner."""
+    config: BenchConfig
+    ds_config: str  # path of the DeepSpeed JSON
+    out_dir: str  # where the ranks write rank{R}.jsonl
+    plan: list[Entry]
+    capacity_bytes: Optional[int] = None
+    fault: Optional[Fault] = None  # tests only
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["config"] = self.config.to_dict()
+        return json.dumps(d, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrialSpec":
+        d = json.loads(text)
+        return cls(config=BenchConfig.from_dict(d["config"]), ds_config=d["ds_config"], out_dir=d["out_dir"],
+                   plan=[Entry(**e) for e in d["plan"]], capacity_bytes=d.get("capacity_bytes"),
+                   fault=Fault(**d["fault"]) if d.get("fault") else None)
+
+
+@dataclass
+class PoolRequest:
+    """reqNNNNN.json: the runner asks a pool's ranks to fork a child running one trial spec."""
+    spec: str  # absolute path of trial.json (the ranks' working directory is the pool's)
+    port: int  # the child's master port
+    out_dir: str  # where the child's stdout.log / stderr.log go
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "PoolRequest":
+        return cls(**json.loads(text))
 
 
 class Status(StrEnum):
@@ -62,16 +156,13 @@ def _fields(cls, d: dict) -> dict:
 
 @dataclass
 class RankRecord:
-    """One line of rank{R}.jsonl: what a rank saw of its own process.
-
-    event: "start" (identity), "begin" / "end" (one per plan entry), "init_failed", "done".
-    """
+    """One line of rank{R}.jsonl: what a rank saw of its own process."""
     rank: int
-    event: str
+    event: Event
     time: float = field(default_factory=time.time)
     micro: Optional[int] = None
-    mode: str = ""
-    status: str = ""  # on "end": ok / over_capacity / oom / error; on "init_failed": oom / error
+    mode: Optional[Mode] = None
+    status: Optional[RankStatus] = None  # on END: any; on INIT_FAILED: OOM or ERROR
     error: str = ""
     traceback: str = ""
     loss: Optional[float] = None
@@ -103,6 +194,11 @@ class RankRecord:
     gpu_card_bytes: Optional[int] = None  # the physical card (or MIG slice) total
     memory_fraction: Optional[float] = None  # torch's allocator cap when a smaller card is emulated
     nvml_error: str = ""
+
+    def __post_init__(self) -> None:
+        self.event = Event(self.event)
+        self.mode = Mode(self.mode) if self.mode else None
+        self.status = RankStatus(self.status) if self.status else None
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, "", [], {})
@@ -157,7 +253,7 @@ class TrialResult:
     micro: int
     global_batch: int
     status: Status
-    mode: str = "probe"  # probe: memory only; measure: full timed steps
+    mode: Mode = Mode.PROBE
     fresh: bool = False  # first entry of its launch: no earlier batch size ran in its processes
     reason: str = ""
     phase: str = ""  # where a failure happened: "init" = before the first step
@@ -192,6 +288,7 @@ class TrialResult:
     def from_dict(cls, d: dict) -> "TrialResult":
         d = _fields(cls, d)
         d["status"] = Status(d["status"])
+        d["mode"] = Mode(d.get("mode") or Mode.PROBE)
         d["ranks"] = [RankRecord.from_dict(r) for r in d.get("ranks") or []]
         devs = d.get("devices") or []
         if isinstance(devs, dict):  # schema 1 keyed devices by "rank0" / "gpu0"

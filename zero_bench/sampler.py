@@ -19,6 +19,10 @@ import psutil
 
 from zero_bench.nvml import Nvml
 from zero_bench.records import DeviceMemStats
+from zero_bench.units import MiB
+
+# The module every rank process runs (`python -m`): how a rank's command line is told from its launcher's.
+RANK_MODULE = "zero_bench.rank"
 
 
 @dataclass
@@ -45,17 +49,17 @@ def find_workers(marker: str) -> list[psutil.Process]:
             cmd = " ".join(p.info["cmdline"] or [])
         except (psutil.Error, TypeError):
             continue
-        if "zero_bench.worker" in cmd and marker in cmd and "deepspeed.launcher" not in cmd:
+        if RANK_MODULE in cmd and marker in cmd and "deepspeed.launcher" not in cmd:
             found.append(p)
     return found
 
 
 def is_worker(p: Optional[psutil.Process]) -> bool:
-    """A rank process: zero_bench.worker's command line, not the launcher that starts it."""
+    """A rank process: RANK_MODULE's command line, not the launcher that starts it."""
     if p is None:
         return False
     cmd = " ".join(p.cmdline())
-    return "zero_bench.worker" in cmd and "deepspeed.launcher" not in cmd
+    return RANK_MODULE in cmd and "deepspeed.launcher" not in cmd
 
 
 def env_of(proc: psutil.Process, *names: str) -> dict:
@@ -135,7 +139,7 @@ class Sampler(threading.Thread):
             rank = self.ranks[p.pid]
             self.samples.append(Sample(now, "rank", rank, rss, self.budget or self.total_ram))
             if self.budget and rss > self.budget and self.over_msg is None:
-                self.over_msg = f"rank {rank} RSS {rss / 2**20:.0f} MiB > budget {self.budget / 2**20:.0f} MiB"
+                self.over_msg = f"rank {rank} RSS {rss / MiB:.0f} MiB > budget {self.budget / MiB:.0f} MiB"
                 if self.on_over:
                     self.on_over(self.over_msg)
         if self.nvml is not None:

@@ -27,10 +27,11 @@ from typing import Callable, Optional
 
 from zero_bench.capacity import capacity_bytes, trial_peak
 from zero_bench.config import BenchConfig, SearchConfig
-from zero_bench.launch import Entry, Hooks, run_launch
+from zero_bench.launch import LaunchOptions, run_launch
 from zero_bench.pool import PoolSlot
-from zero_bench.records import RankRecord, SearchResult, SearchStatus, Status, TrialResult
-from zero_bench.results import Store
+from zero_bench.records import Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Status, TrialResult
+from zero_bench.store import Store
+from zero_bench.units import MiB
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Known:
             if not t.status.decides_fit:
                 continue
             k.add(t.micro, t.status == Status.OK, t.fresh, trial_peak(t.ranks, device))
-            if t.fresh and t.status == Status.OK and t.mode == "measure":
+            if t.fresh and t.status == Status.OK and t.mode == Mode.MEASURE:
                 k.measured.add(t.micro)
         return k
 
@@ -147,7 +148,7 @@ def next_plan(known: Known, spec: SearchConfig, cap: Optional[int], seed: Option
     plan = _next(known, spec, cap, seed, allow_fit)
     if not plan or (spec.pool and _exploring(known, plan)):
         return plan
-    return [Entry(plan[0].micro, "measure")] + plan[1:]
+    return [Entry(plan[0].micro, Mode.MEASURE)] + plan[1:]
 
 
 def _exploring(known: Known, plan: list[Entry]) -> bool:
@@ -160,7 +161,7 @@ def _next(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[i
         return []
     retry = [m for m, n in known.timeouts.items() if n == 1 and m not in known.fresh]
     if retry:  # a timeout is retried once, fresh
-        return [Entry(min(retry), "measure")]
+        return [Entry(min(retry), Mode.MEASURE)]
     if known.contradiction is not None:
         return _retest(known)
     if bracketed(known, spec):
@@ -178,8 +179,8 @@ def _retest(known: Known) -> list[Entry]:
     """A smaller size failed where a larger one fitted: test each once more, fresh."""
     c, lo = known.contradiction, known.lo
     if len(known.fresh.get(c, [])) < 2:
-        return [Entry(c, "probe")]
-    return [Entry(lo, "measure")]
+        return [Entry(c, Mode.PROBE)]
+    return [Entry(lo, Mode.MEASURE)]
 
 
 def _confirm(known: Known) -> list[Entry]:
@@ -187,8 +188,8 @@ def _confirm(known: Known) -> list[Entry]:
     all, it is the next candidate and already measured), then the candidate itself."""
     lo, hi = known.lo, known.hi
     if hi is not None and hi not in known.fresh:
-        return [Entry(hi, "measure")]
-    return [Entry(lo, "measure")]
+        return [Entry(hi, Mode.MEASURE)]
+    return [Entry(lo, Mode.MEASURE)]
 
 
 def _from_seed(guess: int, spec: SearchConfig) -> list[Entry]:
@@ -236,10 +237,11 @@ class SearchOptions:
     force: bool = False  # forget stored trials and measure again
     progress: Callable[[str], None] = print
     pools: Optional[PoolSlot] = None  # a pool shared with other searches (a sweep's); None: its own
+    fault: Optional[Fault] = None  # tests only: injected into every trial (zero_bench.faults)
 
 
 def _mib(b: Optional[int]) -> str:
-    return f"{b / 2**20:.0f}" if b else "?"
+    return f"{b / MiB:.0f}" if b else "?"
 
 
 class Search:
@@ -293,10 +295,10 @@ class Search:
         known = self.known()
         plan = next_plan(known, self.spec, self.cap, self.opts.seed, allow_fit=self.fit_launches < 1)
         if not plan and verdict(known, self.spec) == SearchStatus.DONE:
-            done = sum(1 for t in self.trials if t.micro == known.lo and t.fresh and t.mode == "measure"
+            done = sum(1 for t in self.trials if t.micro == known.lo and t.fresh and t.mode == Mode.MEASURE
                        and t.status == Status.OK)
             if done < self.opts.repeats:
-                plan = [Entry(known.lo, "measure")]
+                plan = [Entry(known.lo, Mode.MEASURE)]
         return plan
 
     def launch(self, plan: list[Entry]) -> None:
@@ -310,7 +312,8 @@ class Search:
         if len(plan) == 1:
             self.say(f"launch {self.launches}: micro={plan[0].micro} fresh ({plan[0].mode})")
         results = run_launch(self.cfg.with_micro(plan[0].micro), plan, self.run_dir / name,
-                             Hooks(on_result=self.record, on_event=self.live), self.pools)
+                             LaunchOptions(on_result=self.record, on_event=self.live, pools=self.pools,
+                                           fault=self.opts.fault))
         errs = [r for r in results if r.status == Status.ERROR]
         if errs:  # a bigger batch will not fix it
             self.error = errs[0]
@@ -330,7 +333,7 @@ class Search:
                  f"{time.time() - self.t0:.0f}s | best so far {known.lo or '-'}")
 
     def live(self, rec: RankRecord) -> None:
-        if rec.event == "begin":
+        if rec.event == Event.BEGIN:
             self.say(f"  launch {self.launches}: running micro={rec.micro} ({rec.mode}) "
                      f"| elapsed {time.time() - self.t0:.0f}s")
 
@@ -379,7 +382,7 @@ class Search:
                         else f"search.max={self.spec.max} reached")
         elif res.status == SearchStatus.ERROR:
             res.note += f"; before it, micro {lo} fitted{'' if lo in known.measured else ' (not confirmed fresh)'}"
-        got = [t for t in self.trials if t.micro == lo and t.fresh and t.mode == "measure" and t.status == Status.OK]
+        got = [t for t in self.trials if t.micro == lo and t.fresh and t.mode == Mode.MEASURE and t.status == Status.OK]
         if got:
             got.sort(key=lambda t: t.time_per_step_s)
             res.measure = got[len(got) // 2]  # the median run

@@ -5,21 +5,84 @@ zero_bench.sqlite`): SQLite is not safe on the network filesystems clusters shar
 for many jobs would contend. A re-run of the sweep (same `hydra.sweep.dir`) skips configurations
 finished in any store under the sweep directory and resumes the others from their own stores.
 `zero_bench report report.runs=<sweep dir>` merges every store found; `zero_bench status <sweep
-dir>` says per job what it is doing.
+dir>` says per job what it is doing. Any sweep (`-m`), wherever its jobs run, is a `Sweep` to the
+job: which of how many it is, for the progress line and its ETA, and whether a bad combination of
+keys is recorded as skipped rather than ending the command.
 """
 from __future__ import annotations
 
+import math
 import pickle
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import yaml
 
+from zero_bench.config import CONF_DIR
 from zero_bench.records import SearchResult
-from zero_bench.results import Store
+from zero_bench.store import Store
+
+if TYPE_CHECKING:
+    from zero_bench.pool import PoolSlot
 
 JOB_STORE = "zero_bench.sqlite"
+
+
+@dataclass
+class Sweep:
+    """The multirun a job belongs to, as the job sees it."""
+    dir: Path  # hydra.sweep.dir
+    num: int  # this job's number, from 0
+    total: int  # jobs the sweep launches
+    t0: float  # when the sweep started (Hydra wrote multirun.yaml)
+    pools: Optional["PoolSlot"] = None  # one pool shared by the jobs this process runs; None: own pools
+
+    def progress(self, label: str, finished: bool) -> str:
+        """Which config of how many, elapsed, and an estimate of the time left."""
+        elapsed = time.time() - self.t0
+        done = self.num + 1 if finished else self.num
+        left = f" | ~{elapsed / done * (self.total - done) / 60:.1f} min left" if done else ""
+        state = "done" if finished else "starting"
+        return (f"[sweep] config {self.num + 1}/{self.total} {state}: {label} | {done}/{self.total} done | "
+                f"elapsed {elapsed / 60:.1f} min{left}")
+
+
+def current_sweep(pools: Optional["PoolSlot"] = None) -> Optional[Sweep]:
+    """This Hydra job's sweep, or None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    sweep_dir = Path(hc.sweep.dir)
+    started = sweep_dir / "multirun.yaml"
+    t0 = started.stat().st_mtime if started.exists() else time.time()
+    return Sweep(dir=sweep_dir, num=int(hc.job.num), total=planned_jobs(sweep_dir) or 1, t0=t0,
+                 pools=None if under_submitit() else pools)
+
+
+def sweep_size(args: list[str]) -> int:
+    """Jobs a multirun will launch: the product of swept values (command line over preset)."""
+    return math.prod(len(v) for v in swept_values(args).values()) if swept_values(args) else 1
+
+
+def swept_values(args: list[str]) -> dict[str, list[str]]:
+    """Each swept key's values (a +sweep= preset's, then the command line's), as override text."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params: dict[str, list[str]] = {}
+    for a in args:
+        if a.startswith("+sweep="):
+            preset = yaml.safe_load((CONF_DIR / "sweep" / f"{a.split('=', 1)[1]}.yaml").read_text())
+            for k, v in ((preset.get("hydra") or {}).get("sweeper") or {}).get("params", {}).items():
+                params[k] = [x.strip() for x in str(v).split(",")]
+    for o in OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")]):
+        if o.is_sweep_override():
+            params[o.key_or_group] = [str(v) for v in o.sweep_string_iterator()]
+    return params
 
 
 def under_submitit() -> bool:
@@ -104,8 +167,6 @@ def job_status(sweep_dir: Path, num: int) -> JobStatus:
 
 def planned_jobs(sweep_dir: Path) -> int:
     """How many jobs the sweep has, from the multirun.yaml Hydra writes when it starts (0 if none)."""
-    from zero_bench.cli import sweep_size
-
     try:
         hydra = yaml.safe_load((Path(sweep_dir) / "multirun.yaml").read_text())["hydra"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):

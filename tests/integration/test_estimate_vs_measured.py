@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from zero_bench.estimate import estimate
-from zero_bench.launch import Entry, run_launch
+from zero_bench.launch import run_launch
+from zero_bench.records import Entry
 
 from conftest import cpu_cfg
 

@@ -180,7 +180,7 @@ class RankWatcher(threading.Thread):
 @pytest.mark.slow
 def test_maxbatch_search_over_two_hosts(two_hosts, tmp_path):
     """A maxbatch search with a hostfile: ranks 0 and 1 run on "nodes" 0 and 1, reached over ssh."""
-    from zero_bench.results import Store
+    from zero_bench.store import Store
     from zero_bench.config import SearchConfig
     from zero_bench.search import SearchOptions, run_search
     from zero_bench.sampler import find_workers

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from zero_bench.launch import Entry, run_launch
+from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.records import Entry, Fault
 from zero_bench.pool import PoolSlot
 
 from conftest import cpu_cfg, worker_processes
@@ -20,8 +21,8 @@ def test_forked_child_peak_equals_a_fresh_launch(tmp_path):
     cfg = cpu_cfg("gpt-mini", zero=2).with_micro(6)
     (fresh,) = run_launch(cfg, [Entry(6)], tmp_path / "fresh")
     with PoolSlot(tmp_path / "pool") as pools:
-        (first,) = run_launch(cfg.with_micro(1), [Entry(1)], tmp_path / "first", pools=pools)
-        (forked,) = run_launch(cfg, [Entry(6)], tmp_path / "forked", pools=pools)
+        (first,) = run_launch(cfg.with_micro(1), [Entry(1)], tmp_path / "first", LaunchOptions(pools=pools))
+        (forked,) = run_launch(cfg, [Entry(6)], tmp_path / "forked", LaunchOptions(pools=pools))
         assert pools.started == 1
     assert fresh.status == first.status == forked.status == "ok"
     assert forked.fresh and "request 2" in forked.cmd
@@ -46,11 +47,11 @@ def test_failed_children_end_alone_and_the_pool_goes_on(no_leftovers):
     faults = [("raise", ["ok", "error"]), ("kill", ["ok", "oom"]), ("hang", ["ok", "timeout"])]
     with PoolSlot(no_leftovers / "pool") as pools:
         for kind, expected in faults:
-            cfg = dataclasses.replace(base, fault={"rank": 1, "kind": kind, "min_micro": 2},
-                                      timeout_s=8 if kind == "hang" else base.timeout_s)
-            res = run_launch(cfg, [Entry(1), Entry(2)], no_leftovers / kind, pools=pools)
+            cfg = dataclasses.replace(base, timeout_s=8 if kind == "hang" else base.timeout_s)
+            res = run_launch(cfg, [Entry(1), Entry(2)], no_leftovers / kind,
+                             LaunchOptions(pools=pools, fault=Fault(kind=kind, rank=1, min_micro=2)))
             assert [r.status for r in res] == expected, (kind, [r.reason for r in res])
-            (ok,) = run_launch(base, [Entry(1)], no_leftovers / f"after_{kind}", pools=pools)
+            (ok,) = run_launch(base, [Entry(1)], no_leftovers / f"after_{kind}", LaunchOptions(pools=pools))
             assert ok.status == "ok", (kind, ok.reason)
             # a trial over within a second is sampled too: every rank's child was found in time
             assert sorted(d.id for d in ok.devices if d.kind == "rank") == [0, 1], (kind, ok.devices)

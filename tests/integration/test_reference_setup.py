@@ -12,9 +12,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from zero_bench.config import RECOMPUTE, HardwareConfig, ModelConfig
+from zero_bench.config import Recompute, HardwareConfig, ModelConfig
 from zero_bench.estimate import activation_bytes_per_sample
-from zero_bench.launch import Entry, run_launch
+from zero_bench.launch import run_launch
+from zero_bench.records import Entry
 
 from conftest import cpu_cfg
 
@@ -30,7 +31,7 @@ MICROS = (2, 6)
 @pytest.fixture(scope="module")
 def by_mode(tmp_path_factory):
     out = {}
-    for mode in RECOMPUTE:
+    for mode in Recompute:
         b = cpu_cfg(model=LAYERED, recompute=mode)
         out[mode] = run_launch(b, [Entry(m, "probe") for m in MICROS], tmp_path_factory.mktemp(mode))
     return out
@@ -53,7 +54,7 @@ def test_every_mode_runs_with_identical_losses(by_mode):
 
 def test_recompute_lowers_memory_per_sample_as_the_formulas_say(by_mode):
     measured = {mode: per_sample(results) for mode, results in by_mode.items()}
-    formula = {mode: activation_bytes_per_sample(LAYERED, 1, "fp32", mode)["total"] for mode in RECOMPUTE}
+    formula = {mode: activation_bytes_per_sample(LAYERED, 1, "fp32", mode)["total"] for mode in Recompute}
     assert measured["full"] < measured["selective"] < measured["none"], measured
     for mode in ("selective", "full"):
         got, want = measured[mode] / measured["none"], formula[mode] / formula["none"]
@@ -61,7 +62,7 @@ def test_recompute_lowers_memory_per_sample_as_the_formulas_say(by_mode):
 
 
 def test_megatron_deepspeed_preset_with_zero_init_and_host_checkpoints(tmp_path):
-    b = cpu_cfg(zero=3, offload_optimizer=True, offload_param=True, precision="bf16", recompute="full",
+    b = cpu_cfg(zero=3, offload=True, offload_param=True, precision="bf16", recompute="full",
                 ds_preset="megatron_deepspeed", hardware=HardwareConfig(device="cpu", memory_gb=8))
     (r,) = run_launch(b, [Entry(2, "measure")], tmp_path)
     assert r.status == "ok", r.reason

@@ -11,7 +11,7 @@ import pytest
 
 from zero_bench import report
 from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig, SearchConfig, StepsConfig
-from zero_bench.results import Store
+from zero_bench.store import Store
 from zero_bench.search import SearchOptions, run_search
 
 from synthetic import EXPECTED_NOTES, GPT345, NUMERIC, TINY, add_synthetic, row_of, summary_of

@@ -5,7 +5,8 @@ import csv
 
 import pytest
 
-from zero_bench.launch import Entry, run_launch
+from zero_bench.launch import run_launch
+from zero_bench.records import Entry
 from zero_bench.worker import PHASES
 
 from conftest import cpu_cfg

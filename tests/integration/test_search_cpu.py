@@ -16,9 +16,10 @@ import pytest
 
 from zero_bench.config import HardwareConfig, SearchConfig
 from zero_bench.estimate import seed_micro
-from zero_bench.launch import Entry, run_launch
-from zero_bench.records import SearchStatus, Status
-from zero_bench.results import Store
+from zero_bench.launch import run_launch
+from zero_bench.records import Entry
+from zero_bench.records import Fault, SearchStatus, Status
+from zero_bench.store import Store
 from zero_bench.search import SearchOptions, run_search
 
 from conftest import cpu_cfg, worker_processes
@@ -110,20 +111,19 @@ def test_cannot_initialize_is_reported(tmp_path, no_leftovers):
 
 def test_killed_rank_is_oom_and_the_search_goes_on(tmp_path, no_leftovers):
     """Rank 1 is SIGKILLed (as by the kernel's OOM killer) from micro 5 on: boundary 4."""
-    cfg = cpu_cfg(hardware=HardwareConfig(device="cpu", memory_gb=4.0),
-                  fault={"rank": 1, "kind": "kill", "min_micro": 5})
+    cfg = cpu_cfg(hardware=HardwareConfig(device="cpu", memory_gb=4.0))
     store = Store(tmp_path / "s.sqlite")
-    res = run_search(cfg, SearchConfig(max=16, strategy="doubling"), store, tmp_path / "search")
+    res = run_search(cfg, SearchConfig(max=16, strategy="doubling"), store, tmp_path / "search",
+                     SearchOptions(fault=Fault(kind="kill", rank=1, min_micro=5)))
     assert (res.status, res.max_micro, res.first_fail_micro) == ("done", 4, 5)
     statuses = {t.micro: t.status for t in store.trials(cfg.search_key()) if t.status != "not_run"}
     assert statuses[5] == "oom" and statuses[4] == "ok"
 
 
 def test_rank_error_stops_the_search_with_its_message(tmp_path, no_leftovers):
-    cfg = cpu_cfg(hardware=HardwareConfig(device="cpu", memory_gb=4.0),
-                  fault={"rank": 1, "kind": "raise", "min_micro": 4})
+    cfg = cpu_cfg(hardware=HardwareConfig(device="cpu", memory_gb=4.0))
     res = run_search(cfg, SearchConfig(max=16, strategy="doubling"), Store(tmp_path / "s.sqlite"),
-                     tmp_path / "search")
+                     tmp_path / "search", SearchOptions(fault=Fault(kind="raise", rank=1, min_micro=4)))
     assert res.status == "error" and "injected fault on rank 1" in res.note
     # the bracket found before the error is kept, and said to be unconfirmed
     assert res.max_micro == 2 and "before it, micro 2 fitted (not confirmed fresh)" in res.note

@@ -15,7 +15,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from zero_bench.results import Store
+from zero_bench.store import Store
 from zero_bench.sweeps import JOB_STORE, sweep_status
 
 from conftest import worker_processes

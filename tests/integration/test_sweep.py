@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from zero_bench.results import Store
+from zero_bench.store import Store
 
 from conftest import worker_processes
 

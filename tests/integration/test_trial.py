@@ -1,14 +1,14 @@
 """Real 2-rank DeepSpeed trials on CPU: every ZeRO stage, offload, TP=2, and failures."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
 import pytest
 
 from zero_bench.config import ParallelConfig
-from zero_bench.launch import Entry, run_launch
+from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.records import Entry, Fault
 
 from conftest import cpu_cfg
 
@@ -19,8 +19,8 @@ VARIANTS = {
     "zero1": dict(zero=1),
     "zero2": dict(zero=2),
     "zero3": dict(zero=3),
-    "zero2_offload": dict(zero=2, offload_optimizer=True),
-    "zero3_offload": dict(zero=3, offload_optimizer=True, offload_param=True),
+    "zero2_offload": dict(zero=2, offload=True),
+    "zero3_offload": dict(zero=3, offload=True, offload_param=True),
     "tp2": dict(zero=1, parallel=ParallelConfig(tp=2, dp=1)),
 }
 
@@ -109,17 +109,15 @@ def test_bf16_zero1_peak_memory_below_zero0(tmp_path):
 
 
 def test_rank_exception_is_an_error_and_leaves_nothing(no_leftovers):
-    cfg = cpu_cfg()
-    cfg = dataclasses.replace(cfg, fault={"rank": 1, "kind": "raise", "min_micro": 2})
-    res = run_launch(cfg, [Entry(1), Entry(2)], no_leftovers / "raise")
+    res = run_launch(cpu_cfg(), [Entry(1), Entry(2)], no_leftovers / "raise",
+                     LaunchOptions(fault=Fault(kind="raise", rank=1, min_micro=2)))
     assert [r.status for r in res] == ["ok", "error"]
     assert "injected fault on rank 1" in res[1].reason
 
 
 def test_killed_rank_is_oom_and_earlier_entries_are_kept(no_leftovers):
-    cfg = cpu_cfg()
-    cfg = dataclasses.replace(cfg, fault={"rank": 1, "kind": "kill", "min_micro": 2})
-    res = run_launch(cfg, [Entry(1), Entry(2), Entry(4)], no_leftovers / "kill")
+    res = run_launch(cpu_cfg(), [Entry(1), Entry(2), Entry(4)], no_leftovers / "kill",
+                     LaunchOptions(fault=Fault(kind="kill", rank=1, min_micro=2)))
     assert [r.status for r in res] == ["ok", "oom", "not_run"]
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zero_bench.config import BenchConfig, from_cfg
+from zero_bench.config import BenchConfig
+from zero_bench.configure import from_cfg
 from zero_bench.estimate import (GiB, MiB, activation_bytes_per_sample, deepspeed_buffers, estimate,
                                  model_states_bytes, param_numels, seed_micro)
 
@@ -181,7 +182,7 @@ def test_cli_refuses_gpt2_5b(tmp_path):
     assert r.returncode == 3, r.stderr  # run: the trial did not fit
     assert len(out) == 1 and out[0].startswith("does not fit (estimated):") and "force=true" in out[0]
     assert not list((tmp_path / "run").glob("rank*.jsonl")) and not (tmp_path / "run" / "trial.json").exists()
-    from zero_bench.results import Store
+    from zero_bench.store import Store
 
     (t,) = Store(store).trials()
     assert t.status == "estimated_oom" and t.phase == "init"

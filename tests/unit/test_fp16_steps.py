@@ -1,84 +1,87 @@
-"""fp16's dynamic loss scale at the worker's seam: DeepSpeed's CPU accelerator refuses fp16, so
-the engine here is a stand-in that overflows (skips the update, halves the scale) as DeepSpeed's
-fp16 optimizers do. The plan logic under test is the worker's own run_entry."""
+"""fp16's dynamic loss scale through the worker's real plan logic (Rank.run_entry, Rank.step, the
+profiled step, the records). DeepSpeed's CPU accelerator refuses fp16, so the one stand-in is the
+engine (zero_bench.engines.Engine): it overflows (skips the update, halves the scale) the way
+DeepSpeed's fp16 optimizers do, and an applied step takes measurably longer than a skipped one."""
 from __future__ import annotations
 
-from types import SimpleNamespace
+import time
 
 import pytest
+import torch
 
 from zero_bench import worker
 from zero_bench.config import BenchConfig, HardwareConfig, StepsConfig
+from zero_bench.records import Mode, TrialSpec
 
 from conftest import model
+
+APPLIED_S = 0.05  # an applied step sleeps this long; a skipped one returns at once
 
 
 class OverflowingEngine:
     """The first `overflows` optimizer steps overflow: skipped, loss scale halved."""
+    zero_init = False
 
     def __init__(self, overflows: int, fp16: bool = True):
         self.overflows, self.steps, self.fp16 = overflows, 0, fp16
-        self.optimizer = SimpleNamespace(loss_scale=2.0 ** 16)
+        self.scale = 2.0 ** 16
         self.applied = False
 
-    def fp16_enabled(self):
-        return self.fp16
-
-    def step(self):
+    def step(self, batches, mask, marks):
+        marks("forward")
         self.steps += 1
         self.applied = self.steps > self.overflows
-        if not self.applied:
-            self.optimizer.loss_scale /= 2
+        if self.applied:
+            time.sleep(APPLIED_S)
+        else:
+            self.scale /= 2
+        return [5.0] * len(batches)
 
     def was_step_applied(self):
         return self.applied
 
+    def loss_scale(self):
+        return self.scale if self.fp16 else None
 
-class SeamRank(worker.Rank):
-    """Rank.run_entry over the stand-in engine: a step is the engine's step, 1 s when applied."""
+    def model_states(self):
+        return {"counted_after_step": self.steps}
 
-    def __init__(self, engine, steps: StepsConfig):
-        self.cfg = BenchConfig(model=model("gpt-tiny"), hardware=HardwareConfig(device="cpu"), precision="fp16",
-                               steps=steps)
-        self.engine, self.on_cpu, self.rank, self.marks = engine, True, 0, worker.Marks()
-        self.states, self.applied, self.applied_any, self.compile_s, self.zero_init = None, False, False, None, False
-
-    def step(self, micro):
-        self.engine.step()
-        self._note_applied()
-        return (1.0 if self.applied else 0.2), 5.0
-
-    def profiled_step(self, micro):
-        secs, loss = self.step(micro)
-        return secs, loss, 123, "forward"
-
-    def memory_now(self):
-        return {}
+    def compile(self):
+        pass
 
 
-@pytest.fixture(autouse=True)
-def counted_states(monkeypatch):
-    """Model states are counted once, after the steps before the profiled one: say which that was."""
-    monkeypatch.setattr(worker, "model_state_bytes", lambda engine: {"counted_after_step": engine.steps})
+@pytest.fixture(scope="module", autouse=True)
+def process_group(tmp_path_factory):
+    """Rank.step synchronises its peers: a real one-rank gloo group."""
+    store = tmp_path_factory.mktemp("pg") / "store"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
 
 
-def test_probe_runs_until_an_update_was_applied():
-    r = SeamRank(OverflowingEngine(overflows=3), StepsConfig(warmup=2, timed=3, probe=1))
-    rec = r.run_entry(4, "probe")
+def rank(engine, steps: StepsConfig, tmp_path) -> worker.Rank:
+    cfg = BenchConfig(model=model("gpt-tiny"), hardware=HardwareConfig(device="cpu"), precision="fp16", steps=steps)
+    spec = TrialSpec(config=cfg, ds_config="", out_dir=str(tmp_path), plan=[])
+    return worker.Rank(spec, engine, 0, worker.Marks())
+
+
+def test_probe_runs_until_an_update_was_applied(tmp_path):
+    r = rank(OverflowingEngine(overflows=3), StepsConfig(warmup=2, timed=3, probe=1), tmp_path)
+    rec = r.run_entry(4, Mode.PROBE)
     # 1 probe step + 3 more until the 4th step applied; optimizer state exists only then
     assert rec.model_states == {"counted_after_step": 4}
     assert rec.skipped_steps == 3 and rec.loss_scale == 2.0 ** 13
 
 
-def test_timed_steps_exclude_skipped_ones():
-    r = SeamRank(OverflowingEngine(overflows=2), StepsConfig(warmup=1, timed=3, probe=1))
-    rec = r.run_entry(4, "measure")
-    # warm-up skipped, first timed skipped (0.2 s), two timed applied (1 s each)
-    assert rec.step_times == [1.0, 1.0] and rec.time_per_step == 1.0
+def test_timed_steps_exclude_skipped_ones(tmp_path):
+    r = rank(OverflowingEngine(overflows=2), StepsConfig(warmup=1, timed=3, probe=1), tmp_path)
+    rec = r.run_entry(4, Mode.MEASURE)
+    # warm-up skipped, first timed skipped, two timed applied
+    assert len(rec.step_times) == 2 and min(rec.step_times) >= APPLIED_S
     assert rec.skipped_steps == 2 and rec.loss_scale == 2.0 ** 14
 
 
-def test_no_loss_scale_without_fp16():
-    r = SeamRank(OverflowingEngine(overflows=0, fp16=False), StepsConfig(warmup=1, timed=2, probe=1))
-    rec = r.run_entry(2, "measure")
+def test_no_loss_scale_without_fp16(tmp_path):
+    r = rank(OverflowingEngine(overflows=0, fp16=False), StepsConfig(warmup=1, timed=2, probe=1), tmp_path)
+    rec = r.run_entry(2, Mode.MEASURE)
     assert rec.loss_scale is None and rec.skipped_steps == 0 and len(rec.step_times) == 2

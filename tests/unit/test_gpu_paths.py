@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig
-from zero_bench.worker import OOM_EXIT, is_oom
+from zero_bench.oom import is_oom
+from zero_bench.records import OOM_EXIT
 
 TINY = ModelConfig(name="GPT-tiny", num_layers=2, hidden_size=64, num_heads=4, seq_len=64, vocab_size=1024)
 NO_GPU = "no CUDA device visible: torch.cuda.is_available() is False (torch %s)" % torch.__version__
@@ -98,8 +99,8 @@ def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, 
     of its own device (the local rank's), so a bigger batch raises a real CUDA OOM."""
     import deepspeed
 
-    import zero_bench.model as model
     from zero_bench import worker
+    from zero_bench.records import TrialSpec
 
     calls = {}
     monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: None)
@@ -113,12 +114,12 @@ def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, 
 
     def stop(*a, **k):
         raise _Stop()
-    monkeypatch.setattr(model, "init_parallel", stop)
+    monkeypatch.setattr(worker, "build_engine", stop)
     cfg = gpu_cfg(memory_gb=cap_gb)
-    spec = {"config": cfg.to_dict(), "out_dir": str(tmp_path), "plan": [],
-            "capacity_bytes": int(cap_gb * 2**30) if cap_gb else None}
+    spec = TrialSpec(config=cfg, ds_config="", out_dir=str(tmp_path), plan=[],
+                     capacity_bytes=int(cap_gb * 2**30) if cap_gb else None)
     with pytest.raises(_Stop):
-        worker.Rank(spec)
+        worker.start(spec)
     assert calls["device"] == 1
     if fraction is None:
         assert "fraction" not in calls
@@ -201,9 +202,10 @@ def _demo_cfg(**hw):
 
 def test_doctor_reports_every_area(capsys):
     from zero_bench.commands import doctor as doctor_command
-    from zero_bench.doctor import FIX
+    from zero_bench.doctor import FIX, doctor_checks
 
-    checks = doctor_command(_demo_cfg())
+    assert doctor_command(_demo_cfg()) == 0
+    checks = doctor_checks(_demo_cfg())
     names = {c.name for c in checks}
     for n in ("deepspeed", "GPUs", "NVML", "deepspeed ops", "launcher pdsh", "launcher mpirun", "launcher srun",
               "launcher sshd", "config", "can run"):

@@ -12,7 +12,8 @@ from zero_bench import nvml
 from zero_bench.capacity import memory_fraction
 from zero_bench.config import BenchConfig, ConfigError, HardwareConfig, ParallelConfig
 from zero_bench.gpu import DEVICES_ENV, RankGpu, select_devices
-from zero_bench.launch import Entry, Hooks, _Launch, trial_env
+from zero_bench.launch import LaunchOptions, _Launch, trial_env
+from zero_bench.records import Entry
 from zero_bench.outcome import gpu_devices
 from zero_bench.records import RankRecord, Status, TrialResult
 from zero_bench.report.tables import _memory, emulation_note
@@ -77,7 +78,7 @@ def test_cuda_visible_devices_4_5_is_what_runs_is_sampled_and_is_reported(fake, 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     cfg = gpu_cfg()
     assert trial_env(cfg)[DEVICES_ENV] == "4,5"
-    cmd, env = _Launch(cfg, [Entry(1)], tmp_path, Hooks()).prepare(29500)
+    cmd, env = _Launch(cfg, [Entry(1)], tmp_path, LaunchOptions()).prepare(29500)
     # DeepSpeed's runner would drop CUDA_VISIBLE_DEVICES next to --num_gpus: the list travels apart
     assert "CUDA_VISIBLE_DEVICES" not in env and env[DEVICES_ENV] == "4,5" and "--num_gpus" in cmd
     assert "ZERO_BENCH_DEVICES=4,5" in (tmp_path / "cmd.txt").read_text()
@@ -110,7 +111,7 @@ def test_cuda_visible_devices_4_5_is_what_runs_is_sampled_and_is_reported(fake, 
 
 
 def test_too_few_gpus_for_the_ranks_is_one_line(monkeypatch):
-    from zero_bench.config import validate_machine
+    from zero_bench.preflight import validate_machine
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(ConfigError, match=r"CUDA_VISIBLE_DEVICES=3: lists 1 GPUs but 2 ranks per node"):
@@ -156,19 +157,15 @@ def test_memory_fraction():
 
 
 def test_memory_mib_and_the_a100_preset():
-    from hydra import compose, initialize_config_dir
-
     from zero_bench.capacity import capacity_bytes
-    from zero_bench.config import CONF_DIR
+    from zero_bench.configure import compose
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        c = compose("config", overrides=["hardware=a100_40gb"])
+    c = compose(["hardware=a100_40gb"])
     assert (c.hardware.device, c.hardware.memory_mib) == ("gpu", 40537)
     assert capacity_bytes(gpu_cfg(memory_mib=40537)) == 40537 * MiB
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        c = compose("config", overrides=["+sweep=seed_grid"])
+    c = compose(["+sweep=seed_grid"])
     # the reference's setup: fp16, full recompute, the Megatron-DeepSpeed ds_config, A100-40GB
-    assert (c.hardware.memory_mib, c.precision, c.recompute, c.ds_preset.name) == (
+    assert (c.hardware.memory_mib, c.precision, c.recompute, c.ds_preset) == (
         40537, "fp16", "full", "megatron_deepspeed")
 
 
@@ -176,7 +173,7 @@ def test_memory_mib_and_the_a100_preset():
                                   "ncclUnhandledCudaError: Call to CUDA function failed. Cuda failure 2 'x'",
                                   "CUDA error: CUDA_ERROR_OUT_OF_MEMORY"])
 def test_nccl_allocation_failures_are_oom(text):
-    from zero_bench.worker import is_oom
+    from zero_bench.oom import is_oom
 
     assert is_oom(RuntimeError(text))
 
@@ -195,7 +192,7 @@ def test_gpu_ops_are_built_once_before_any_trial(monkeypatch, offload, op):
     monkeypatch.setattr(info, "installed_ops", {})
     monkeypatch.setattr(doctor, "_jit_cached", lambda name: None)
     cfg = gpu_cfg()
-    cfg = BenchConfig(**{**cfg.__dict__, "zero": 2, "offload_optimizer": offload})
+    cfg = BenchConfig(**{**cfg.__dict__, "zero": 2, "offload": offload})
     assert doctor.prebuild_ops(cfg, say=lambda s: None) == [op] and built == [doctor.BUILDERS[op]]
     monkeypatch.setattr(doctor, "_jit_cached", lambda name: "/cache/x.so")
     assert doctor.prebuild_ops(cfg, say=lambda s: None) == []

@@ -37,7 +37,7 @@ def test_launcher_cmd_passes_hostfile_nodes_launcher(tmp_path, monkeypatch):
     joined = " ".join(cmd)
     assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"]
     for frag in (f"--hostfile {hf}", "--num_nodes 2", "--num_gpus 1", "--launcher openmpi", "--no_ssh_check",
-                 "--master_addr 10.0.0.5", "--master_port 29999", "--module zero_bench.worker"):
+                 "--master_addr 10.0.0.5", "--master_port 29999", "--module zero_bench.rank"):
         assert frag in joined
     monkeypatch.setenv("MASTER_ADDR", "node-a")
     monkeypatch.setenv("ZERO_BENCH_LAUNCHER_ARGS", "--mca btl_tcp_if_include lo")
@@ -117,9 +117,9 @@ def test_find_workers_matches_rank_processes_only(tmp_path):
 
     marker = str(tmp_path / "trial.json")
     code = "import time; time.sleep(30)"
-    rank = subprocess.Popen([sys.executable, "-c", code, "-m", "zero_bench.worker", "--spec", marker],
+    rank = subprocess.Popen([sys.executable, "-c", code, "-m", "zero_bench.rank", "--spec", marker],
                             env={**os.environ, "RANK": "1", "CROSS_RANK": "1"})
-    other = subprocess.Popen([sys.executable, "-c", code, "-m", "zero_bench.worker", "--spec", marker + "x"])
+    other = subprocess.Popen([sys.executable, "-c", code, "-m", "zero_bench.rank", "--spec", marker + "x"])
     try:
         deadline = time.time() + 10
         while time.time() < deadline and not find_workers(marker):

@@ -88,8 +88,8 @@ WORKER = textwrap.dedent("""
 
 @pytest.mark.parametrize("forked,expected", [(True, 1), (False, 2)])
 def test_sampler_counts_the_forked_children_not_their_parents(forked, expected):
-    # "zero_bench.worker" in the command line is how the sampler knows a rank
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, "zero_bench.worker", "--pool", "x"],
+    # "zero_bench.rank" in the command line is how the sampler knows a rank
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, "zero_bench.rank", "--pool", "x"],
                             env={**os.environ, "RANK": "0"})
     try:
         time.sleep(1.0)

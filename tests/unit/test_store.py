@@ -9,7 +9,7 @@ import pytest
 
 from zero_bench.errors import ConfigError
 from zero_bench.records import DeviceMemStats, RankRecord, SearchResult, SearchStatus, Status, TrialResult
-from zero_bench.results import SCHEMA_VERSION, Store
+from zero_bench.store import SCHEMA_VERSION, Store
 
 
 def trial(**kw) -> TrialResult:

@@ -17,7 +17,7 @@ from zero_bench import report
 from zero_bench.config import ConfigError
 from zero_bench.hosts import with_slurm_hostfile
 from zero_bench.records import SearchResult, SearchStatus, Status, TrialResult
-from zero_bench.results import Store
+from zero_bench.store import Store
 from zero_bench.sweeps import JOB_STORE, finished_elsewhere, format_status, sweep_status
 
 from conftest import cpu_cfg

@@ -7,6 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from zero_bench.report.formats import PY_FORMATS, number_format
+from zero_bench.report.views import summary_view
 from zero_bench.report.xlsx import replacing
 
 def write_csv(path: Path, summary: pd.DataFrame) -> None:
@@ -22,8 +23,6 @@ def write_markdown(path: Path, text: str) -> None:
 def markdown_report(rep, pngs: list[Path]) -> str:
     """The Summary in the reference table's layout, what each optimization buys, the memory
     breakdown, the charts (PNG files beside the .md) and scaling; the rest is in the .xlsx / .csv."""
-    from zero_bench.report.views import summary_view
-
     env = rep.env
     hw = env.get("gpu") if env.get("gpu count") else f"CPU: {env.get('cpu')} ({env.get('cpu cores')} cores)"
     parts = ["# zero_bench report", "",

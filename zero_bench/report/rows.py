@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from zero_bench.records import SearchResult, TrialResult
+from zero_bench.records import Mode, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.results import Store
 
 
@@ -81,7 +81,7 @@ def _search_row(s: SearchResult, source: str) -> Row:
 
 
 def _note(status: str, note: str) -> str:
-    prefix = {"skipped": "skipped: ", "estimated_oom": "does not fit (estimated): "}.get(status, "")
+    prefix = {SearchStatus.SKIPPED: "skipped: ", SearchStatus.ESTIMATED_OOM: "does not fit (estimated): "}.get(status, "")
     return prefix + (note or "") if prefix and not (note or "").startswith(prefix) else (note or "")
 
 
@@ -93,9 +93,9 @@ def _lone_rows(trials: list[tuple[TrialResult, str]]) -> list[Row]:
     latest: dict[tuple, tuple[TrialResult, str]] = {}
     probes: dict[tuple, list[TrialResult]] = {}
     for t, src in trials:
-        if t.mode == "measure" or t.status == "estimated_oom":
+        if t.mode == Mode.MEASURE or t.status == Status.ESTIMATED_OOM:
             latest[(t.trial_key, src)] = (t, src)
-        elif t.status != "not_run":
+        elif t.status != Status.NOT_RUN:
             probes.setdefault((t.search_key, src), []).append(t)
     rows = [_trial_row(t, src) for t, src in latest.values()]
     measured = {(t.search_key, src) for t, src in latest.values()}
@@ -104,9 +104,10 @@ def _lone_rows(trials: list[tuple[TrialResult, str]]) -> list[Row]:
 
 
 def _trial_row(t: TrialResult, source: str) -> Row:
-    ok = t.status == "ok"
-    note = {"ok": "", "oom": f"OOM at global batch {t.global_batch}", "estimated_oom": "does not fit (estimated)",
-            "timeout": "timeout", "error": "error"}.get(t.status, t.status)
+    ok = t.status == Status.OK
+    note = {Status.OK: "", Status.OOM: f"OOM at global batch {t.global_batch}",
+            Status.ESTIMATED_OOM: "does not fit (estimated)", Status.TIMEOUT: "timeout",
+            Status.ERROR: "error"}.get(t.status, str(t.status))
     if t.reason:
         note = f"{note}: {t.reason}" if note else t.reason
     return Row(config=t.config, label=t.label, key=t.search_key, status=t.status, note=note, source=source,
@@ -115,8 +116,8 @@ def _trial_row(t: TrialResult, source: str) -> Row:
 
 
 def _incomplete_row(trials: list[TrialResult], source: str) -> Row:
-    fits = [t for t in trials if t.status == "ok"]
+    fits = [t for t in trials if t.status == Status.OK]
     best = max(fits, key=lambda t: t.micro) if fits else None
-    return Row(config=trials[0].config, label=trials[0].label, key=trials[0].search_key, status="incomplete",
+    return Row(config=trials[0].config, label=trials[0].label, key=trials[0].search_key, status=SearchStatus.INCOMPLETE,
                note=f"search stopped before its summary ({len(trials)} trials)", source=source,
                max_global_batch=best.global_batch if best else None, max_micro=best.micro if best else None)

@@ -9,12 +9,13 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import ModelConfig, preset_name
+from zero_bench.models import ModelConfig
+from zero_bench.estimate import model_states_bytes
 from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu, model_flops_per_seq
 from zero_bench.records import DeviceMemStats, TrialResult
 from zero_bench.report.rows import Loaded, Row
+from zero_bench.units import MiB
 
-MiB = 2 ** 20
 
 # The seed table's columns (shared/seeds/zero_table_8xA100.md), then what it lacked.
 SEED_COLUMNS = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
@@ -39,7 +40,7 @@ class Setup:
     tp: int
     dp: int
     zero: int
-    offload_optimizer: bool
+    offload: bool
     offload_param: bool
     precision: str
     device: str
@@ -63,16 +64,21 @@ class Setup:
 def setup_of(c: dict) -> Setup:
     par, hw, batch = c.get("parallel") or {}, c.get("hardware") or {}, c.get("batch") or {}
     return Setup(model=dict(c.get("model") or {}), tp=int(par.get("tp", 1)), dp=int(par.get("dp", 1)),
-                 zero=c.get("zero"), offload_optimizer=bool(c.get("offload_optimizer", c.get("offload", False))),
+                 zero=c.get("zero"), offload=bool(c.get("offload", c.get("offload_optimizer", False))),
                  offload_param=bool(c.get("offload_param") or False), precision=str(c.get("precision", "")),
                  device=str(hw.get("device", "")), grad_accum=int(batch.get("grad_accum", 1)),
-                 recompute=str(c.get("recompute") or "none"), ds_preset=str(preset_name(c.get("ds_preset"))),
+                 recompute=str(c.get("recompute") or "none"), ds_preset=preset_name(c.get("ds_preset")),
                  compile=bool(c.get("compile", False)))
 
 
 
+def preset_name(p) -> str:
+    """The ds_preset a stored config names (once a config group: {name: ...})."""
+    return str(p.get("name", "default") if isinstance(p, dict) else (p or "default"))
+
+
 def _offload_text(s: Setup) -> str:
-    return "Yes (+params)" if s.offload_param else ("Yes" if s.offload_optimizer else "No")
+    return "Yes (+params)" if s.offload_param else ("Yes" if s.offload else "No")
 
 
 # -- environment and peak FLOP/s ------------------------------------------------------------------
@@ -205,10 +211,8 @@ def measured_model_states(t: TrialResult) -> tuple[Optional[int], bool]:
 def estimated_model_states(s: Setup, with_grads: bool = True) -> Optional[int]:
     """zero_bench.estimate's figure for one rank (device + host bytes), None if it is missing or fails."""
     try:
-        from zero_bench.estimate import model_states_bytes
-
         est = model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
-                                 offload_optimizer=s.offload_optimizer, offload_param=s.offload_param)
+                                 offload_optimizer=s.offload, offload_param=s.offload_param)
         total = int(est["gpu"]) + int(est["cpu"])
         return total if with_grads else total - int(est.get("grads", 0))
     except Exception:  # not written yet, or cannot answer for this configuration
@@ -309,7 +313,7 @@ def environment_frames(env: dict, env_source: str, peaks: Peaks, rows: list[Row]
     notes = []
     if on_cpu:
         notes.append("CPU: devices are ranks and memory is each rank's RSS; MFU/HFU use a measured matmul peak.")
-    if any(s.offload_optimizer or s.offload_param for s in on_cpu):
+    if any(s.offload or s.offload_param for s in on_cpu):
         notes.append("CPU offload on CPU moves bytes from CPU to CPU: it runs the code path but cannot lower RSS.")
     per_row = [_reproduce(r, loaded) for r in rows]
     return [("Machine", pd.DataFrame(facts, columns=["item", "value"])),

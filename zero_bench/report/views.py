@@ -11,11 +11,13 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from zero_bench.config import BenchConfig
+from zero_bench.estimate import estimate
 from zero_bench.records import TrialResult
 from zero_bench.report.rows import Loaded, Row
 from zero_bench.report.tables import device_memory, measured_model_states
+from zero_bench.units import MiB
 
-MiB = 2 ** 20
 
 # The reference table's columns, in its order; per device a text cell and the number beside it.
 LEAD = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "ZeRO stage",
@@ -100,9 +102,6 @@ def _breakdown(r: Row, trials: list[TrialResult], micro: int) -> dict:
 
 
 def _estimate(r: Row):
-    from zero_bench.config import BenchConfig
-    from zero_bench.estimate import estimate
-
     try:
         return estimate(BenchConfig.from_dict(r.config))
     except Exception:  # noqa: BLE001 - an old or partial config: no estimate terms for it

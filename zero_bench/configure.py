@@ -1,0 +1,227 @@
+"""Compose conf/ over the schema (zero_bench.config) and check it: every bad input fails here with one
+line naming the key and what is allowed, before anything is launched. Types are the schema's (Hydra
+and OmegaConf enforce them); ranges and choices are one function per section below; checks across
+keys are validate_static's; "auto" and None become concrete in `resolve`, the one place that does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from zero_bench.config import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, HardwareConfig,
+                               Precision, ReportConfig, SearchConfig, composition_error, structured)
+from zero_bench.errors import ConfigError
+from zero_bench.models import ModelConfig
+
+
+def compose(overrides: list[str]) -> Any:
+    """conf/ composed with `overrides`, as a Hydra app would (no sweep values); Hydra's own errors
+    (an unknown key, a value of the wrong type) become one-line ConfigErrors."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return hydra_compose("config", overrides=list(overrides))
+    except Exception as exc:  # noqa: BLE001 - Hydra's and OmegaConf's exceptions, one line each
+        raise ConfigError(composition_error(exc, overrides)) from None
+
+
+def _plain(cfg: Any) -> dict:
+    from omegaconf import OmegaConf
+
+    return cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+
+
+def from_cfg(cfg: Any, here: bool = True) -> BenchConfig:
+    """A composed config (Hydra DictConfig or a plain dict) -> a checked, resolved BenchConfig.
+
+    here: the trial runs on this machine (device=gpu needs a visible GPU). An estimate is for a
+    machine one may not have: here=False keeps device=gpu and resolves "auto" as that device would.
+    """
+    root = structured(Config, _plain(cfg))
+    check_bench(root)
+    bench = BenchConfig(**{f.name: getattr(root, f.name) for f in dataclasses.fields(BenchConfig)})
+    bench = resolve(bench, here)
+    validate_static(bench)
+    return bench
+
+
+def search_from_cfg(cfg: Any) -> SearchConfig:
+    """The `search:` section, checked."""
+    search = structured(SearchConfig, _plain(cfg).get("search") or {}, "search.")
+    check_search(search)
+    return search
+
+
+def report_from_cfg(cfg: Any) -> ReportConfig:
+    """The `report:` section, checked."""
+    return structured(ReportConfig, _plain(cfg).get("report") or {}, "report.")
+
+
+def check_all(cfg: Any) -> None:
+    """Every section's ranges, whatever the sub-command uses (a bad value is refused by every
+    command); cross-field checks are from_cfg's."""
+    root = structured(Config, _plain(cfg))
+    check_bench(root)
+    check_search(root.search)
+    integer("repeats", root.repeats)
+
+
+# -- one check per section: types are the schema's, ranges and choices are here ------------------
+
+def choice(key: str, value: Any, allowed: tuple) -> Any:
+    if not any(value == a and type(value) is type(a) for a in allowed):  # True is not the stage 1
+        raise ConfigError(f"{key}={value}: allowed values are {', '.join(map(str, allowed))}")
+    return value
+
+
+def integer(key: str, value: Any, lo: int = 1, hi: Optional[int] = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"{key}={value}: must be an integer {rng}")
+    return value
+
+
+def number(key: str, value: Any, lo: float = 0.0) -> float:
+    """A number strictly greater than `lo`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > lo:
+        shown = f"{value:g}" if isinstance(value, float) else value
+        raise ConfigError(f"{key}={shown}: must be a number > {lo:g}")
+    return float(value)
+
+
+def check_model(m: ModelConfig) -> None:
+    for k in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "pad_vocab_to"):
+        integer(f"model.{k}", getattr(m, k))
+
+
+def check_hardware(hw: HardwareConfig) -> None:
+    if hw.memory_gb is not None and hw.memory_mib is not None:
+        raise ConfigError(f"hardware.memory_mib={hw.memory_mib}: give memory_gb or memory_mib, not both "
+                          f"(memory_gb={hw.memory_gb})")
+    if hw.memory_gb is not None:
+        number("hardware.memory_gb", hw.memory_gb)
+    if hw.memory_mib is not None:
+        integer("hardware.memory_mib", hw.memory_mib)
+    integer("hardware.num_nodes", hw.num_nodes)
+
+
+def check_bench(b: BenchConfig) -> None:
+    check_model(b.model)
+    check_hardware(b.hardware)
+    integer("parallel.tp", b.parallel.tp)
+    integer("parallel.dp", b.parallel.dp)
+    choice("zero", b.zero, ZERO_STAGES)
+    integer("recompute_layers", b.recompute_layers)
+    choice("ds_preset", b.ds_preset, ds_presets())
+    integer("batch.micro", b.batch.micro)
+    integer("batch.grad_accum", b.batch.grad_accum)
+    integer("steps.warmup", b.steps.warmup, lo=0)
+    integer("steps.timed", b.steps.timed)
+    integer("steps.probe", b.steps.probe)
+    number("timeout_s", b.timeout_s)
+    integer("seed", b.seed, lo=0)
+
+
+def check_search(s: SearchConfig) -> None:
+    integer("search.min", s.min)
+    integer("search.max", s.max)
+    if s.max < s.min:
+        raise ConfigError(f"search.max={s.max}: must be >= search.min={s.min}")
+    integer("search.granularity", s.granularity)
+    integer("search.max_trials", s.max_trials, lo=2)
+    number("search.cpu_budget_gb", s.cpu_budget_gb)
+
+
+def ds_presets() -> tuple:
+    """The ds_configs/ template sets: default, and each {name}.json that is not a layer of another."""
+    layers = {"base", "cpu", "offload_optimizer", "offload_param", "zero0", "zero1", "zero2", "zero3"}
+    names = {p.stem for p in DS_TEMPLATES.glob("*.json")} - layers
+    return ("default",) + tuple(sorted(n for n in names if not any(n.startswith(o + "_") for o in names)))
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve(b: BenchConfig, here: bool = True) -> BenchConfig:
+    """The one place "auto" and None become concrete: device (CUDA when torch sees it), precision
+    (bf16 on GPU, fp32 on CPU), offload_param (follows offload with ZeRO-3). here=False (an
+    estimate for another machine) keeps device=gpu without a visible GPU."""
+    device = b.hardware.device
+    if device == Device.auto:
+        device = Device.gpu if cuda_available() else Device.cpu
+    elif device == Device.gpu and here and not cuda_available():
+        raise ConfigError("hardware.device=gpu: no CUDA device is visible; allowed here: cpu, auto")
+    precision = b.precision
+    if precision == Precision.auto:
+        precision = Precision.bf16 if device == Device.gpu else Precision.fp32
+    offload_param = bool(b.offload and b.zero == 3) if b.offload_param is None else b.offload_param
+    return dataclasses.replace(b, hardware=dataclasses.replace(b.hardware, device=Device(device)),
+                               precision=precision, offload_param=offload_param)
+
+
+def validate_static(b: BenchConfig) -> None:
+    """Checks across keys that need only the config (inside a grid, a failing combination is
+    recorded as skipped rather than ending the sweep)."""
+    m, tp = b.model, b.parallel.tp
+    if m.num_heads % tp:
+        raise ConfigError(f"parallel.tp={tp}: must divide model.num_heads={m.num_heads}")
+    if m.hidden_size % tp:
+        raise ConfigError(f"parallel.tp={tp}: must divide model.hidden_size={m.hidden_size}")
+    if b.recompute == "full" and m.num_layers % b.recompute_layers:
+        raise ConfigError(f"recompute_layers={b.recompute_layers}: must divide model.num_layers={m.num_layers} "
+                          "(megatron's uniform recompute)")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads}: must divide model.hidden_size={m.hidden_size}")
+    if b.offload and b.zero == 0:
+        raise ConfigError("offload=true: needs ZeRO stage 1, 2 or 3 (got zero=0); allowed with zero=0: false")
+    if b.offload_param and b.zero != 3:
+        raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
+    if b.precision == "fp16" and b.hardware.device == "cpu":
+        raise ConfigError("precision=fp16: not supported by DeepSpeed's CPU accelerator; allowed on cpu: fp32, bf16")
+
+
+
+
+# -- the keys, for `zero_bench --help` ------------------------------------------------------------
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def keys_help(cls=Config, prefix: str = "") -> list[str]:
+    """One line per key: name=default (choices) and what it means; sections recursively."""
+    import typing
+    from enum import Enum
+
+    hints, docs, out = typing.get_type_hints(cls), field_docs(cls), []
+    default = cls()
+    for f in dataclasses.fields(cls):
+        hint, value = hints[f.name], getattr(default, f.name)
+        if dataclasses.is_dataclass(hint):
+            out += keys_help(hint, f"{prefix}{f.name}.")
+            continue
+        enum = next((a for a in typing.get_args(hint) + (hint,) if isinstance(a, type) and issubclass(a, Enum)), None)
+        shown = "null" if value is None else (str(value).lower() if isinstance(value, bool) else str(value))
+        choices = f" ({' | '.join(e.value for e in enum)})" if enum else ""
+        out.append(f"  {prefix}{f.name}={shown}{choices}  {docs.get(f.name, '')}".rstrip())
+    return out

@@ -1,0 +1,43 @@
+"""What trains the model and shards its states: the engine. The worker runs its plan on an `Engine`
+and does not know which library is behind it; each engine builds the model (models/), runs one
+optimizer step, and counts its own exact model states.
+
+deepspeed.py: DeepSpeed ZeRO 0-3, CPU offload, DeepSpeed's activation checkpointing.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol
+
+import torch
+
+from zero_bench.engines.deepspeed import DeepSpeedEngine
+from zero_bench.records import TrialSpec
+
+# One micro-batch: (input tokens, position ids, labels).
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class Engine(Protocol):
+    zero_init: bool
+    """The parameters were partitioned as the model was built (no rank ever held the whole model)."""
+
+    def step(self, batches: list[Batch], mask: torch.Tensor, marks: Callable[[str], None]) -> list[float]:
+        """One optimizer step over the micro-batches (gradient accumulation); their losses. Calls
+        marks("forward"), marks("backward"), marks("step") as it goes."""
+
+    def was_step_applied(self) -> bool:
+        """False when the last step was skipped (fp16 overflow)."""
+
+    def loss_scale(self) -> Optional[float]:
+        """fp16's dynamic loss scale now; None without one."""
+
+    def model_states(self) -> dict:
+        """Exact bytes of this rank's model states: params, master, optimizer, grads (+ numel_local)."""
+
+    def compile(self) -> None:
+        """torch.compile the model (lazily, at the first step of each shape)."""
+
+
+def build_engine(spec: TrialSpec, on_cpu: bool) -> Engine:
+    """The engine a trial spec asks for, with megatron's parallel groups set up and the model built."""
+    return DeepSpeedEngine(spec, on_cpu)

@@ -1,0 +1,143 @@
+"""DeepSpeed's engine: ZeRO 0-3, CPU offload, and recompute=full through DeepSpeed's activation
+checkpointing (so ds_config's activation_checkpointing applies, as in Megatron-DeepSpeed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+import deepspeed
+import torch
+
+from zero_bench.config import BenchConfig
+from zero_bench.models.megatron import MpuAdapter, build_gpt, init_parallel, transformer_config
+from zero_bench.models.shims import torch_checkpoint_for_selective
+from zero_bench.records import TrialSpec
+
+
+class DeepSpeedEngine:
+    """megatron's GPT under deepspeed.initialize (ZeRO-3: built under deepspeed.zero.Init)."""
+
+    def __init__(self, spec: TrialSpec, on_cpu: bool):
+        cfg = spec.config
+        mpu = init_parallel(cfg.parallel.tp, cfg.seed, on_cpu)
+        ds_config = json.loads(Path(spec.ds_config).read_text())
+        install_checkpointing(cfg, mpu, ds_config)
+        config = transformer_config(cfg, on_cpu)
+        if cfg.zero == 3:
+            config.embedding_init_method = gathered(config.embedding_init_method)
+        # ZeRO-3 partitions each parameter as its module is built: no rank ever holds the whole model.
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu, enabled=cfg.zero == 3):
+            model = build_gpt(cfg, config, on_cpu)
+        self.zero_init = all(hasattr(p, "ds_id") for p in model.parameters())
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=ds_config, mpu=mpu)
+
+    def step(self, batches: list, mask: torch.Tensor, marks: Callable[[str], None]) -> list[float]:
+        losses = []
+        for inputs, pos, labels in batches:  # DeepSpeed applies the update at the last micro-step
+            marks("forward")
+            loss = self.engine(inputs, pos, mask, labels=labels).float().mean()
+            marks("backward")
+            self.engine.backward(loss)
+            marks("step")
+            self.engine.step()
+            losses.append(loss.item())
+        return losses
+
+    def was_step_applied(self) -> bool:
+        return self.engine.was_step_applied()
+
+    def loss_scale(self) -> Optional[float]:
+        return float(self.engine.optimizer.loss_scale) if self.engine.fp16_enabled() else None
+
+    def model_states(self) -> dict:
+        return model_state_bytes(self.engine)
+
+    def compile(self) -> None:
+        self.engine.compile()
+
+
+def _storage_bytes(tensors) -> dict:
+    out = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            st = t.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def model_state_bytes(engine) -> dict:
+    """Exact bytes of this rank's model states, by walking DeepSpeed's objects (after a step).
+
+    params: what the module holds (ZeRO-3: its partition ds_tensor); master: the tensors the inner
+    optimizer updates when they are not the params themselves (fp32 copies); optimizer: the inner
+    optimizer's state (Adam moments); grads: gradients/partitions still referenced by the params
+    or by ZeRO's flat partition buffers.
+    """
+    params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    p_map = _storage_bytes(params)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    opt_params = [p for g in inner.param_groups for p in g["params"]]
+    # ZeRO-3 hands its fp32 partitions to the inner optimizer only during step(); read them directly.
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        opt_params += list(getattr(engine.optimizer, attr, None) or [])
+    m_map = {k: v for k, v in _storage_bytes(opt_params).items() if k not in p_map}
+    states = [v for s in inner.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
+    o_map = _storage_bytes(states)
+    grads = [p.grad for p in engine.module.parameters()] + [p.grad for p in opt_params]
+    g_map = {k: v for k, v in _storage_bytes(grads).items() if k not in p_map and k not in m_map}
+    return {"params": sum(p_map.values()), "master": sum(m_map.values()),
+            "optimizer": sum(o_map.values()), "grads": sum(g_map.values()),
+            "numel_local": sum(p.numel() for p in params)}
+
+
+def install_checkpointing(cfg: BenchConfig, mpu: MpuAdapter, ds_config: dict) -> None:
+    """The checkpoint function megatron-core calls for `recompute`."""
+    if cfg.recompute == "full":
+        use_deepspeed_checkpointing(mpu, ds_config)
+    elif cfg.recompute == "selective" and cfg.hardware.device == "cpu":
+        torch_checkpoint_for_selective()
+
+
+def use_deepspeed_checkpointing(mpu: MpuAdapter, ds_config: dict) -> None:
+    """recompute=full as Megatron-DeepSpeed runs it: DeepSpeed's checkpoint function replaces
+    megatron's, so ds_config's activation_checkpointing (partition_activations, cpu_checkpointing,
+    contiguous_memory_optimization) applies. Megatron-DeepSpeed sets mpu.checkpoint the same way;
+    megatron-core's TransformerBlock looks tensor_parallel.checkpoint up at each call."""
+    from megatron.core import tensor_parallel
+
+    deepspeed.checkpointing.configure(mpu, deepspeed_config=ds_config)
+
+    def checkpoint(function, distribute_saved_activations, *args):
+        # distribute_saved_activations is megatron's own partitioning; DeepSpeed's config decides.
+        # DeepSpeed's partitioned path miscounts None arguments (megatron passes several: context,
+        # masks), so only the tensors go through it and the rest is put back around them.
+        where = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        template = [None if torch.is_tensor(a) else a for a in args]
+
+        def run(*tensors):
+            full = list(template)
+            for i, t in zip(where, tensors):
+                full[i] = t
+            return function(*full)
+
+        return deepspeed.checkpointing.checkpoint(run, *(args[i] for i in where))
+
+    tensor_parallel.checkpoint = checkpoint
+
+
+def gathered(init):
+    """An init method that works on a parameter deepspeed.zero.Init has already partitioned.
+
+    megatron-core initialises the learned position table after its nn.Embedding was built, and
+    zero.Init partitions a module's parameters as soon as it is built: the init then writes into an
+    empty partition (the table keeps nn.Embedding's N(0, 1)) and every later layer draws different
+    random numbers. Gathered, rank 0 initialises the whole table (as Megatron-DeepSpeed does), and
+    the weights equal those built without zero.Init (tests/integration/test_trial.py)."""
+
+    def gathered_init(weight):
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+            init(weight)
+
+    return gathered_init

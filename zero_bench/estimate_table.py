@@ -1,0 +1,108 @@
+"""`zero_bench estimate`: the estimate of every configuration asked for, as a table or JSON.
+
+Without zero=... it shows every ZeRO stage x offload (offload=... alone pins the offload); the
+configuration is read with from_cfg(here=False): an estimate is for a machine one may not have.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from zero_bench.config import BenchConfig, ConfigError
+from zero_bench.configure import from_cfg, validate_static
+from zero_bench.estimate import Estimate, estimate
+from zero_bench.records import SearchStatus
+from zero_bench.store import Store
+from zero_bench.units import GiB, MiB
+
+COLUMNS = {"config": "config", "params": "params GiB", "grads": "grads GiB", "optimizer": "optim GiB",
+           "device_states": "states/dev GiB", "host_states": "host/rank GiB", "buffers": "buffers GiB",
+           "act_per_sample": "act/sample MiB", "peak_micro1": "peak@micro1 GiB", "host_needed": "host/node GiB",
+           "max_micro": "max micro", "max_global_batch": "max global", "measured_max_micro": "measured micro"}
+GIB_COLUMNS = ("params", "grads", "optimizer", "device_states", "host_states", "buffers", "peak_micro1", "host_needed")
+LEGEND = ("states/dev: params+grads+optimizer on the device; host/rank: offloaded states per rank (on CPU the "
+          "same memory); peak@micro1 includes overhead and buffers; max micro: predicted largest micro-batch per "
+          "rank for the capacity ('?' when no capacity is known).")
+
+
+def variants(bench: BenchConfig, explicit: frozenset) -> list[BenchConfig]:
+    """The configurations to show: all stages x offload, or just the configured one when the user
+    gave zero=... (offload=... alone pins the offload and shows every stage)."""
+    stages = [bench.zero] if "zero" in explicit else [0, 1, 2, 3]
+    offloads = [bench.offload] if explicit & {"zero", "offload"} else [False, True]
+    out = []
+    for z in stages:
+        for off in offloads:
+            op = bench.offload_param if "offload_param" in explicit else (off and z == 3)
+            v = dataclasses.replace(bench, zero=z, offload=off, offload_param=op)
+            try:
+                validate_static(v)
+            except ConfigError:
+                continue  # e.g. ZeRO-0 with offload
+            out.append(v)
+    return out
+
+
+def measured_max_micro(store: Optional[str], bench: BenchConfig) -> Optional[int]:
+    """max micro a finished search in the store found for this configuration, if any."""
+    if not store or not Path(store).exists():
+        return None
+    try:
+        res = Store(store).search(bench.search_key())
+    except ConfigError:  # the store is optional here
+        return None
+    return res.max_micro if res and res.status == SearchStatus.DONE else None
+
+
+def estimate_report(cfg: Any, explicit: frozenset) -> str:
+    """The table (or, with json=true, the JSON document) for the configured model."""
+    bench = from_cfg(cfg, here=False)
+    ests = [(v, estimate(v)) for v in variants(bench, explicit)]
+    rows = [{**e.row(), "measured_max_micro": measured_max_micro(cfg.get("store"), v)} for v, e in ests]
+    first = ests[0][1] if ests else None
+    if cfg.get("json", False):
+        return as_json(bench, first, rows, [e for _, e in ests])
+    m = bench.model
+    head = (f"zero_bench estimate: {m.name} ({m.num_params / 1e9:.3f}B params, "
+            f"{m.params_per_shard(bench.parallel.tp) / 1e9:.3f}B per TP shard) tp={bench.parallel.tp} "
+            f"dp={bench.parallel.dp} on {bench.hardware.device} {bench.precision}, micro x grad_accum "
+            f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank; fixed "
+            f"overhead {(first.overhead if first else 0) / MiB:.0f} MiB per rank")
+    return "\n".join([head, format_table(rows), LEGEND])
+
+
+def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], ests: list[Estimate]) -> str:
+    return json.dumps({"model": bench.model.name, "num_params": bench.model.num_params,
+                       "params_per_shard": bench.model.params_per_shard(bench.parallel.tp),
+                       "tp": bench.parallel.tp, "dp": bench.parallel.dp, "device": bench.hardware.device,
+                       "precision": bench.precision, "capacity_bytes": first.capacity if first else None,
+                       "overhead_bytes": first.overhead if first else None,
+                       "configs": [{**r, "buffers_detail": e.buffers, "activations": e.activations}
+                                   for r, e in zip(rows, ests)]}, indent=2)
+
+
+def _gib(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / GiB:.2f}"
+
+
+def _count(x) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "?"
+    return "does not fit" if x == 0 else str(int(x))
+
+
+def format_table(rows: list[dict]) -> str:
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    for k in GIB_COLUMNS:
+        df[k] = df[k].map(_gib)
+    df["act_per_sample"] = df["act_per_sample"].map(lambda x: f"{x / MiB:.1f}")
+    for k in ("max_micro", "max_global_batch", "measured_max_micro"):
+        if k in df:
+            df[k] = df[k].map(_count)
+    keep = [k for k in COLUMNS if k in df]
+    return df[keep].rename(columns=COLUMNS).to_string(index=False)
