@@ -121,7 +121,7 @@ def buys_frame(details: pd.DataFrame) -> pd.DataFrame:
     if len(df) < 2 or any(df[c].nunique(dropna=False) > 1 for c in SAME if c in df):
         return pd.DataFrame(columns=cols)
     df["max memory MiB"] = df[[c for c in df.columns if c.startswith("Dev") and c.endswith("used MiB")]].max(axis=1)
-    base = df.loc[min(df.index, key=lambda i: _rank(df.loc[i]))]
+    base = df.loc[baseline_index(df)]
     out = [_buys_row("baseline", base, base)]
     for i in df.index:
         changed = [k for k in OPTIMIZATIONS if k in df and df.at[i, k] != base[k]]
@@ -129,6 +129,11 @@ def buys_frame(details: pd.DataFrame) -> pd.DataFrame:
             k = changed[0]
             out.append(_buys_row(f"{k}: {base[k]} -> {df.at[i, k]}", df.loc[i], base))
     return pd.DataFrame(out if len(out) > 1 else [], columns=cols)
+
+
+def baseline_index(df: pd.DataFrame):
+    """The least optimised configuration: lowest ZeRO stage, no offload, no recompute, eager, ..."""
+    return min(df.index, key=lambda i: _rank(df.loc[i]))
 
 
 def _rank(row: pd.Series) -> tuple:
