@@ -186,9 +186,12 @@ def sweep_progress(label: str, finished: bool) -> None:
 # -- report ------------------------------------------------------------------------------------------
 
 def report(cfg: DictConfig, out: Path) -> int:
-    from zero_bench.report import write_reports
+    from omegaconf import OmegaConf
 
-    paths = write_reports(runs=cfg.report.runs or cfg.store, out=cfg.report.out, compare=cfg.report.compare)
+    from zero_bench.report import report_options, write_reports
+
+    section = OmegaConf.to_container(cfg.report, resolve=True)
+    paths = write_reports(report_options({**section, "runs": section.get("runs") or cfg.store}))
     for p in paths:
         print(f"wrote {p}")
     return OK
