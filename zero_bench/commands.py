@@ -140,8 +140,7 @@ def _maxbatch(cfg: DictConfig, inv: Invocation) -> SearchResult:
 
 
 def report(cfg: DictConfig, inv: Invocation) -> int:
-    opts = report_from_cfg(cfg)
-    for p in write_reports(runs=opts.runs or cfg.store, out=opts.out, compare=opts.compare):
+    for p in write_reports(report_from_cfg(cfg)):
         print(f"wrote {p}")
     return OK
 

@@ -231,6 +231,10 @@ class ReportConfig:
     """The workbook; the .csv, .md and its charts are written beside it."""
     compare: Optional[str] = None
     """Another store (directory, glob) or report .xlsx to put side by side."""
+    price_per_device_hour: Optional[float] = None
+    """What one device (GPU, or CPU rank) costs per hour, in any currency; None: no cost columns."""
+    train_tokens: Optional[float] = None
+    """Tokens of a training run to size (e.g. 1e12): its time and, with a price, its cost; None: not shown."""
 
 
 @dataclass

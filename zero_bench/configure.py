@@ -57,8 +57,11 @@ def search_from_cfg(cfg: Any) -> SearchConfig:
 
 
 def report_from_cfg(cfg: Any) -> ReportConfig:
-    """The `report:` section, checked."""
-    return structured(ReportConfig, _plain(cfg).get("report") or {}, "report.")
+    """The `report:` section, checked; runs=None becomes the config's `store`."""
+    plain = _plain(cfg)
+    rep = structured(ReportConfig, plain.get("report") or {}, "report.")
+    check_report(rep)
+    return rep if rep.runs else dataclasses.replace(rep, runs=plain.get("store") or Config.store)
 
 
 def check_all(cfg: Any) -> None:
@@ -67,6 +70,7 @@ def check_all(cfg: Any) -> None:
     root = structured(Config, _plain(cfg))
     check_bench(root)
     check_search(root.search)
+    check_report(root.report)
     integer("repeats", root.repeats)
 
 
@@ -134,6 +138,14 @@ def check_search(s: SearchConfig) -> None:
     integer("search.granularity", s.granularity)
     integer("search.max_trials", s.max_trials, lo=2)
     number("search.cpu_budget_gb", s.cpu_budget_gb)
+
+
+def check_report(r: ReportConfig) -> None:
+    if r.out in (None, ""):
+        raise ConfigError(f"report.out={r.out}: must be a path (the .csv and .md are written beside it)")
+    for key in ("price_per_device_hour", "train_tokens"):
+        if getattr(r, key) is not None:
+            number(f"report.{key}", getattr(r, key))
 
 
 def ds_presets() -> tuple:

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from zero_bench import report
+from zero_bench.config import ReportConfig
 from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig, SearchConfig, StepsConfig
 from zero_bench.store import Store
 from zero_bench.search import SearchOptions, run_search
@@ -32,7 +33,7 @@ def real(tmp_path_factory):
                          SearchOptions(repeats=2, progress=lambda s: None))
         assert dp2.status == dp1.status == "done", (dp2.note, dp1.note)
         lone = add_synthetic(store)
-        paths = report.write_reports(runs=store.path, out=tmp / "reports" / "zero_bench.xlsx")
+        paths = report.write_reports(ReportConfig(runs=store.path, out=tmp / "reports" / "zero_bench.xlsx"))
         yield dict(store=store, dp2=dp2, dp1=dp1, lone=lone, paths=paths, tmp=tmp)
 
 
@@ -188,7 +189,7 @@ def test_compare_sheet_shows_deltas_and_ratios(real):
             m = dataclasses.replace(s.measure, samples_per_s=s.measure.samples_per_s * f,
                                     tokens_per_s=s.measure.tokens_per_s * f, time_per_step_s=s.measure.time_per_step_s / f)
             other.put_search(dataclasses.replace(s, measure=m, max_global_batch=s.max_global_batch * 2))
-    xlsx = report.write_reports(runs=real["store"].path, out=tmp / "cmp" / "a_vs_b.xlsx", compare=other.path)[0]
+    xlsx = report.write_reports(ReportConfig(runs=real["store"].path, out=tmp / "cmp" / "a_vs_b.xlsx", compare=other.path))[0]
     cmp = pd.read_excel(xlsx, sheet_name="Compare")
     base = summary_of(real)
     assert len(cmp) == len(base)  # every configuration of either side, matched where both have it
@@ -205,7 +206,7 @@ def test_compare_sheet_shows_deltas_and_ratios(real):
         assert r["Max Global BSZ ratio"] == pytest.approx(2.0)
     assert cmp["throughput (samples/s) [h100]"].notna().sum() == len(faster)  # the rest: this side only
     # a report already written can be the other side too
-    again = report.write_reports(runs=real["store"].path, out=tmp / "cmp" / "self.xlsx", compare=xlsx)[0]
+    again = report.write_reports(ReportConfig(runs=real["store"].path, out=tmp / "cmp" / "self.xlsx", compare=xlsx))[0]
     same = pd.read_excel(again, sheet_name="Compare")
     assert same["throughput (samples/s) ratio"].dropna().tolist() == pytest.approx([1.0] * 4)
 

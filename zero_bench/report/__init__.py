@@ -1,29 +1,33 @@
 """`zero_bench report`: store(s) -> DataFrames -> .xlsx (for the stakeholder), .csv, .md (for the PR).
 
 One Summary row per configuration: a SearchResult, or a trial no search owns (`zero_bench run`).
-Failed configurations keep their row, with the reason in Notes. Every file is written to a temporary
-name beside the target and moved over it, so a crash mid-export leaves the previous report intact.
+Failed configurations keep their row, with the reason in Notes. Above the Summary (sheet and .md):
+the recommendation per model and device (recommend.py); with a price and/or a token count, cost
+and time to train (costs.py). Every file is written to a temporary name beside the target and moved
+over it, so a crash mid-export leaves the previous report intact.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import ConfigError
+from zero_bench.config import ConfigError, ReportConfig
 from zero_bench.environment import machine_environment
 from zero_bench.report.charts import write_charts
+from zero_bench.report.costs import assumptions, with_costs
 from zero_bench.report.markdown import markdown_report, write_csv, write_markdown
+from zero_bench.report.recommend import Advice, advice_lines, recommend
 from zero_bench.report.rows import find_stores, load, rows_of
 from zero_bench.report.tables import (ESTIMATE_COLUMNS, SEED_COLUMNS, Peaks, compare_frame, environment_frames, recorded_environment,
                                       scaling_frame, summary_frame, trials_frame)
 from zero_bench.report.views import breakdown_frame, buys_frame, summary_view
 from zero_bench.report.xlsx import BREAKDOWN, BUYS, write_xlsx
 
-__all__ = ["Report", "build", "write_reports", "ESTIMATE_COLUMNS", "SEED_COLUMNS", "Peaks", "find_stores", "load", "rows_of",
-           "summary_frame"]
+__all__ = ["Report", "ReportConfig", "build", "write_reports", "ESTIMATE_COLUMNS", "SEED_COLUMNS",
+           "Peaks", "find_stores", "load", "rows_of", "summary_frame"]
 
 @dataclass
 class Report:
@@ -34,6 +38,15 @@ class Report:
     env: dict
     breakdown: pd.DataFrame = None  # memory by kind at a common batch
     buys: pd.DataFrame = None  # what each optimization buys
+    advice: list[Advice] = field(default_factory=list)  # the recommendation, per model and device
+    assumptions: str = ""  # what the cost columns assume ("" without a price or token count)
+
+    def preface(self) -> list[tuple[str, str]]:
+        """The recommendation as (style, text) lines: what the Summary sheet and the .md open with."""
+        if not self.advice:
+            return []
+        lines = [("title", "Recommendation")] + advice_lines(self.advice)
+        return lines + ([("note", self.assumptions)] if self.assumptions else [])
 
     def sheets(self) -> dict[str, pd.DataFrame]:
         out = {"Summary": summary_view(self.summary), "Details": self.summary}
@@ -46,8 +59,9 @@ class Report:
         return out
 
 
-def build(runs: str | Path, key: str = "report.runs") -> Report:
-    """Store(s) -> every table of the report (nothing written); `key` names the input in errors."""
+def build(runs: str | Path, key: str = "report.runs", options: Optional[ReportConfig] = None) -> Report:
+    """Store(s) -> every table of the report (nothing written); `key` names the input in errors;
+    `options` add the cost columns (price, tokens to train)."""
     sources = find_stores(runs)
     if not sources:
         raise ConfigError(f"{key}={runs}: no store (*.sqlite) found there")
@@ -60,10 +74,12 @@ def build(runs: str | Path, key: str = "report.runs") -> Report:
     env_source = ("recorded with the results" if recorded else
                   "the machine that wrote this report (the store does not record one)")
     peaks = Peaks(env)
-    summary = summary_frame(rows, peaks)
+    price, tokens = (options.price_per_device_hour, options.train_tokens) if options else (None, None)
+    summary = with_costs(summary_frame(rows, peaks), price, tokens)
     return Report(summary=summary, trials=trials_frame(loaded), scaling=scaling_frame(summary),
                   environment=environment_frames(env, env_source, peaks, rows, loaded, sources), env=env,
-                  breakdown=breakdown_frame(rows, loaded), buys=buys_frame(summary))
+                  breakdown=breakdown_frame(rows), buys=buys_frame(summary), advice=recommend(summary, tokens),
+                  assumptions=assumptions(price, tokens))
 
 
 def compare_summary(compare: str | Path) -> pd.DataFrame:
@@ -87,15 +103,15 @@ def output_paths(out: str | Path) -> tuple[Path, Path, Path]:
     return Path(f"{base}.xlsx"), Path(f"{base}.csv"), Path(f"{base}.md")
 
 
-def write_reports(runs: str | Path, out: str | Path = "reports/zero_bench.xlsx",
-                  compare: Optional[str | Path] = None) -> list[Path]:
+def write_reports(opts: ReportConfig) -> list[Path]:
     """`zero_bench report`: the .xlsx, .csv and .md beside each other; returns their paths."""
-    rep = build(runs)
+    rep = build(opts.runs, options=opts)
     sheets = rep.sheets()
-    if compare:
-        sheets["Compare"] = compare_frame(rep.summary, compare_summary(compare), side_names(runs, compare))
-    xlsx, csv, md = output_paths(out)
-    write_xlsx(xlsx, sheets, rep.environment)
+    if opts.compare:
+        sheets["Compare"] = compare_frame(rep.summary, compare_summary(opts.compare),
+                                          side_names(opts.runs, opts.compare))
+    xlsx, csv, md = output_paths(opts.out)
+    write_xlsx(xlsx, sheets, rep.environment, rep.preface())
     write_csv(csv, rep.summary)
     pngs = write_charts(md, sheets["Summary"], rep.breakdown)
     write_markdown(md, markdown_report(rep, pngs))

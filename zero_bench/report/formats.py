@@ -8,10 +8,12 @@ from typing import Optional
 FORMATS = {"MFU": "0.00%", "HFU": "0.00%", "peak memory used": "0.0%", "scaling efficiency": "0.0%",
            "num params": "#,##0", "throughput (samples/s)": "#,##0.00", "Throughput (samples/sec)": "#,##0.00", "tokens/s": "#,##0",
            "tokens/s per GPU": "#,##0", "model TFLOP/s per GPU": "0.000", "speedup": "0.00", "ideal speedup": "0.00",
-           "duration (s)": "0.0", "peak FLOP/s per device": "0.00E+00", "created": "yyyy-mm-dd hh:mm:ss"}
+           "duration (s)": "0.0", "peak FLOP/s per device": "0.00E+00", "created": "yyyy-mm-dd hh:mm:ss",
+           "cost per hour": "#,##0.00", "cost per 1M tokens": "#,##0.000", "time to train (days)": "#,##0.0",
+           "cost to train": "#,##0", "other MiB (peak - rest)": "#,##0"}
 # The same formats for the Markdown table.
 PY_FORMATS = {"0.00%": "{:.2%}", "0.0%": "{:.1%}", "#,##0": "{:,.0f}", "#,##0.0": "{:,.1f}", "#,##0.00": "{:,.2f}",
-              "0.000": "{:.3f}", "0.00": "{:.2f}", "0.0": "{:.1f}", "0.00E+00": "{:.2e}"}
+              "#,##0.000": "{:,.3f}", "0.000": "{:.3f}", "0.00": "{:.2f}", "0.0": "{:.1f}", "0.00E+00": "{:.2e}"}
 
 
 def number_format(col: str) -> Optional[str]:

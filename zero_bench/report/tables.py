@@ -134,7 +134,7 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
 
 def _dev_order(col: str) -> tuple[int, int]:
     idx, _, kind = col[3:].partition(" ")
-    return int(idx), 0 if kind.startswith("used") else 1
+    return int(idx), 0 if kind.startswith(("used", "peak")) else 1
 
 
 def _summary_record(r: Row, peaks: Peaks) -> dict:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import pandas as pd
 
 from zero_bench.config import BenchConfig
 from zero_bench.estimate import estimate
 from zero_bench.records import TrialResult
-from zero_bench.report.rows import Loaded, Row
+from zero_bench.report.costs import COST_PER_MTOK, present
+from zero_bench.report.rows import Row
 from zero_bench.report.tables import device_memory, measured_model_states
 from zero_bench.units import MiB
 
@@ -48,6 +48,8 @@ def summary_view(details: pd.DataFrame) -> pd.DataFrame:
         out[f"{name} Memory Usage"] = text.where(used.notna() & total.notna(), used.map(_mib))
         out[f"{name} used MiB"] = used
     out["Notes"] = details.get("Notes")
+    for col in present(details.columns):  # after the reference table's own columns
+        out[col] = details[col]
     out["config"] = details.get("config")  # the charts' category labels
     return out
 
@@ -58,24 +60,31 @@ def _mib(v) -> str:
 
 # -- memory breakdown at a common batch ------------------------------------------------------------
 
-def breakdown_frame(rows: list[Row], loaded: Loaded) -> pd.DataFrame:
-    """Each measured configuration's peak per device at one common micro-batch (the smallest max
-    micro among them, so every configuration fitted it), split into: model states (the worker's
-    exact counts), activations (the measured peak's slope over the batch sizes the search tried,
-    times the micro-batch), DeepSpeed's buffers (the estimate, from the ds_config the trial ran
-    with), and other (the rest of the measured peak: process, libraries, allocator). Where only one
-    size fitted, other is the estimate's fixed cost per process and activations the rest."""
-    cols = ["config", "micro batch", "model states MiB", "activations MiB", "buffers MiB", "other MiB",
-            "total MiB", "activations from"]
+OTHER = "other MiB (peak - rest)"
+PARTS = ("model states MiB", "activations MiB", "buffers MiB", "runtime MiB", OTHER)
+BREAKDOWN_COLUMNS = ["config", "micro batch", *PARTS, "total MiB", "measured peak MiB", "peak at micro",
+                     "activations from", "runtime from"]
+
+
+def breakdown_frame(rows: list[Row]) -> pd.DataFrame:
+    """Each measured configuration's memory per device at one common micro-batch (the smallest max
+    micro among them, so every configuration fitted it), by kind, each kind from one source for all:
+
+    - model states: the worker's exact counts (params, master, optimizer states, grads still held);
+    - activations: the estimate's bytes per sample x the micro-batch (Korthikanti et al., calibrated
+      for the device): the same for every ZeRO stage of one model, as they physically are. Slopes of
+      measured peaks are not used: for ZeRO-0 the optimizer step's temporaries dominate them;
+    - buffers: the estimate's DeepSpeed buffers, from the ds_config the trial ran with;
+    - runtime: the process before the model is built (interpreter, libraries; on GPU the CUDA context),
+      as the rank recorded it (RankRecord.runtime_bytes), else the estimate's fixed cost per process;
+    - other: the measured peak at the configuration's own max micro-batch minus all of the above at
+      that batch: what nothing above explains (negative where the estimates overcount; not clamped).
+    total = the kinds summed at the common micro-batch (other held constant over the batch)."""
     measured = [r for r in rows if r.measure is not None and r.max_micro]
     if not measured:
-        return pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=BREAKDOWN_COLUMNS)
     micro = min(r.max_micro for r in measured)
-    by_key: dict[str, list[TrialResult]] = {}
-    for t, _ in loaded.trials:
-        if t.status == "ok":
-            by_key.setdefault(t.search_key, []).append(t)
-    return pd.DataFrame([_breakdown(r, by_key.get(r.key, []), micro) for r in measured], columns=cols)
+    return pd.DataFrame([_breakdown(r, micro) for r in measured], columns=BREAKDOWN_COLUMNS)
 
 
 def _peak(t: TrialResult) -> Optional[int]:
@@ -83,22 +92,27 @@ def _peak(t: TrialResult) -> Optional[int]:
     return max(peaks) if peaks else None
 
 
-def _breakdown(r: Row, trials: list[TrialResult], micro: int) -> dict:
-    states = measured_model_states(r.measure)[0] or 0
-    est = _estimate(r)
-    buffers = est.buffers_total if est else 0
-    peak = _peak(r.measure) or 0
-    points = {t.micro: _peak(t) for t in trials if _peak(t)}
-    if len(points) >= 2:
-        x = sorted(points)
-        slope = float(np.polyfit(np.array(x, dtype=float), [points[m] for m in x], 1)[0])
-        other, source = max(0.0, peak - states - buffers - slope * r.max_micro), "measured slope"
-    else:  # one size only: the process's fixed cost from the estimate, the rest of the peak is activations
-        other = est.overhead if est else 0
-        slope, source = max(0.0, (peak - states - buffers - other) / r.max_micro), "peak minus the rest"
-    parts = [states / MiB, slope * micro / MiB, buffers / MiB, other / MiB]
-    return {"config": r.label, "micro batch": micro, "model states MiB": parts[0], "activations MiB": parts[1],
-            "buffers MiB": parts[2], "other MiB": parts[3], "total MiB": sum(parts), "activations from": source}
+def _breakdown(r: Row, micro: int) -> dict:
+    t, est = r.measure, _estimate(r)
+    states = measured_model_states(t)[0] or 0
+    runtime, runtime_from = _runtime(t, est)
+    peak, at = _peak(t), t.micro or r.max_micro
+    per_sample = est.act_per_sample if est else float("nan")
+    buffers = est.buffers_total if est else float("nan")
+    other = peak - states - buffers - runtime - per_sample * at if peak else float("nan")
+    parts = [states / MiB, per_sample * micro / MiB, buffers / MiB, runtime / MiB, other / MiB]
+    return {"config": r.label, "micro batch": micro, **dict(zip(PARTS, parts)), "total MiB": sum(parts),
+            "measured peak MiB": peak / MiB if peak else None, "peak at micro": at,
+            "activations from": "estimate" if est else "no estimate for this configuration",
+            "runtime from": runtime_from}
+
+
+def _runtime(t: TrialResult, est) -> tuple[float, str]:
+    """The rank's own baseline where recorded (the largest over ranks), else the estimate's."""
+    recorded = [b for b in (getattr(rec, "runtime_bytes", None) for rec in t.ranks) if b]
+    if recorded:
+        return float(max(recorded)), "measured before the model was built"
+    return (float(est.overhead), "estimate (fixed cost per process)") if est else (float("nan"), "no estimate")
 
 
 def _estimate(r: Row):
@@ -115,12 +129,12 @@ def buys_frame(details: pd.DataFrame) -> pd.DataFrame:
     global batch and max memory, each with its change against the baseline in %. Empty unless the
     configurations share model and hardware and at least one changes a single key."""
     cols = ["change", "config", "Throughput (samples/sec)", "throughput Δ %", "Max Global BSZ", "max batch Δ %",
-            "max memory MiB", "max memory Δ %"]
+            "max memory MiB", "max memory Δ %"] + _cost_columns(details)
     df = details[details["Max Global BSZ"].notna()].copy()
     if len(df) < 2 or any(df[c].nunique(dropna=False) > 1 for c in SAME if c in df):
         return pd.DataFrame(columns=cols)
     df["max memory MiB"] = df[[c for c in df.columns if c.startswith("Dev") and c.endswith("used MiB")]].max(axis=1)
-    base = df.loc[min(df.index, key=lambda i: _rank(df.loc[i]))]
+    base = df.loc[baseline_index(df)]
     out = [_buys_row("baseline", base, base)]
     for i in df.index:
         changed = [k for k in OPTIMIZATIONS if k in df and df.at[i, k] != base[k]]
@@ -130,9 +144,21 @@ def buys_frame(details: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out if len(out) > 1 else [], columns=cols)
 
 
+def baseline_index(df: pd.DataFrame):
+    """The least optimised configuration: lowest ZeRO stage, no offload, no recompute, eager, ..."""
+    return min(df.index, key=lambda i: _rank(df.loc[i]))
+
+
 def _rank(row: pd.Series) -> tuple:
     return tuple(order.index(row[k]) if k in row and row[k] in order else len(order)
                  for k, order in OPTIMIZATIONS.items())
+
+
+def _cost_columns(details: pd.DataFrame) -> list[str]:
+    """The cost columns the details carry, cost per 1M tokens with its change."""
+    cols = present(details.columns)
+    at = cols.index(COST_PER_MTOK) + 1 if COST_PER_MTOK in cols else 0
+    return cols[:at] + (["cost Δ %"] if at else []) + cols[at:]
 
 
 def _buys_row(change: str, row: pd.Series, base: pd.Series) -> dict:
@@ -140,7 +166,12 @@ def _buys_row(change: str, row: pd.Series, base: pd.Series) -> dict:
         b, v = base[col], row[col]
         return None if pd.isna(b) or pd.isna(v) or not b else (v - b) / b * 100
 
-    return {"change": change, "config": row["config"], "Throughput (samples/sec)": row["throughput (samples/s)"],
-            "throughput Δ %": delta("throughput (samples/s)"), "Max Global BSZ": row["Max Global BSZ"],
-            "max batch Δ %": delta("Max Global BSZ"), "max memory MiB": row["max memory MiB"],
-            "max memory Δ %": delta("max memory MiB")}
+    out = {"change": change, "config": row["config"], "Throughput (samples/sec)": row["throughput (samples/s)"],
+           "throughput Δ %": delta("throughput (samples/s)"), "Max Global BSZ": row["Max Global BSZ"],
+           "max batch Δ %": delta("Max Global BSZ"), "max memory MiB": row["max memory MiB"],
+           "max memory Δ %": delta("max memory MiB")}
+    for col in present(row.index):
+        out[col] = row[col]
+    if COST_PER_MTOK in row.index:
+        out["cost Δ %"] = delta(COST_PER_MTOK)
+    return out

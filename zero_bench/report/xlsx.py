@@ -1,153 +1,153 @@
-"""DataFrames -> the .xlsx workbook: sheets, number formats, widths, colour scale, charts."""
+"""DataFrames -> the .xlsx workbook: sheets, number formats, widths and heights, colour scale, charts.
+
+Laid out to read cleanly in Excel and LibreOffice alike (benchmarks/workbook_pages.py renders it):
+every header row has an explicit height for the lines it wraps to, every column fits its content up
+to a cap beyond which text wraps (with the row's height set), and each printed page names its sheet.
+"""
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Sequence
 
 import pandas as pd
 
+from zero_bench.report.files import replacing
 from zero_bench.report.formats import number_format
+from zero_bench.report.layout import BOLD, CHAR, INDENT, column_width, indent_of, needs_wrap, row_height, wrapped_lines
+from zero_bench.report.sheet_charts import Table, charts_sheet
 
 BUYS, BREAKDOWN = "What each optimization buys", "Memory breakdown"
-PARTS = ("model states MiB", "activations MiB", "buffers MiB", "other MiB")
-
-@contextmanager
-def replacing(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; move it over `path` only if the block finishes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 FIRST = ("Summary", "Details", BUYS, BREAKDOWN, "Trials")
+FONT = "Calibri"  # named, or LibreOffice draws a bold header in its default serif
+MAX_FROZEN_ROWS = 12  # a longer preface scrolls away rather than fill the screen
+ENVIRONMENT_WIDTHS = (34, 60, 22, 22, 90, 90)
 
 
-def write_xlsx(path: Path, sheets: dict[str, pd.DataFrame], environment: list[tuple[str, pd.DataFrame]]) -> None:
-    """Summary (the reference table's columns), Details, what each optimization buys and the memory
-    breakdown when there are any, Trials, Charts, Environment, then Scaling / Compare when present."""
+def write_xlsx(path: Path, sheets: dict[str, pd.DataFrame], environment: list[tuple[str, pd.DataFrame]],
+               preface: Sequence[tuple[str, str]] = ()) -> None:
+    """Summary (the recommendation `preface` as (style, text) lines above the reference table's
+    columns), Details, what each optimization buys and the memory breakdown when there are any,
+    Trials, Charts, Environment, then Scaling / Compare when present."""
     with replacing(path) as tmp:
         with pd.ExcelWriter(tmp, engine="openpyxl") as xw:
-            for name in FIRST:
-                if name in sheets:
-                    _table_sheet(xw, name, sheets[name])
-            _memory_colour_scale(xw.sheets["Details"], sheets["Details"])
-            _charts_sheet(xw.book, sheets["Summary"], sheets.get(BREAKDOWN))
+            tables = {name: _table_sheet(xw, name, sheets[name], preface if name == "Summary" else ())
+                      for name in FIRST if name in sheets}
+            _memory_colour_scale(tables["Details"])
+            charts_sheet(xw.book, tables["Summary"], tables.get(BREAKDOWN))
+            _page_setup(xw.book["Charts"], title_row=None, landscape=False)
             _environment_sheet(xw, environment)
             for name, df in sheets.items():
                 if name not in FIRST:
                     _table_sheet(xw, name, df)
 
 
-def _table_sheet(xw: pd.ExcelWriter, name: str, df: pd.DataFrame) -> None:
-    df.to_excel(xw, sheet_name=name, index=False)
+def _table_sheet(xw: pd.ExcelWriter, name: str, df: pd.DataFrame, preface: Sequence[tuple[str, str]] = ()) -> Table:
+    header_row = len(preface) + 2 if preface else 1  # a blank row between the preface and the table
+    df.to_excel(xw, sheet_name=name, index=False, startrow=header_row - 1)
     ws = xw.sheets[name]
-    _style_header(ws, 1)
-    ws.freeze_panes = "B2"  # header and the first (Model / config) column stay in view
-    ws.auto_filter.ref = ws.dimensions
-    _format_columns(ws, df, first_row=2)
-    _page_setup(ws)
+    table = Table(ws, df, header_row)
+    widths = _format_columns(table)
+    _align_body(table, widths)
+    if preface:
+        _write_preface(ws, preface, sum(widths))
+    frozen = header_row <= MAX_FROZEN_ROWS
+    ws.freeze_panes = ("B2" if header_row == 1 else f"A{header_row + 1}") if frozen else None
+    ws.auto_filter.ref = f"A{header_row}:{ws.cell(table.last_row, max(1, len(df.columns))).coordinate}"
+    _page_setup(ws, title_row=header_row)
+    return table
 
 
-def _page_setup(ws) -> None:
-    """Printed: landscape, one page wide (as many pages long as needed), the header on every page."""
-    ws.page_setup.orientation = "landscape"
+def _page_setup(ws, title_row=1, landscape: bool = True) -> None:
+    """Printed: one page wide (as many long as needed), the header on every page, the sheet's name
+    at the top of each page (which sheet a printed page belongs to; workbook_pages.py reads it)."""
+    ws.page_setup.orientation = "landscape" if landscape else "portrait"
     ws.page_setup.fitToWidth, ws.page_setup.fitToHeight = 1, 0
     ws.sheet_properties.pageSetUpPr.fitToPage = True
-    ws.print_title_rows = "1:1"
+    if title_row:
+        ws.print_title_rows = f"{title_row}:{title_row}"
+    ws.oddHeader.center.text = "&A"
+    ws.oddFooter.center.text = "page &P of &N"
 
 
-def _style_header(ws, row: int) -> None:
-    from openpyxl.styles import Alignment, Font, PatternFill
-
-    for cell in ws[row]:
-        cell.font = Font(bold=True)
-        cell.fill = PatternFill("solid", fgColor="DDEBF7")
-        cell.alignment = Alignment(wrap_text=True, vertical="top")
-
-
-def _format_columns(ws, df: pd.DataFrame, first_row: int) -> None:
+def _format_columns(table: Table) -> list[float]:
     from openpyxl.utils import get_column_letter
 
-    last = first_row + len(df) - 1
-    for i, col in enumerate(df.columns, start=1):
+    widths = []
+    for i, col in enumerate(table.df.columns, start=1):
+        widths.append(column_width(col, table.df[col]))
+        ws = table.ws
+        ws.column_dimensions[get_column_letter(i)].width = widths[-1]
         fmt = number_format(str(col))
         if fmt:
-            for (cell,) in ws.iter_rows(min_row=first_row, max_row=last, min_col=i, max_col=i):
+            for (cell,) in ws.iter_rows(min_row=table.header_row + 1, max_row=table.last_row, min_col=i, max_col=i):
                 cell.number_format = fmt
-        ws.column_dimensions[get_column_letter(i)].width = _width(col, df[col])
+    return widths
 
 
-def _width(col, values: pd.Series) -> float:
-    """Wide enough for the header's longest word and typical values; long text is capped."""
-    header = max((len(w) for w in str(col).split()), default=4)
-    sample = values.dropna().astype(str).str.len()
-    body = int(sample.quantile(0.9)) if len(sample) else 0
-    return min(max(header, body, 6) + 2, 60)
+def _style_header(ws, row: int, widths: list[float]) -> None:
+    from openpyxl.styles import Alignment, Font, PatternFill
+
+    lines = 1
+    for cell, width in zip(ws[row], widths):
+        cell.font = Font(name=FONT, bold=True)
+        cell.fill = PatternFill("solid", fgColor="DDEBF7")
+        cell.alignment = Alignment(wrap_text=True, vertical="top", horizontal="left", indent=INDENT)
+        lines = max(lines, wrapped_lines(str(cell.value or ""), width, BOLD, INDENT))
+    ws.row_dimensions[row].height = row_height(lines)
 
 
-def _memory_colour_scale(ws, df: pd.DataFrame) -> None:
+def _align_body(table: Table, widths: list[float]) -> None:
+    """Every cell at the top of its row; text one character in, wrapped where it is wider than its
+    capped column, each row as high as its longest cell; then the header."""
+    from openpyxl.styles import Alignment
+
+    df, ws = table.df, table.ws
+    lines = [1] * len(df)
+    indents = [indent_of(df[col]) for col in df.columns]
+    for j, (col, width, indent) in enumerate(zip(df.columns, widths, indents), start=1):
+        wrap = needs_wrap(col, df[col], width)
+        align = Alignment(vertical="top", wrap_text=wrap, indent=indent, horizontal="left" if indent else None)
+        for i, v in enumerate(df[col]):
+            ws.cell(table.row_of(i), j).alignment = align
+            if wrap:
+                lines[i] = max(lines[i], wrapped_lines("" if pd.isna(v) else str(v), width, CHAR, indent))
+    for i, n in enumerate(lines):  # every row: left to itself, LibreOffice sizes wrapped rows its own way
+        ws.row_dimensions[table.row_of(i)].height = row_height(n)
+    _style_header(ws, table.header_row, widths)
+
+
+def _write_preface(ws, lines: Sequence[tuple[str, str]], width: float) -> None:
+    """(style, text) lines above the table, each merged across the table's width and wrapped."""
+    from openpyxl.styles import Alignment, Font
+
+    fonts = {"title": Font(name=FONT, bold=True, size=13), "group": Font(name=FONT, bold=True),
+             "pick": Font(name=FONT), "note": Font(name=FONT, italic=True, color="595959")}
+    last = ws.cell(1, max(1, ws.max_column)).column_letter
+    for r, (style, text) in enumerate(lines, start=1):
+        cell = ws.cell(r, 1, value=text)
+        cell.font = fonts.get(style, fonts["pick"])
+        cell.alignment = Alignment(wrap_text=True, vertical="top")
+        ws.merge_cells(f"A{r}:{last}{r}")
+        scale = 13 / 11 if style == "title" else 1
+        ws.row_dimensions[r].height = row_height(wrapped_lines(text, width, BOLD if style != "pick" else CHAR)) * scale
+
+
+def _memory_colour_scale(table: Table) -> None:
     """Green (room left) -> yellow -> red (at capacity) on each configuration's fullest device."""
     from openpyxl.formatting.rule import ColorScaleRule
     from openpyxl.utils import get_column_letter
 
+    df = table.df
     if "peak memory used" not in df.columns or df.empty:
         return
     letter = get_column_letter(df.columns.get_loc("peak memory used") + 1)
     rule = ColorScaleRule(start_type="num", start_value=0, start_color="63BE7B", mid_type="num", mid_value=0.8,
                           mid_color="FFEB84", end_type="num", end_value=1, end_color="F8696B")
-    ws.conditional_formatting.add(f"{letter}2:{letter}{len(df) + 1}", rule)
-
-
-def _charts_sheet(book, summary: pd.DataFrame, breakdown: Optional[pd.DataFrame]) -> None:
-    """Bar charts drawn from the sheets' own cells, one bar group per configuration; every value
-    axis starts at zero, so bar heights compare as the numbers do."""
-    ws = book.create_sheet("Charts")
-    n = len(summary)
-    if n == 0:
-        ws["A1"] = "no configurations"
-        return
-    used = [c for c in summary.columns if c.endswith(" used MiB")]
-    specs = [("Max global batch per configuration", "global batch", ["Max Global BSZ"]),
-             ("Throughput per configuration", "samples/s", ["Throughput (samples/sec)"]),
-             ("Peak memory per device per configuration (at its max batch)", "MiB", used)]
-    for i, (title, y_title, cols) in enumerate(specs):
-        ws.add_chart(_bar_chart(book["Summary"], summary, title, y_title, cols), f"A{1 + i * 22}")
-    if breakdown is not None and len(breakdown):
-        micro = int(breakdown["micro batch"].iloc[0])
-        chart = _bar_chart(book[BREAKDOWN], breakdown, f"Memory per device at micro-batch {micro}, by kind", "MiB",
-                           list(PARTS))
-        chart.grouping, chart.overlap = "stacked", 100
-        ws.add_chart(chart, f"A{1 + len(specs) * 22}")
-
-
-def _bar_chart(src, df: pd.DataFrame, title: str, y_title: str, cols: list[str]):
-    from openpyxl.chart import BarChart, Reference
-    from openpyxl.chart.data_source import AxDataSource, StrRef
-
-    n = len(df)
-    col = {c: df.columns.get_loc(c) + 1 for c in df.columns}
-    chart = BarChart()
-    chart.type, chart.title, chart.y_axis.title = "col", title, y_title
-    chart.x_axis.title = "configuration"
-    chart.y_axis.scaling.min = 0
-    chart.x_axis.delete = chart.y_axis.delete = False  # openpyxl 3.1 hides both axes by default
-    for c in cols:
-        chart.add_data(Reference(src, min_col=col[c], min_row=1, max_row=n + 1), titles_from_data=True)
-    labels = Reference(src, min_col=col["config"], min_row=2, max_row=n + 1)
-    for series in chart.series:  # the labels are text: a string reference, not openpyxl's default number one
-        series.cat = AxDataSource(strRef=StrRef(f=str(labels)))
-    chart.width, chart.height = max(16, 2.2 * n), 10
-    return chart
+    table.ws.conditional_formatting.add(f"{letter}{table.header_row + 1}:{letter}{table.last_row}", rule)
 
 
 def _environment_sheet(xw: pd.ExcelWriter, tables: list[tuple[str, pd.DataFrame]]) -> None:
+    """Titled tables one under another, in fixed widths (long commands and JSON wrap)."""
     from openpyxl.styles import Font
     from openpyxl.utils import get_column_letter
 
@@ -155,14 +155,16 @@ def _environment_sheet(xw: pd.ExcelWriter, tables: list[tuple[str, pd.DataFrame]
     for title, df in tables:
         df.to_excel(xw, sheet_name="Environment", index=False, startrow=row + 1)
         ws = xw.sheets["Environment"]
-        ws.cell(row=row + 1, column=1, value=title).font = Font(bold=True, size=12)
-        _style_header(ws, row + 2)
+        ws.cell(row=row + 1, column=1, value=title).font = Font(name=FONT, bold=True, size=12)
+        table = Table(ws, df, row + 2)
+        _align_body(table, list(ENVIRONMENT_WIDTHS[:len(df.columns)]))
         for i, col in enumerate(df.columns, start=1):
             fmt = number_format(str(col))
-            for r in range(row + 3, row + 3 + len(df)):
+            for r in range(table.header_row + 1, table.last_row + 1):
                 if fmt:
                     ws.cell(row=r, column=i).number_format = fmt
         row += len(df) + 3
     ws = xw.sheets["Environment"]
-    for i, width in enumerate((34, 60, 22, 22, 90, 90), start=1):
+    for i, width in enumerate(ENVIRONMENT_WIDTHS, start=1):
         ws.column_dimensions[get_column_letter(i)].width = width
+    _page_setup(ws, title_row=None)

@@ -1,0 +1,160 @@
+"""The report's decision aids: cost arithmetic, the recommendation's rules, the report options.
+
+Expected values are worked out here by hand from the inputs, not with the functions under test.
+"""
+
+import pandas as pd
+import pytest
+
+from zero_bench.errors import ConfigError
+from zero_bench.report.costs import COST_COLUMNS, assumptions, tokens_text, with_costs
+from zero_bench.config import ReportConfig
+from zero_bench.configure import compose, report_from_cfg
+from zero_bench.report.recommend import fmt, recommend
+
+SEQ = 64
+
+
+def details(*configs: dict) -> pd.DataFrame:
+    """A Details frame with only what the rules read: one dict per configuration."""
+    base = {"Model": "GPT-demo", "num_layers": 4, "hidden_size": 768, "num_heads": 12, "device": "cpu",
+            "# gpus": 2, "data parallel": 2, "model parallel": 1, "CPU offload": "No", "precision": "bf16",
+            "recompute": "none", "compile": "No", "ds preset": "default", "grad accum": 1, "status": "done",
+            "Notes": ""}
+    rows = []
+    for c in configs:
+        row = {**base, **c}
+        sps = row.get("throughput (samples/s)")
+        row.setdefault("tokens/s", None if sps is None else sps * SEQ)
+        row.setdefault("config", f"GPT-demo dp{row['data parallel']} zero{row['ZeRO stage']}")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+DEMO = details({"ZeRO stage": 0, "Max Global BSZ": 54, "throughput (samples/s)": 15.70},
+               {"ZeRO stage": 1, "Max Global BSZ": 94, "throughput (samples/s)": 17.83},
+               {"ZeRO stage": 3, "Max Global BSZ": 70, "throughput (samples/s)": 12.65})
+
+
+# -- cost and time ---------------------------------------------------------------------------------
+
+def test_cost_columns_follow_from_devices_price_and_measured_tokens_per_second():
+    df = with_costs(details({"ZeRO stage": 1, "# gpus": 8, "data parallel": 8, "Max Global BSZ": 512,
+                             "throughput (samples/s)": 100_000 / SEQ}), price=2.5, train_tokens=1e12)
+    row = df.iloc[0]
+    # 8 devices x 2.5 = 20 per hour; 100,000 tokens/s = 360 M tokens per hour
+    assert row["cost per hour"] == pytest.approx(20.0)
+    assert row["cost per 1M tokens"] == pytest.approx(20 / 360)
+    assert row["time to train (days)"] == pytest.approx(1e12 / 100_000 / 86_400)  # 115.7 days
+    assert row["cost to train"] == pytest.approx(20 * 1e12 / 100_000 / 3600)  # 55,556
+    cols = list(df.columns)
+    assert cols[cols.index("cost per hour"):cols.index("cost per hour") + 4] == COST_COLUMNS
+    assert cols.index("Notes") == cols.index("cost to train") + 1  # before Notes, after the measured columns
+
+
+def test_cost_columns_need_their_inputs_and_a_measured_throughput():
+    assert list(with_costs(DEMO, None, None).columns) == list(DEMO.columns)
+    assert [c for c in with_costs(DEMO, 3.0, None).columns if c in COST_COLUMNS] == ["cost per hour",
+                                                                                      "cost per 1M tokens"]
+    assert [c for c in with_costs(DEMO, None, 1e9).columns if c in COST_COLUMNS] == ["time to train (days)"]
+    failed = with_costs(details({"ZeRO stage": 0, "Max Global BSZ": None, "throughput (samples/s)": None,
+                                 "status": "cannot_initialize"}), 2.5, 1e9).iloc[0]
+    assert all(pd.isna(failed[c]) for c in COST_COLUMNS)  # no throughput: no cost, not a zero cost
+
+
+def test_what_the_costs_assume_is_said_in_one_line():
+    assert assumptions(None, None) == ""
+    text = assumptions(2.5, 1e9)
+    assert text.startswith("Costs at 2.5 per device-hour") and "1B tokens" in text and text.endswith(".")
+    assert [tokens_text(x) for x in (1e12, 1.5e12, 1e9, 3e6, 300_000)] == ["1T", "1.5T", "1B", "3M", "300,000"]
+
+
+# -- the recommendation's rules ----------------------------------------------------------------------
+
+def test_the_demo_recommendation_names_each_winner_with_its_numbers():
+    (advice,) = recommend(with_costs(DEMO, 2.5, 1e9), train_tokens=1e9)
+    assert advice.heading == "GPT-demo on 2 CPU ranks"
+    largest, fastest, cheapest = advice.picks
+    # 94 / 54 = 1.7407; 17.83 / 15.70 = 1.1357 -> 14 % faster
+    assert largest.sentence == ("Largest batch: ZeRO-1 fits 94 samples, 1.74x ZeRO-0, and runs 14 % faster; "
+                                "ZeRO-3 fits 70.")
+    # 17.83 / 12.65 = 1.4095 -> 41 %; 1e9 tokens / (17.83 * 64 tokens/s) = 876,331 s = 10.14 days
+    assert fastest.sentence == ("Fastest: ZeRO-1 runs 17.8 samples/s at its max batch of 94, 14 % more than ZeRO-0 "
+                                "(15.7) and 41 % more than ZeRO-3 (12.7); it trains 1B tokens in 10.1 days.")
+    # 5 per hour / (17.83 * 64 * 3600 tokens per hour) * 1e6 = 1.2171; ZeRO-0: 1.3823 (-12 %), ZeRO-3: 1.7155 (-29 %)
+    assert cheapest.sentence == ("Cheapest: ZeRO-1 at 1.22 per 1M tokens (5.00 per hour for 2 devices), 12 % less "
+                                 "than ZeRO-0 (1.38) and 29 % less than ZeRO-3 (1.72); training 1B tokens costs "
+                                 "1,217 and takes 10.1 days.")
+    assert {p.config for p in advice.picks} == {"GPT-demo dp2 zero1"}
+    assert advice.unmeasured == ""
+
+
+def test_without_a_price_there_is_no_cheapest_and_the_fastest_says_no_time():
+    (advice,) = recommend(DEMO)
+    assert [p.kind for p in advice.picks] == ["largest batch", "fastest"]
+    assert "days" not in advice.picks[1].sentence
+
+
+def test_more_devices_can_be_faster_yet_dearer_per_token():
+    df = with_costs(details({"ZeRO stage": 1, "Max Global BSZ": 94, "throughput (samples/s)": 17.83},
+                            {"ZeRO stage": 1, "# gpus": 4, "data parallel": 4, "Max Global BSZ": 188,
+                             "throughput (samples/s)": 30.0}), price=2.5, train_tokens=None)
+    largest, fastest, cheapest = recommend(df)[0].picks
+    assert largest.config == fastest.config == "GPT-demo dp4 zero1"
+    # 4 devices: 10 per hour / (30 * 64 * 3600) * 1e6 = 1.447; 2 devices: 1.217 -> 16 % less
+    assert cheapest.config == "GPT-demo dp2 zero1"
+    assert cheapest.sentence == ("Cheapest: ZeRO-1 dp2 at 1.22 per 1M tokens (5.00 per hour for 2 devices), 16 % less "
+                                 "than ZeRO-1 dp4 (1.45).")
+    assert largest.sentence.startswith("Largest batch: ZeRO-1 dp4 fits 188 samples, 2.00x ZeRO-1 dp2, and runs 68 %")
+
+
+def test_when_the_baseline_fits_most_it_is_compared_with_the_runner_up():
+    df = details({"ZeRO stage": 0, "Max Global BSZ": 80, "throughput (samples/s)": 10.0},
+                 {"ZeRO stage": 2, "Max Global BSZ": 64, "throughput (samples/s)": 10.0},
+                 {"ZeRO stage": 3, "Max Global BSZ": 40, "throughput (samples/s)": 8.0})
+    largest, fastest = recommend(df)[0].picks
+    assert largest.sentence == "Largest batch: ZeRO-0 fits 80 samples, 1.25x ZeRO-2, and runs as fast; ZeRO-3 fits 40."
+    assert fastest.config == "GPT-demo dp2 zero0"  # a tie on samples/s goes to the larger batch
+
+
+def test_groups_by_model_and_device_and_says_what_did_not_fit():
+    df = pd.concat([DEMO, details({"Model": "GPT-big", "ZeRO stage": 0, "Max Global BSZ": None,
+                                   "throughput (samples/s)": None, "status": "cannot_initialize"},
+                                  {"Model": "GPT-big", "ZeRO stage": 3, "Max Global BSZ": 8,
+                                   "throughput (samples/s)": 2.0}),
+                    details({"Model": "GPT-huge", "ZeRO stage": 1, "Max Global BSZ": None,
+                             "throughput (samples/s)": None, "status": "estimated_oom"})], ignore_index=True)
+    demo, big, huge = recommend(df)
+    assert [a.heading for a in (demo, big, huge)] == ["GPT-demo on 2 CPU ranks", "GPT-big on 2 CPU ranks",
+                                                      "GPT-huge on 2 CPU ranks"]
+    assert big.picks[0].sentence == "Only ZeRO-3 was measured: it fits 8 samples and runs 2.00 samples/s."
+    assert big.unmeasured == "Without a measured max batch: ZeRO-0 (cannot initialize)."
+    assert huge.picks[0].sentence == "No configuration fitted: ZeRO-1 (does not fit, estimated)."
+
+
+def test_numbers_read_with_three_significant_digits():
+    assert [fmt(x) for x in (1217.4, 17.83, 1.2171, 0.035135, 154.38)] == ["1,217", "17.8", "1.22", "0.0351", "154"]
+
+
+# -- report options --------------------------------------------------------------------------------
+
+def test_report_options_take_the_report_section():
+    opts = report_from_cfg(compose(["store=results/demo.sqlite", "report.out=reports/demo.xlsx",
+                                    "report.price_per_device_hour=2.5", "report.train_tokens=1e9"]))
+    assert opts == ReportConfig(runs="results/demo.sqlite", out="reports/demo.xlsx", price_per_device_hour=2.5,
+                                train_tokens=1e9)
+    assert report_from_cfg(compose([])).price_per_device_hour is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["report.price_per_device_hour=-1"], "report.price_per_device_hour=-1: must be a number > 0"),
+    (["report.price_per_device_hour=0"], "report.price_per_device_hour=0: must be a number > 0"),
+    (["report.train_tokens=lots"], "report.train_tokens=lots: must be a number"),
+    (["report.train_tokens=nan"], "report.train_tokens=nan: must be a number > 0"),
+    (["report.prices=2"], "report.prices: unknown key"),
+    (["report.out="], "report.out=: must be a path (the .csv and .md are written beside it)"),
+])
+def test_bad_report_options_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        report_from_cfg(compose(overrides))
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)

@@ -1,0 +1,187 @@
+"""The answer in words: per model and device, which configuration to pick and why.
+
+Fixed rules over the Details frame (nothing generated): among the configurations measured at
+their max batch,
+- largest batch: the highest Max Global BSZ (ties: the faster), compared with the baseline (lowest
+  ZeRO stage, no offload, ...; the runner-up when the winner is the baseline);
+- fastest: the most samples/s at its own max batch (ties: the larger batch), compared with the others;
+- cheapest (with a price): the lowest cost per 1M tokens (ties: the faster), compared with the others.
+Each is one sentence with its numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pandas as pd
+
+from zero_bench.report.costs import COST_PER_HOUR, COST_PER_MTOK, COST_TO_TRAIN, DAYS_TO_TRAIN, tokens_text
+from zero_bench.report.views import baseline_index
+
+GROUP = ["Model", "num_layers", "hidden_size", "num_heads", "device"]
+SPS, BSZ = "throughput (samples/s)", "Max Global BSZ"
+# Keys that tell configurations of one group apart, and how a name shows each (ZeRO stage always).
+NAMED = {"data parallel": lambda v: f"dp{v:g}", "model parallel": lambda v: f"tp{v:g}",
+         "CPU offload": lambda v: {"No": "", "Yes": "+ offload"}.get(v, f"+ offload {v[4:]}".strip()),
+         "precision": str, "recompute": lambda v: f"recompute {v}", "compile": lambda v: "compiled" if v == "Yes" else
+         "eager", "ds preset": str, "grad accum": lambda v: f"grad accum {v:g}"}
+UNITS = {"cpu": "CPU ranks", "gpu": "GPUs"}
+WHY = {"estimated_oom": "does not fit, estimated", "does_not_fit": "does not fit", "oom": "out of memory",
+       "cannot_initialize": "cannot initialize", "incomplete": "search incomplete"}
+MOST_COMPARED = 3  # a sentence compares the winner with this many others at most
+
+
+@dataclass(frozen=True)
+class Pick:
+    kind: str  # "largest batch", "fastest", "cheapest", or "only" / "none"
+    config: str  # the configuration's label ("" for "none")
+    sentence: str
+
+
+@dataclass(frozen=True)
+class Advice:
+    heading: str  # model and device, e.g. "GPT-345M on 8 GPUs"
+    picks: tuple[Pick, ...]
+    unmeasured: str = ""  # configurations of the group without a measured max batch, one sentence
+
+
+def recommend(details: pd.DataFrame, train_tokens: Optional[float] = None) -> list[Advice]:
+    """One Advice per (model, device) group, in the frame's order."""
+    if details.empty:
+        return []
+    groups = details.groupby([c for c in GROUP if c in details.columns], dropna=False, sort=False)
+    return [_advice(g, train_tokens) for _, g in groups]
+
+
+def _advice(g: pd.DataFrame, train_tokens: Optional[float]) -> Advice:
+    ok = g[g[BSZ].notna() & g[SPS].notna()]
+    names = config_names(g, unique_among=ok.index)
+    failed = ", ".join(f"{names[i]} ({_why(g.at[i, 'status'])})" for i in g.index.difference(ok.index, sort=False))
+    if ok.empty:
+        return Advice(heading=_heading(g), picks=(Pick("none", "", f"No configuration fitted: {failed}."),))
+    unmeasured = f"Without a measured max batch: {failed}." if failed else ""
+    if len(ok) == 1:
+        picks = (_only(ok.iloc[0], names[ok.index[0]]),)
+    else:
+        picks = (largest_batch(ok, names), fastest(ok, names, train_tokens))
+        if COST_PER_MTOK in ok.columns and ok[COST_PER_MTOK].notna().any():
+            picks += (cheapest(ok, names, train_tokens),)
+    return Advice(heading=_heading(g), picks=picks, unmeasured=unmeasured)
+
+
+def _heading(g: pd.DataFrame) -> str:
+    first = g.iloc[0]
+    unit = UNITS.get(str(first.get("device", "")), "devices")
+    n = g["# gpus"].dropna().unique() if "# gpus" in g else []
+    return f"{first['Model']} on {int(n[0])} {unit}" if len(n) == 1 else f"{first['Model']} on {unit}"
+
+
+def _why(status) -> str:
+    return WHY.get(str(status), str(status).replace("_", " "))
+
+
+def config_names(g: pd.DataFrame, unique_among=None) -> dict:
+    """Index -> a short name: "ZeRO-<stage>" plus each key that varies within the group; the full
+    labels where two of `unique_among` (default: all) would share a name."""
+    varying = [k for k in NAMED if k in g.columns and g[k].nunique(dropna=False) > 1]
+    names = {}
+    for i, row in g.iterrows():
+        stage = row.get("ZeRO stage")
+        parts = [f"ZeRO-{stage:g}" if isinstance(stage, (int, float)) and not pd.isna(stage) else "ZeRO-?"]
+        parts += [NAMED[k](row[k]) for k in varying if not pd.isna(row[k])]
+        names[i] = " ".join(p for p in parts if p)
+    compared = [names[i] for i in (g.index if unique_among is None else unique_among)]
+    if len(set(compared)) < len(compared):
+        return {i: str(g.at[i, "config"]) for i in g.index}
+    return names
+
+
+# -- the three rules -------------------------------------------------------------------------------
+
+def largest_batch(ok: pd.DataFrame, names: dict) -> Pick:
+    order = ok.sort_values([BSZ, SPS], ascending=False).index
+    win = order[0]
+    base = baseline_index(ok)
+    ref = base if base != win else order[1]
+    w, r = ok.loc[win], ok.loc[ref]
+    others = [i for i in order[1:] if i != ref][:MOST_COMPARED]
+    tail = "".join(f"; {names[i]} fits {ok.at[i, BSZ]:,.0f}" for i in others)
+    text = (f"Largest batch: {names[win]} fits {w[BSZ]:,.0f} samples, {w[BSZ] / r[BSZ]:.2f}x {names[ref]}, "
+            f"and {_faster(w[SPS], r[SPS])}{tail}.")
+    return Pick("largest batch", str(w["config"]), text)
+
+
+def fastest(ok: pd.DataFrame, names: dict, train_tokens: Optional[float] = None) -> Pick:
+    order = ok.sort_values([SPS, BSZ], ascending=False).index
+    w = ok.loc[order[0]]
+    text = (f"Fastest: {names[order[0]]} runs {fmt(w[SPS])} samples/s at its max batch of {w[BSZ]:,.0f}, "
+            + _versus(ok, order, names, SPS, "more") )
+    if train_tokens and DAYS_TO_TRAIN in ok.columns and not pd.isna(w[DAYS_TO_TRAIN]):
+        text += f"; it trains {tokens_text(train_tokens)} tokens in {fmt(w[DAYS_TO_TRAIN])} days"
+    return Pick("fastest", str(w["config"]), text + ".")
+
+
+def cheapest(ok: pd.DataFrame, names: dict, train_tokens: Optional[float] = None) -> Pick:
+    priced = ok[ok[COST_PER_MTOK].notna()]
+    order = priced.assign(_neg=-priced[SPS]).sort_values([COST_PER_MTOK, "_neg"]).index
+    w = priced.loc[order[0]]
+    devices = int(w["# gpus"])
+    text = (f"Cheapest: {names[order[0]]} at {fmt(w[COST_PER_MTOK])} per 1M tokens ({fmt(w[COST_PER_HOUR])} per "
+            f"hour for {devices} device{'s' if devices != 1 else ''}), " + _versus(priced, order, names, COST_PER_MTOK,
+                                                                                  "less"))
+    if train_tokens and COST_TO_TRAIN in priced.columns and not pd.isna(w[COST_TO_TRAIN]):
+        text += (f"; training {tokens_text(train_tokens)} tokens costs {fmt(w[COST_TO_TRAIN])} and takes "
+                 f"{fmt(w[DAYS_TO_TRAIN])} days")
+    return Pick("cheapest", str(w["config"]), text + ".")
+
+
+def _only(row: pd.Series, name: str) -> Pick:
+    cost = f", {fmt(row[COST_PER_MTOK])} per 1M tokens" if not pd.isna(row.get(COST_PER_MTOK)) else ""
+    text = f"Only {name} was measured: it fits {row[BSZ]:,.0f} samples and runs {fmt(row[SPS])} samples/s{cost}."
+    return Pick("only", str(row["config"]), text)
+
+
+# -- wording -----------------------------------------------------------------------------------------
+
+def _faster(v: float, ref: float) -> str:
+    pct = (v / ref - 1) * 100
+    if round(abs(pct)) == 0:
+        return "runs as fast"
+    return f"runs {abs(pct):.0f} % {'faster' if pct > 0 else 'slower'}"
+
+
+def _versus(df: pd.DataFrame, order, names: dict, col: str, word: str) -> str:
+    """ "14 % more than ZeRO-0 (15.7) and 41 % more than ZeRO-3 (12.6)": the winner against the others."""
+    win = df.at[order[0], col]
+    parts = []
+    for i in order[1:1 + MOST_COMPARED]:
+        v = df.at[i, col]
+        pct = abs(win / v - 1) * 100 if v else float("nan")
+        parts.append(f"{pct:.0f} % {word} than {names[i]} ({fmt(v)})")
+    more = len(order) - 1 - MOST_COMPARED
+    if more > 0:
+        parts.append(f"{more} other{'s' if more > 1 else ''}")
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
+
+def fmt(x: float) -> str:
+    """Three significant digits, thousands separated: 1,218 / 17.8 / 1.22 / 0.0351."""
+    a = abs(x)
+    if a >= 100:
+        return f"{x:,.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def advice_lines(advice: list[Advice]) -> list[tuple[str, str]]:
+    """(style, text) lines for the Summary sheet and the .md: "group" headings and "pick" sentences."""
+    lines = []
+    for a in advice:
+        lines.append(("group", a.heading))
+        lines += [("pick", p.sentence) for p in a.picks]
+        if a.unmeasured:
+            lines.append(("pick", a.unmeasured))
+    return lines
