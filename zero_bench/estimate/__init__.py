@@ -1,0 +1,204 @@
+"""Memory per device before launching anything: model states, activations, DeepSpeed's buffers.
+
+`zero_bench estimate` prints, per ZeRO stage x offload (or the one stage given with zero=...), the
+bytes one rank needs and the largest micro-batch the capacity allows. The same arithmetic seeds the
+max-batch search (`seed_micro`) and lets the pre-flight refuse a trial the host cannot hold.
+
+Sources
+- Model states: the ZeRO paper (Rajbhandari et al. 2020), mixed-precision Adam, K = 12:
+  stage 0: 16P, stage 1: 4P + 12P/dp, stage 2: 2P + 14P/dp, stage 3: 16P/dp.
+  fp32 training follows what DeepSpeed allocates (checked against the worker's exact counts):
+  stage 0: 16P, stage 1: 8P + 12P/dp, stage 2: 4P + 16P/dp, stage 3: 20P/dp (see model_states_bytes).
+- Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", without dropout (zero_bench's GPT has none), for recompute none / selective / full:
+  see activation_bytes_per_sample.
+- Buffers: DeepSpeed's own, sized from the ds_config a trial runs with (zero_bench.ds_config.build).
+One module each: states.py, activations.py, buffers.py; this one adds them up (Estimate).
+
+A rank's peak, as the search compares it with the capacity (RSS on CPU, reserved bytes on GPU):
+  fixed overhead + model states (incl. gradients) + max(buffers alive in backward + activations(micro),
+  buffers of the optimizer step), and at least the peak of deepspeed.initialize.
+On CPU, everything (offloaded states too) lives in the same host memory, in fp32 by default.
+
+How close this is to measurements on CPU: README.md, "Measured on this machine" (one place, so
+the figures cannot drift); tests/integration/test_estimate_vs_measured.py checks them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from zero_bench.capacity import device_capacity, local_ranks
+from zero_bench.config import BenchConfig
+from zero_bench.estimate.activations import activation_bytes_per_sample
+from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
+from zero_bench.estimate.states import model_states_bytes
+from zero_bench.units import BYTES
+from zero_bench.models import param_numels
+from zero_bench.units import GiB, MiB
+
+__all__ = ["BYTES", "Estimate", "GiB", "MiB", "activation_bytes_per_sample", "deepspeed_buffers", "estimate",
+           "model_states_bytes", "param_numels", "seed_micro"]
+
+# Fixed cost of one rank before any model tensor: python + torch + deepspeed + megatron imports,
+# gloo, allocator arenas (RSS of a GPT-tiny rank on this machine: ~410 MiB). On GPU: the CUDA
+# context and cuBLAS/NCCL workspaces (~500 MiB per device).
+CPU_RANK_OVERHEAD = 410 * MiB
+GPU_RANK_OVERHEAD = 500 * MiB
+
+# Per-sample activation memory of a CPU rank's RSS relative to the formula (whose live tensor bytes
+# it matches within 4 %), fitted on model=gpt-mini (2 ranks, fp32, ZeRO-2 micro 2/4/8: 31.7 MiB/sample
+# of RSS vs 36.5 by the formula). gpt-small ZeRO-3 micro 1->2 gave 75 MiB/sample vs 70.8 (1.06):
+# glibc's arenas reuse freed blocks unevenly, so the factor is a CPU fit, not a law.
+CPU_ACTIVATION_FACTOR = 0.87
+GPU_ACTIVATION_FACTOR = 1.0
+
+
+@dataclass
+class Estimate:
+    """Everything predicted for one configuration, per rank (bytes).
+
+    Peak model: overhead + persistent states (params, master, moments) + the largest phase:
+      act:     gradients allocated up front + buffers alive in forward/backward + micro x act/sample
+               (ZeRO-0/1: the first gradient of the backward pass, the tied embedding's, is there too)
+      bwd_end: all gradients + the reduction buffers
+      step:    the gradients the optimizer reads + the step's temporaries
+    and at least the peak of deepspeed.initialize (the model plus its flat / partitioned copy).
+    """
+    label: str
+    device: str
+    precision: str
+    zero: int
+    offload_optimizer: bool
+    offload_param: bool
+    dp: int
+    tp: int
+    num_params: int
+    params_per_shard: int
+    states: dict  # model_states_bytes
+    buffers: dict  # deepspeed_buffers
+    activations: dict  # activation_bytes_per_sample
+    act_per_sample: int  # calibrated for the device
+    overhead: int
+    init_peak: int
+    grads_phase: dict  # gradient bytes counted in each phase (in the memory the capacity is about)
+    local_ranks: int = 1
+    capacity: Optional[int] = None
+
+    @property
+    def states_on_rank(self) -> int:
+        """Model-state bytes in the memory the capacity is about (CPU: device + host; GPU: device)."""
+        return self.states["gpu"] + (self.states["cpu"] if self.device == "cpu" else 0)
+
+    @property
+    def persistent(self) -> int:
+        """States that live through the whole step: everything but the gradients."""
+        dev_grads = self.states["grads"] if self.device == "cpu" else self._dev_grads()
+        return self.states_on_rank - dev_grads
+
+    def _dev_grads(self) -> int:
+        s = self.states
+        if not self.offload_optimizer:
+            return s["grads"]
+        return 0 if self.zero >= 2 else s["grads"] - 4 * self.params_per_shard // self.dp
+
+    def phase_bytes(self, phase: str) -> int:
+        """Gradients + buffers of one phase (no activations, no persistent states)."""
+        return self.grads_phase[phase] + sum(v["bytes"] for v in self.buffers.values() if phase in v["phases"])
+
+    @property
+    def buffers_total(self) -> int:
+        """The buffers of the phase with the most (what the table shows)."""
+        return max(sum(v["bytes"] for v in self.buffers.values() if ph in v["phases"])
+                   for ph in ("act", "bwd_end", "step"))
+
+    def fixed_bytes(self) -> int:
+        """Per-rank peak without activations."""
+        return self.peak_bytes(0)
+
+    def peak_bytes(self, micro: int) -> int:
+        """Predicted per-rank peak at this micro-batch (RSS on CPU, device memory on GPU)."""
+        steady = self.overhead + self.persistent + max(self.phase_bytes("act") + micro * self.act_per_sample,
+                                                       self.phase_bytes("bwd_end"), self.phase_bytes("step"))
+        return max(steady, self.overhead + self.init_peak)
+
+    def cannot_initialize(self, capacity: Optional[int] = None) -> bool:
+        """The model states alone (or deepspeed.initialize's peak) exceed the capacity."""
+        cap = capacity if capacity is not None else self.capacity
+        return bool(cap) and self.fixed_bytes() > cap
+
+    def max_micro(self, capacity: Optional[int] = None) -> Optional[int]:
+        """Largest micro-batch whose predicted peak fits `capacity` (0: not even one sample)."""
+        cap = capacity if capacity is not None else self.capacity
+        if cap is None or self.act_per_sample <= 0:
+            return None
+        if self.peak_bytes(1) > cap:
+            return 0
+        base = self.overhead + self.persistent + self.phase_bytes("act")
+        return max(1, int((cap - base) // self.act_per_sample))
+
+    def host_bytes(self) -> int:
+        """Host memory the offloaded states need on one node (all its ranks)."""
+        return self.states["cpu"] * self.local_ranks
+
+    def row(self) -> dict:
+        s = self.states
+        m = self.max_micro()
+        return {
+            "config": f"zero{self.zero}" + ("+offload" if self.offload_optimizer else "")
+                      + ("+param" if self.offload_param else ""),
+            "params": s["params"], "grads": s["grads"], "optimizer": s["optimizer"],
+            "device_states": s["gpu"], "host_states": s["cpu"],
+            "buffers": self.buffers_total, "act_per_sample": self.act_per_sample,
+            "overhead": self.overhead, "peak_micro1": self.peak_bytes(1),
+            "host_needed": self.host_bytes(), "capacity": self.capacity,
+            "max_micro": m, "max_global_batch": None if m is None else m * self.dp,
+        }
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["row"] = self.row()
+        return d
+
+
+def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Mapping] = None) -> Estimate:
+    """The prediction for one BenchConfig (its device, precision, stage, offload, dp, tp)."""
+    m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp
+    P = m.params_per_shard(tp)
+    states = model_states_bytes(P, bench.zero, dp, 1, bench.precision,
+                                bench.offload, bench.offload_param and bench.zero == 3)
+    on_cpu = bench.hardware.device == "cpu"
+    checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
+    act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing)
+    factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
+    per_sample = act["total"] + (act["host"] if on_cpu else 0)  # on CPU the host is the device
+    b = BYTES[bench.precision]
+    grads = states["grads"]
+    if not on_cpu and bench.offload:  # the host part of the gradients is not on the device
+        grads = 0 if bench.zero >= 2 else b * P
+    first = b * max(param_numels(m, tp))  # ZeRO-0/1: the tied embedding's gradient comes first
+    grads_phase = {"act": first if bench.zero <= 1 else grads, "bwd_end": grads,
+                   "step": 0 if bench.zero == 1 and not bench.offload else grads}
+    return Estimate(
+        label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
+        offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=dp, tp=tp,
+        num_params=m.num_params, params_per_shard=P, states=states, buffers=deepspeed_buffers(bench, ds),
+        activations=act, act_per_sample=int(per_sample * factor),
+        overhead=CPU_RANK_OVERHEAD if on_cpu else GPU_RANK_OVERHEAD, init_peak=init_peak(bench, P),
+        grads_phase={k: int(v) for k, v in grads_phase.items()},
+        local_ranks=local_ranks(bench),
+        capacity=capacity if capacity is not None else device_capacity(bench))
+
+
+def seed_micro(bench: BenchConfig) -> Optional[int]:
+    """First guess for the max-batch search: the predicted largest micro-batch for the capacity.
+
+    None when the estimate cannot say (no capacity known, or not even micro=1 predicted to fit:
+    the search then starts from its minimum).
+    """
+    try:
+        m = estimate(bench).max_micro()
+    except Exception:  # noqa: BLE001 - a first guess must never stop a search
+        return None
+    return m if m else None

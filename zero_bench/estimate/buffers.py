@@ -1,0 +1,103 @@
+"""DeepSpeed's buffers beyond the model states, sized from the ds_config a trial runs with
+(zero_bench.ds_config.build), and deepspeed.initialize's own peak."""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from zero_bench import ds_config
+from zero_bench.config import BenchConfig
+from zero_bench.units import BYTES
+from zero_bench.models import param_numels
+
+# DeepSpeed defaults for keys the ds_config leaves out (deepspeed/runtime/zero/config.py, engine.py).
+DS_DEFAULTS = {
+    "reduce_bucket_size": int(5e8),
+    "allgather_bucket_size": int(5e8),
+    "stage3_prefetch_bucket_size": int(5e7),
+    "stage3_max_live_parameters": int(1e9),
+    "stage3_param_persistence_threshold": int(1e5),
+    "overlap_comm_stage3": True,  # stage 3 turns overlap_comm on unless told otherwise
+}
+ZERO0_ALLREDUCE_ELEMENTS = 500_000_000  # engine.MEMORY_OPT_ALLREDUCE_SIZE: flat copy of the grads
+
+
+def _zero_cfg(bench: BenchConfig) -> dict:
+    return ds_config.build(bench).get("zero_optimization") or {}
+
+
+def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
+    """Bytes of the buffers DeepSpeed (and the optimizer) allocate beyond the model states, per rank.
+
+    Each entry: {"bytes", "phases"}, the phases it is alive in: "act" (forward and the start of the
+    backward pass, with the activations), "bwd_end" (gradients complete, being reduced), "step"
+    (the optimizer step). Sizes come from the ds_config (`ds`: its zero_optimization section;
+    default zero_bench.ds_config.build(bench)) and DeepSpeed's defaults for keys it leaves out.
+    - ZeRO-0: the engine all-reduces the gradients through a flat copy of up to 5e8 elements.
+    - ZeRO-1/2: the contiguous-gradient reduce bucket (reduce_bucket_size elements, two with
+      overlap_comm); ZeRO-1 reduces into an fp32 gradient partition (4P/dp) while the full
+      gradients are alive; at the step both flatten the gradient partition into a new fp32 tensor
+      (4P/dp). allgather_bucket_size is not allocated: DeepSpeed all-gathers the updated
+      partitions in place (all_gather_into_tensor), listed as 0.
+    - ZeRO-3: the reduce bucket; the gathered (live) parameters: the largest parameter plus the
+      prefetch bucket, capped by stage3_max_live_parameters (never below one whole parameter) -- on
+      CPU the whole shard, as measured (see the comment below); the
+      parameters below stage3_param_persistence_threshold that every rank keeps whole.
+    - fp16 at ZeRO-0: DeepSpeed's FP16_Optimizer builds fp32 copies of the gradients at the step (8P).
+    - torch's (non-fused) Adam, which the CPU ds_config selects (torch_adam), makes one temporary
+      the size of the fp32 partition it updates (sqrt of the second moment); fused/CPU Adam: none.
+    """
+    zc = dict(_zero_cfg(bench) if ds is None else ds)
+    full = ds_full(bench) if ds is None else {}
+    stage, dp, tp = bench.zero, bench.parallel.dp, bench.parallel.tp
+    b = BYTES[bench.precision]
+    P = bench.model.params_per_shard(tp)
+    get = lambda k: int(float(zc.get(k, DS_DEFAULTS[k])))  # noqa: E731
+    part = P // dp if stage >= 1 else P
+    out: dict[str, tuple[int, tuple]] = {}
+    if stage == 0:
+        out["allreduce_flat"] = (min(P, ZERO0_ALLREDUCE_ELEMENTS) * b, ("bwd_end",))
+        if bench.precision == "fp16":
+            # FP16_Optimizer.step (runtime/fp16/fused_optimizer.py) casts every fp16 gradient to
+            # fp32 in a list, then flattens the list into the master's .grad: 4P + 4P at once.
+            out["fp32_grads"] = (8 * P, ("step",))
+    elif stage in (1, 2):
+        n = 2 if zc.get("overlap_comm") else 1
+        red_b = 4 if stage == 1 else b  # ZeRO-1 stages the fp32 accumulator
+        bucket = n * get("reduce_bucket_size") * red_b if zc.get("contiguous_gradients", True) else 0
+        out["reduce_bucket"] = (bucket, ("act", "bwd_end"))
+        out["allgather_bucket"] = (0, ("step",))
+        if stage == 1 and not bench.offload:
+            out["grad_partition_fp32"] = (4 * part, ("bwd_end", "step"))
+        out["grad_flat_fp32"] = (4 * part, ("step",))
+    else:
+        out["reduce_bucket"] = (get("reduce_bucket_size") * b, ("act", "bwd_end"))
+        numels = param_numels(bench.model, tp)
+        largest = max(numels)
+        live = max(largest, min(get("stage3_max_live_parameters"), largest + get("stage3_prefetch_bucket_size")))
+        if bench.hardware.device == "cpu":
+            # Measured on CPU (GPT-small, DP=2): the forward/backward peak holds about one whole
+            # copy of the parameters, not the max_live/prefetch bound (module not built under zero.Init).
+            live = P
+        out["live_params"] = (min(live, P) * b, ("act",))
+        thr = get("stage3_param_persistence_threshold")
+        out["persistent_params"] = (sum(x for x in numels if x <= thr) * b, ("act", "bwd_end", "step"))
+    torch_adam = bool(((full.get("optimizer") or {}).get("params") or {}).get("torch_adam"))
+    if ds is None and torch_adam:
+        out["adam_temp"] = (4 * part, ("step",))
+    return {k: {"bytes": int(v), "phases": list(ph)} for k, (v, ph) in out.items()}
+
+
+def ds_full(bench: BenchConfig) -> dict:
+    return ds_config.build(bench)
+
+
+def init_peak(bench: BenchConfig, P: int) -> int:
+    """Bytes deepspeed.initialize holds at its peak: the model plus its flat (ZeRO-1/2) copy. ZeRO-3
+    builds the model under deepspeed.zero.Init, which partitions each module's parameters as soon
+    as the module is built: its partition plus the largest parameter, whole, while it is initialised
+    (on the host instead with offload_param)."""
+    b, dp = BYTES[bench.precision], bench.parallel.dp
+    if bench.zero == 3:
+        whole = b * max(param_numels(bench.model, bench.parallel.tp))
+        return whole + (0 if bench.offload_param and bench.hardware.device != "cpu" else b * P // dp)
+    return b * P + {0: 0, 1: b * P, 2: b * P}[bench.zero]
