@@ -50,7 +50,7 @@ def test_variant_runs_and_reports(runs, name):
     assert len(ranks) == cfg.parallel.world_size == len(res.ranks)
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == cfg.zero
-    assert ("offload_optimizer" in ds["zero_optimization"]) == cfg.offload_optimizer
+    assert ("offload_optimizer" in ds["zero_optimization"]) == cfg.offload
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
