@@ -31,7 +31,7 @@ from zero_bench.config import BenchConfig
 from zero_bench.environment import machine_environment_cached
 from zero_bench.gpu import DEVICES_ENV
 from zero_bench.hosts import check_hostfile, device_tokens, master_addr
-from zero_bench.machine import machine_lock, remove_shm_buffers
+from zero_bench.machine import extensions_dir, machine_lock, remove_shm_buffers
 from zero_bench.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
 from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
 from zero_bench.sampler import RANK_MODULE, Sampler, summarize
@@ -89,19 +89,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def extensions_dir() -> str:
-    """Where DeepSpeed JIT-builds its ops: one cache per virtualenv unless the user chose one.
-    A cache shared by two venvs rebuilds on every switch and can be left locked by a killed build."""
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
-
-
 def trial_env(cfg: BenchConfig) -> dict:
     """Environment of the rank processes (also written to the env file for remote nodes).
 
-    Multi-node (a hostfile): remote commands start from a login shell of sshd/srun with its own
-    PATH, so PATH leads with this interpreter's bin directory (the venv: ninja for DeepSpeed's
-    JIT ops, the `deepspeed` scripts) and library/cache paths set here are passed on. The working
-    directory needs nothing: DeepSpeed's pdsh runner itself runs `cd <launch cwd>` on every node.
+    PATH leads with this interpreter's bin directory (the venv: the `deepspeed` scripts and the ninja
+    DeepSpeed's JIT ops are built with) on every node: remote commands start from a login shell of
+    sshd/srun with its own PATH, and two ninja versions (pip's in the venv, the system's) do not
+    read each other's build log, so ranks that alternate between them rebuild the op every time.
+    Multi-node: library/cache paths set here are passed on. The working directory needs nothing:
+    DeepSpeed's pdsh runner itself runs `cd <launch cwd>` on every node.
     """
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
     if cfg.hardware.device == "cpu":
@@ -117,14 +113,19 @@ def trial_env(cfg: BenchConfig) -> dict:
             # cannot express): each rank sets CUDA_VISIBLE_DEVICES to this list and uses its local rank.
             env[DEVICES_ENV] = ",".join(tokens[:local_ranks(cfg)])
     env["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+    env["PATH"] = venv_path()
     if cfg.hardware.hostfile:
         for k in REMOTE_PASS:
             if os.environ.get(k):
                 env[k] = os.environ[k]
-        bin_dir = os.path.dirname(sys.executable)
-        path = [p for p in os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(os.pathsep) if p]
-        env["PATH"] = os.pathsep.join([bin_dir] + [p for p in path if p != bin_dir])
     return env
+
+
+def venv_path() -> str:
+    """PATH with this interpreter's bin directory first."""
+    bin_dir = os.path.dirname(sys.executable)
+    path = [p for p in os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(os.pathsep) if p]
+    return os.pathsep.join([bin_dir] + [p for p in path if p != bin_dir])
 
 
 def launcher_cmd(cfg: BenchConfig, target: Path, port: int, flag: str = "--spec") -> list[str]:
