@@ -28,6 +28,7 @@ import psutil
 from zero_bench import ds_config as dsc
 from zero_bench.capacity import capacity_bytes, local_ranks
 from zero_bench.config import BenchConfig
+from zero_bench.configure import resolve
 from zero_bench.environment import machine_environment_cached
 from zero_bench.gpu import DEVICES_ENV
 from zero_bench.hosts import check_hostfile, device_tokens, master_addr
@@ -357,9 +358,10 @@ class Ranks:
 def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path,
                opts: Optional[LaunchOptions] = None) -> list[TrialResult]:
     """Run `plan` (ascending micro sizes) in fresh rank processes, return one TrialResult per entry:
-    children forked from the search's pool when opts.pools has one, else a deepspeed launch of its own."""
+    children forked from the search's pool when opts.pools has one, else a deepspeed launch of its own.
+    A config built by hand (not by configure.from_cfg) has its "auto" values resolved here."""
     with machine_lock():
-        return _run(_Launch(cfg, plan, run_dir, opts or LaunchOptions()))
+        return _run(_Launch(resolve(cfg), plan, run_dir, opts or LaunchOptions()))
 
 
 def _run(launch: _Launch) -> list[TrialResult]:

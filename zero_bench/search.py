@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 from zero_bench.capacity import capacity_bytes, trial_peak
 from zero_bench.config import BenchConfig, SearchConfig
+from zero_bench.configure import resolve
 from zero_bench.launch import LaunchOptions, run_launch
 from zero_bench.pool import PoolSlot
 from zero_bench.records import Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Status, TrialResult
@@ -249,9 +250,10 @@ class Search:
 
     def __init__(self, cfg: BenchConfig, spec: SearchConfig, store: Store, run_dir: Path,
                  opts: Optional[SearchOptions] = None):
-        self.cfg, self.spec, self.store, self.run_dir = cfg, spec, store, run_dir
+        # a config built by hand (not by configure.from_cfg) has its "auto" values resolved here
+        self.cfg, self.spec, self.store, self.run_dir = resolve(cfg), spec, store, run_dir
         self.opts = opts or SearchOptions()
-        self.key, self.label = cfg.search_key(), cfg.label()
+        self.key, self.label = self.cfg.search_key(), self.cfg.label()
         self.cap = capacity_bytes(cfg)
         self.trials: list[TrialResult] = []
         self.new_trials = self.launches = self.fit_launches = 0
