@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol
 import psutil
 
 from zero_bench import ds_config as dsc
-from zero_bench.capacity import capacity_bytes, local_ranks
+from zero_bench.capacity import capacity_bytes
 from zero_bench.config import BenchConfig
 from zero_bench.environment import machine_environment_cached
 from zero_bench.gpu import DEVICES_ENV
-from zero_bench.hosts import check_hostfile, device_tokens, master_addr
+from zero_bench.hosts import check_hostfile, device_tokens, local_ranks, master_addr
 from zero_bench.machine import machine_lock, remove_shm_buffers
 from zero_bench.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
 from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
