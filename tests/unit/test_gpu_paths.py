@@ -78,6 +78,8 @@ def test_gpu_trial_env_selects_cuda_and_nccl(tmp_path):
 
     env = trial_env(gpu_cfg())
     assert env["DS_ACCELERATOR"] == "cuda" and "MALLOC_MMAP_THRESHOLD_" not in env
+    # torch's default (3): the watchdog ends a failed rank without ncclCommAbort, which can hang
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env
     code = ("from deepspeed.accelerator import get_accelerator as g; a = g(); import json; "
             "print(json.dumps([a.device_name(), a.communication_backend_name(), a.export_envs(), "
             "a.visible_devices_envs()]))")
@@ -102,13 +104,16 @@ def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, 
     from zero_bench import worker
     from zero_bench.records import TrialSpec
 
-    calls = {}
-    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: None)
+    calls, order = {}, []
+    monkeypatch.setattr(worker, "baseline", lambda local_rank: order.append(("baseline", local_rank)))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: order.append("init_distributed"))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 3)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("device", d))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: types.SimpleNamespace(total_memory=total_gb * 2**30, name="fake"))
+    # CUDA's view of the device: nothing used yet (the fraction is then cap / CUDA's total)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (total_gb * 2**30, total_gb * 2**30))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda f, d=None: calls.setdefault("fraction", (f, d)))
 
@@ -121,6 +126,8 @@ def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, 
     with pytest.raises(_Stop):
         worker.start(spec)
     assert calls["device"] == 1
+    # other processes' memory is read before this process's first CUDA call
+    assert order == [("baseline", 1), "init_distributed"]
     if fraction is None:
         assert "fraction" not in calls
     else:
