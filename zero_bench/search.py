@@ -392,7 +392,8 @@ class Search:
             res.note += f"; before it, micro {lo} fitted{'' if lo in known.measured else ' (not confirmed fresh)'}"
         got = [t for t in self.trials if t.micro == lo and t.fresh and t.mode == Mode.MEASURE and t.status == Status.OK]
         if got:
-            got.sort(key=lambda t: t.time_per_step_s)
+            # a repeat without time/it (fp16: every timed step overflowed) sorts last
+            got.sort(key=lambda t: (t.time_per_step_s is None, t.time_per_step_s or 0.0))
             res.measure = got[len(got) // 2]  # the median run
             res.repeats = [t.time_per_step_s for t in got]
 
