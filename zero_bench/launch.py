@@ -109,8 +109,10 @@ def trial_env(cfg: BenchConfig) -> dict:
         env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     else:
         env["DS_ACCELERATOR"] = "cuda"
-        # A rank whose peer died leaves its collective with an error instead of hanging.
-        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+        # TORCH_NCCL_ASYNC_ERROR_HANDLING stays torch's default (3, SkipCleanUp): its watchdog ends a
+        # rank whose collective failed or timed out, without ncclCommAbort, which can itself hang
+        # (ProcessGroupNCCL.hpp). No value makes a collective return early when a peer died: the
+        # runner ends the peers of a failed rank itself (FAILURE_GRACE_S, PoolTrial.kill).
         tokens = device_tokens(cfg)
         if tokens is not None:
             # The exact GPUs, in the user's spelling (UUIDs and MIG too, which DeepSpeed's --include
