@@ -35,6 +35,7 @@ from zero_bench.machine import machine_lock, remove_shm_buffers
 from zero_bench.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
 from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
 from zero_bench.sampler import RANK_MODULE, Sampler, summarize
+from zero_bench.toolkit import extensions_dir
 
 if TYPE_CHECKING:
     from zero_bench.pool import PoolSlot
@@ -87,12 +88,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def extensions_dir() -> str:
-    """Where DeepSpeed JIT-builds its ops: one cache per virtualenv unless the user chose one.
-    A cache shared by two venvs rebuilds on every switch and can be left locked by a killed build."""
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
 
 
 def trial_env(cfg: BenchConfig) -> dict:

@@ -241,16 +241,17 @@ def test_gpu_ops_are_built_once_before_any_trial(monkeypatch, offload, op):
         load=lambda: built.append(cls)))
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: fake_acc)
     monkeypatch.setattr(info, "installed_ops", {})
-    monkeypatch.setattr(doctor, "_jit_cached", lambda name: None)
+    monkeypatch.setattr(doctor, "jit_cached", lambda name: None)
+    monkeypatch.setattr(doctor, "fused_adam_fallback", lambda: None)  # an nvcc of torch's CUDA is here
     cfg = gpu_cfg()
     cfg = BenchConfig(**{**cfg.__dict__, "zero": 2, "offload": offload})
     assert doctor.prebuild_ops(cfg, say=lambda s: None) == [op] and built == [doctor.BUILDERS[op]]
-    monkeypatch.setattr(doctor, "_jit_cached", lambda name: "/cache/x.so")
+    monkeypatch.setattr(doctor, "jit_cached", lambda name: "/cache/x.so")
     assert doctor.prebuild_ops(cfg, say=lambda s: None) == []
 
     def broken():
         raise RuntimeError("nvcc not found")
     fake_acc.create_op_builder = lambda cls: types.SimpleNamespace(load=broken)
-    monkeypatch.setattr(doctor, "_jit_cached", lambda name: None)
+    monkeypatch.setattr(doctor, "jit_cached", lambda name: None)
     with pytest.raises(ConfigError, match=rf"DeepSpeed op {op} cannot be built here .*nvcc not found"):
         doctor.prebuild_ops(cfg, say=lambda s: None)
