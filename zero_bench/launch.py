@@ -367,7 +367,25 @@ def _run(launch: _Launch) -> list[TrialResult]:
         ranks, launch.cmd_text = pool.submit(launch.spec_path, run_dir, port)
     else:
         ranks = Ranks(cfg, cmd, env, run_dir)
-    sampler = Sampler(ranks.root_pid, opts.sample_interval,
+    sampler, timed_out = _watch(launch, ranks, env, port)
+    refused = pool.refused() if pool is not None else None
+    if refused is not None and not launch.emitted:
+        # No child ran: the same trial again, in a launch of its own (and every later one too).
+        opts.pools.refuse(refused)
+        launch.t0 = time.time()
+        return _run(launch)
+    sampler.write_csv(run_dir / "memory_timeline.csv")
+    end = LaunchEnd(cap=launch.cap, rc=ranks.rc, timed_out=timed_out,
+                    stopped=launch.stopped[0] if launch.stopped else None, log_tail=ranks.log_tail())
+    logs = read_rank_logs(run_dir)
+    launch.emit(classify(cfg, launch.plan, logs, end), sampler, logs)
+    return launch.emitted
+
+
+def _watch(launch: _Launch, ranks: RunningRanks, env: dict, port: int) -> tuple[Sampler, bool]:
+    """Sample and wait for the ranks, then end whatever is left; (sampler, timed out)."""
+    cfg = launch.cfg
+    sampler = Sampler(ranks.root_pid, launch.opts.sample_interval,
                       gpus=env.get(DEVICES_ENV, ",".join(map(str, range(local_ranks(cfg)))))
                       if cfg.hardware.device == "gpu" else None,
                       budget=launch.cap if cfg.hardware.device == "cpu" else None,
@@ -381,12 +399,7 @@ def _run(launch: _Launch) -> list[TrialResult]:
         sampler.stop()
         ranks.end(list(sampler.procs.values()))
         remove_shm_buffers(port)
-    sampler.write_csv(run_dir / "memory_timeline.csv")
-    end = LaunchEnd(cap=launch.cap, rc=ranks.rc, timed_out=timed_out,
-                    stopped=launch.stopped[0] if launch.stopped else None, log_tail=ranks.log_tail())
-    logs = read_rank_logs(run_dir)
-    launch.emit(classify(cfg, launch.plan, logs, end), sampler, logs)
-    return launch.emitted
+    return sampler, timed_out
 
 
 def _window(sampler: Sampler, r: TrialResult, marks: dict) -> list:
