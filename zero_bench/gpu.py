@@ -234,9 +234,11 @@ class RankGpu:
         mem = self.nvml.memory(self.gpu)
         if not mem:
             return {**out, "nvml_error": self.nvml.error or "NVML did not answer"}
+        # the rank's own share: without other processes, and (v1 only) without the driver's reserve
+        not_ours = self.others + (0 if mem.reserved is not None else max(0, mem.total - self.cuda_total))
         out.update(nvml_used_bytes=mem.used, nvml_total_bytes=mem.total, nvml_used_v1_bytes=mem.used_v1,
                    nvml_reserved_bytes=mem.reserved, nvml_v2=self.nvml.v2,
-                   nvml_peak_bytes=max(0, max(self.peak, mem.used) - self.others))
+                   nvml_peak_bytes=max(0, max(self.peak, mem.used) - not_ours))
         procs = self.nvml.processes(self.gpu)
         if procs is not None:
             out["gpu_processes"] = len(procs)

@@ -93,7 +93,6 @@ def device_near_full(gpu: Optional[RankGpu], cap: Optional[int] = None) -> bool:
 def start(spec: TrialSpec) -> "Rank":
     """This process as one rank of the trial: process group, GPU (emulated capacity), engine."""
     import deepspeed
-
     from deepspeed.accelerator import get_accelerator
 
     marks = Marks()

@@ -95,7 +95,9 @@ def test_others_from_v1_leave_the_reserve_out(monkeypatch, devices):
     used(devices, 0, DRIVER + 6 * GiB)
     gpu, _ = rank_gpu(devices, base=base)
     assert gpu.others == 5 * GiB and gpu.outside_now() == 1 * GiB
-    assert gpu.record()["nvml_v2"] is False
+    rec = gpu.record(peak_reserved=0)
+    assert rec["nvml_v2"] is False and rec["nvml_peak_bytes"] == 1 * GiB  # neither the reserve nor the others'
+    assert rec["device_peak_bytes"] == 1 * GiB
 
 
 def test_outside_growth_after_emulate_is_over_capacity(monkeypatch, devices):
