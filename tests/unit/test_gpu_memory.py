@@ -7,13 +7,16 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 
 from zero_bench import nvml, worker
 from zero_bench.capacity import compared_peak, over_capacity
+from zero_bench.config import StepsConfig
 from zero_bench.gpu import DEVICES_ENV, REFRESH_GROWTH, RankGpu, baseline, near_full
 from zero_bench.oom import is_oom
-from zero_bench.records import Event, RankRecord, RankStatus
+from zero_bench.records import Event, Mode, RankRecord, RankStatus, TrialSpec
 
+from conftest import cpu_cfg
 from gpu_fakes import EIGHT, FakeCuda, GiB, MiB, fake_pynvml
 
 CAP = 40537 * MiB  # hardware=a100_40gb on an 80 GB card
@@ -162,12 +165,6 @@ class _Engine:
 def test_rank_refreshes_the_cap_after_each_entrys_first_step(tmp_path):
     """Rank.run_entry (the real plan logic) asks the GPU to follow outside growth after the first
     step of every entry, before the steps that are measured."""
-    import torch
-
-    from conftest import cpu_cfg
-    from zero_bench.config import StepsConfig
-    from zero_bench.records import Mode, TrialSpec
-
     log: list = []
     gpu = types.SimpleNamespace(refresh=lambda: log.append("refresh"))
     cfg = cpu_cfg(steps=StepsConfig(warmup=2, timed=2, probe=1))
