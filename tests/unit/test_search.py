@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import pytest
 
-from zero_bench.config import SearchConfig
+from zero_bench import capacity
+from zero_bench.capacity import compared_peak
+from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig, SearchConfig
+from zero_bench.estimate import estimate
 from zero_bench.records import RankRecord, SearchStatus, Status, TrialResult
-from zero_bench.search import Known, next_plan, predict, snap, verdict
+from zero_bench.search import Known, Search, next_plan, predict, snap, verdict
+from zero_bench.store import Store
 
-MiB = 2**20
+from conftest import model
+
+MiB, GiB = 2**20, 2**30
 
 
 def result(micro: int, status: Status, fresh: bool, mode: str = "probe", peak: int = 0) -> TrialResult:
@@ -179,15 +185,6 @@ def test_bare_gpu_search_predicts_with_the_card(monkeypatch, tmp_path):
     """hardware=gpu without memory_mib: the card decides, and the search predicts with the same
     capacity the estimate sizes against (CUDA's total, from NVML here; from the ranks once they
     reported it), instead of falling back to doubling."""
-    from zero_bench import capacity
-    from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig
-    from zero_bench.estimate import estimate
-    from zero_bench.search import Search
-    from zero_bench.store import Store
-
-    from conftest import model
-
-    GiB = 2**30
     cfg = BenchConfig(model=model("gpt-tiny"), parallel=ParallelConfig(tp=1, dp=2), precision="bf16",
                       hardware=HardwareConfig(device="gpu"))
     assert capacity.capacity_bytes(cfg) is None  # no launch cap: the card itself
@@ -206,8 +203,6 @@ def test_bare_gpu_search_predicts_with_the_card(monkeypatch, tmp_path):
 
 
 def test_gpu_peak_compared_is_the_device_peak():
-    from zero_bench.capacity import compared_peak
-
     rec = RankRecord(rank=0, event="end", torch_peak_reserved=30 * MiB, device_peak_bytes=40 * MiB,
                      peak_rss_bytes=5 * MiB)
     assert compared_peak(rec, "gpu") == 40 * MiB and compared_peak(rec, "cpu") == 5 * MiB
