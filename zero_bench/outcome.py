@@ -115,13 +115,21 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
 
 
 def _ok(cfg: BenchConfig, entry: Entry, index: int, done: list[RankRecord]) -> TrialResult:
-    # The slowest rank sets the pace of a synchronous step.
-    tps = max(e.time_per_step for e in done)
-    samples = cfg.with_micro(entry.micro).global_batch / tps
+    # The slowest rank sets the pace of a synchronous step; a rank without an applied step to time
+    # (fp16: all overflowed) leaves time/it empty rather than taking a skipped step's time.
+    untimed = [e for e in done if e.time_per_step is None]
+    tps = None if untimed else max(e.time_per_step for e in done)
+    samples = cfg.with_micro(entry.micro).global_batch / tps if tps else None
     first = min(done, key=lambda e: e.rank)
+    notes = [f"rank {untimed[0].rank}: {untimed[0].time_note or 'no time/it'}"] if untimed else []
+    shared = sorted(e.rank for e in done if e.gpu_shared)
+    if shared:
+        notes.append(f"GPU of rank(s) {', '.join(map(str, shared))} shared with other processes: "
+                     "NVML's per-GPU figures include theirs")
     return trial(cfg, entry, index, Status.OK, time_per_step_s=tps, samples_per_s=samples,
-                 tokens_per_s=samples * cfg.model.seq_len, loss=first.loss, loss_scale=first.loss_scale,
-                 skipped_steps=max((e.skipped_steps or 0) for e in done), compile_s=first.compile_s,
+                 tokens_per_s=samples * cfg.model.seq_len if samples else None, loss=first.loss,
+                 loss_scale=first.loss_scale, skipped_steps=max((e.skipped_steps or 0) for e in done),
+                 compile_s=first.compile_s, reason="; ".join(notes),
                  ranks=[e.summary() for e in sorted(done, key=lambda e: e.rank)])
 
 
