@@ -32,7 +32,7 @@ from zero_bench.configure import resolve
 from zero_bench.environment import machine_environment_cached
 from zero_bench.gpu import DEVICES_ENV
 from zero_bench.hosts import check_hostfile, device_tokens, local_ranks, master_addr
-from zero_bench.machine import extensions_dir, machine_lock, remove_shm_buffers
+from zero_bench.machine import machine_lock, remove_shm_buffers
 from zero_bench.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
 from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
 from zero_bench.sampler import RANK_MODULE, Sampler, summarize

@@ -22,16 +22,11 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from zero_bench.errors import MachineBusy
+from zero_bench.toolkit import extensions_dir
 
 SHM = Path("/dev/shm")
 # A JIT build's lock older than this, with no process building in its folder, was left by a killed build.
 BUILD_LOCK_STALE_S = 60.0
-
-
-def extensions_dir() -> str:
-    """Where DeepSpeed JIT-builds its ops: one cache per virtualenv unless the user chose one.
-    A cache shared by two venvs rebuilds on every switch and can be left locked by a killed build."""
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
 
 
 def lock_path() -> Path:

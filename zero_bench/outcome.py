@@ -97,7 +97,8 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
     oom = [e for e in errs if e.status == RankStatus.OOM]
     if oom:
         return Status.OOM, f"rank {oom[0].rank}: {oom[0].error}"
-    if silent and errs and all(PEER_LOST.search(e.error) for e in errs):
+    if silent and errs and not end.timed_out and all(PEER_LOST.search(e.error) for e in errs):
+        # (after our own timeout kill, a peer that lost its rank is a consequence of the kill)
         # A rank vanished without a word (every exception is recorded, so: SIGKILL, as the kernel's
         # OOM killer sends) and its peers only lost the connection to it.
         return Status.OOM, (f"rank {silent[0]} died without a result (killed, e.g. by the OOM killer); "
