@@ -97,8 +97,11 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
     oom = [e for e in errs if e.status == RankStatus.OOM]
     if oom:
         return Status.OOM, f"rank {oom[0].rank}: {oom[0].error}"
-    if silent and errs and not end.timed_out and all(PEER_LOST.search(e.error) for e in errs):
-        # (after our own timeout kill, a peer that lost its rank is a consequence of the kill)
+    peers_lost = bool(errs) and all(PEER_LOST.search(e.error) for e in errs)
+    if end.timed_out and peers_lost:
+        # our own kill at the timeout: a peer that lost the killed rank is a consequence of it
+        return Status.TIMEOUT, "no result within timeout_s; logs: " + end.log_tail[-300:].strip()
+    if silent and peers_lost:
         # A rank vanished without a word (every exception is recorded, so: SIGKILL, as the kernel's
         # OOM killer sends) and its peers only lost the connection to it.
         return Status.OOM, (f"rank {silent[0]} died without a result (killed, e.g. by the OOM killer); "

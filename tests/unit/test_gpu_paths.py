@@ -314,3 +314,20 @@ def test_a_minor_cuda_difference_builds_fused_adam(toolkit):
     assert "optimizer" not in checks and not checks["CUDA toolkit"].fix
     assert "fused_adam" in doctor.needed_ops(_gpu_bench())
     assert "torch_adam" not in ds_config.build(_gpu_bench())["optimizer"]["params"]
+
+
+def test_a_timeout_whose_killed_rank_took_its_peer_along_is_a_timeout():
+    """At timeout_s the runner kills the ranks; a peer that saw its partner go first records 'Connection
+    closed by peer'. That is our kill's consequence, not an OOM kill and not a bug of the trial."""
+    from zero_bench.outcome import LaunchEnd, classify
+    from zero_bench.records import Entry, RankRecord
+
+    cfg = gpu_cfg()
+    logs = {0: [RankRecord(event="begin", micro=2, rank=0),
+                RankRecord(event="end", micro=2, rank=0, status="error",
+                           error="RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")],
+            1: [RankRecord(event="begin", micro=2, rank=1)]}
+    (res,) = classify(cfg, [Entry(2)], logs, LaunchEnd(rc=-9, timed_out=True))
+    assert res.status == "timeout"
+    (res,) = classify(cfg, [Entry(2)], logs, LaunchEnd(rc=-9, timed_out=False))
+    assert res.status == "oom"  # without our timeout: the kernel killed rank 1
