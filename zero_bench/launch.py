@@ -364,7 +364,7 @@ def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path,
     children forked from the search's pool when opts.pools has one, else a deepspeed launch of its own.
     A config built by hand (not by configure.from_cfg) has its "auto" values resolved here."""
     with machine_lock():
-        return _run(_Launch(resolve(cfg), plan, run_dir, opts or LaunchOptions()))
+        return _run(_Launch(resolve(cfg, here=False), plan, run_dir, opts or LaunchOptions()))
 
 
 def _run(launch: _Launch) -> list[TrialResult]:

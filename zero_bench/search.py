@@ -251,7 +251,7 @@ class Search:
     def __init__(self, cfg: BenchConfig, spec: SearchConfig, store: Store, run_dir: Path,
                  opts: Optional[SearchOptions] = None):
         # a config built by hand (not by configure.from_cfg) has its "auto" values resolved here
-        self.cfg, self.spec, self.store, self.run_dir = resolve(cfg), spec, store, run_dir
+        self.cfg, self.spec, self.store, self.run_dir = resolve(cfg, here=False), spec, store, run_dir
         self.opts = opts or SearchOptions()
         self.key, self.label = self.cfg.search_key(), self.cfg.label()
         # what peaks are compared with, here and in the estimate (a bare GPU: its CUDA total)
