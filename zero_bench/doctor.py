@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from zero_bench import metrics
+from zero_bench.config import EngineName
 from zero_bench.configure import from_cfg
 from zero_bench.errors import ConfigError
 from zero_bench.hosts import check_hostfile, master_addr
@@ -157,7 +158,10 @@ def needed_ops(bench) -> dict[str, str]:
     ds_configs/base.json asks for "AdamW": on GPU DeepSpeed's engine makes that FusedAdam, or
     DeepSpeedCPUAdam with optimizer offload (engine._configure_basic_optimizer); on CPU
     ds_configs/cpu.json sets torch_adam, so only the shared-memory collective is built.
+    engine=fsdp2 builds none: torch's own AdamW and process group.
     """
+    if bench.engine == EngineName.fsdp2:
+        return {}
     if bench.hardware.device == "cpu":
         return {"deepspeed_shm_comm": "init_distributed on CPU (~34 s to JIT-build once)"}
     if bench.offload:
