@@ -26,7 +26,7 @@ from typing import NoReturn, Optional
 import torch
 
 from zero_bench.capacity import compared_peak, over_capacity
-from zero_bench.engines import Engine, build_engine
+from zero_bench.engines import Engine, build_engine, init_distributed
 from zero_bench.faults import inject
 from zero_bench.gpu import RankGpu
 from zero_bench.oom import is_oom
@@ -78,11 +78,9 @@ def failure_record(rank: int, exc: BaseException, event: Event, **kw) -> RankRec
 
 def start(spec: TrialSpec) -> "Rank":
     """This process as one rank of the trial: process group, GPU (emulated capacity), engine."""
-    import deepspeed
-
     marks = Marks()
     on_cpu = spec.config.hardware.device == "cpu"
-    deepspeed.init_distributed()
+    init_distributed(spec.config, on_cpu)
     rank = torch.distributed.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     gpu = None
