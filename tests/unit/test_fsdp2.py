@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pandas as pd
 import pytest
 
 from zero_bench.config import ConfigError
@@ -146,3 +147,58 @@ def test_fsdp2_states_below_zero3_in_fp32():
     fs = estimate(cpu_cfg("gpt-small", zero=3, engine="fsdp2"))
     assert fs.states_on_rank == pytest.approx(ds.states_on_rank * 16 / 20, rel=0.001)
     assert fs.row()["config"] == "fsdp2 zero3" and ds.row()["config"] == "zero3"
+
+
+# -- the report --------------------------------------------------------------------------------------
+
+def test_report_shows_the_engine_and_what_changing_it_buys(tmp_path, monkeypatch):
+    from zero_bench import report
+    from zero_bench.config import ReportConfig
+    from zero_bench.records import SearchResult
+    from zero_bench.store import Store
+
+    from synthetic import GPT345, measured
+
+    monkeypatch.setenv("ZERO_BENCH_CACHE", str(tmp_path / "cache"))
+    store = Store(tmp_path / "s.sqlite")
+    zero3 = dataclasses.replace(GPT345, zero=3)
+    for cfg, micro, step_s, used in ((zero3, 32, 1.9, 30000), (dataclasses.replace(zero3, engine="fsdp2"), 48, 2.6,
+                                                                   31000)):
+        t = measured(cfg, micro, step_s, [used] * 8)
+        store.put_search(SearchResult(search_key=cfg.search_key(), label=cfg.label(), status="done", max_micro=micro,
+                                      max_global_batch=t.global_batch, config=cfg.to_dict(), measure=t))
+    xlsx, csv, md, *_ = report.write_reports(ReportConfig(runs=store.path, out=tmp_path / "r.xlsx"))
+    details = pd.read_csv(csv)
+    assert sorted(details["engine"]) == ["deepspeed", "fsdp2"]
+    assert details.loc[details["engine"] == "fsdp2", "config"].item() == "GPT-345M tp1 dp8 zero3 bf16 fsdp2"
+    buys = pd.read_excel(xlsx, sheet_name="What each optimization buys")
+    assert list(buys["change"]) == ["baseline", "engine: deepspeed -> fsdp2"]
+    assert buys["max batch Δ %"].iloc[1] == pytest.approx(50)
+    text = md.read_text()
+    assert "| engine | ZeRO stage |" in text and "ZeRO-3 on FSDP2 fits 384 samples" in text
+
+
+# -- the engine's process group -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, offload, backend", [("cpu", False, "gloo"), ("cpu", True, "gloo"),
+                                                      ("gpu", False, "nccl"), ("gpu", True, "cpu:gloo,cuda:nccl")])
+def test_fsdp2_process_group_backend(monkeypatch, device, offload, backend):
+    """Not DeepSpeed's init_distributed (its CPU shm op is JIT-built and unused by FSDP2); on GPU the
+    device is set first, and offload adds gloo for the gradient norm of host-resident shards."""
+    import deepspeed
+    import torch
+
+    from zero_bench.engines import init_distributed
+
+    calls = {}
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: calls.setdefault("deepspeed", True))
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda b: calls.setdefault("backend", b))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("device", d))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    cfg = cpu_cfg(engine="fsdp2", zero=3, offload=offload, offload_param=offload)
+    init_distributed(cfg, on_cpu=device == "cpu")
+    assert calls.get("backend") == backend and "deepspeed" not in calls
+    assert calls.get("device") == (1 if device == "gpu" else None)
+    calls.clear()
+    init_distributed(cpu_cfg(zero=3), on_cpu=True)
+    assert calls == {"deepspeed": True}

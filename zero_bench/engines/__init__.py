@@ -46,7 +46,7 @@ class Engine(Protocol):
 def init_distributed(cfg: BenchConfig, on_cpu: bool) -> None:
     """torch.distributed's process group, the way the trial's engine wants it."""
     if cfg.engine == EngineName.fsdp2:
-        fsdp2.init_distributed(on_cpu)
+        fsdp2.init_distributed(cfg, on_cpu)
     else:
         deepspeed.init_distributed()
 

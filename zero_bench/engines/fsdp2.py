@@ -33,12 +33,16 @@ from zero_bench.models.shims import torch_checkpoint_for_selective
 from zero_bench.records import TrialSpec
 
 
-def init_distributed(on_cpu: bool) -> None:
+def init_distributed(cfg: BenchConfig, on_cpu: bool) -> None:
     """torch.distributed from the launcher's RANK / WORLD_SIZE / MASTER_* variables. Not DeepSpeed's
-    init_distributed: on CPU it loads DeepSpeed's JIT-built shared-memory op, which FSDP2 never uses."""
-    if not on_cpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # FSDP2 shards onto the current device
-    dist.init_process_group("gloo" if on_cpu else "nccl")
+    init_distributed: on CPU it loads DeepSpeed's JIT-built shared-memory op, which FSDP2 never uses.
+    GPU with offload: the sharded gradients live on the host, and clipping all-reduces their norm
+    there, which NCCL cannot (pytorch/pytorch#148532): gloo serves the CPU tensors, NCCL the rest."""
+    if on_cpu:
+        dist.init_process_group("gloo")
+        return
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # FSDP2 shards onto the current device
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cfg.offload else "nccl")
 
 
 class Fsdp2Engine:
