@@ -23,8 +23,8 @@ from zero_bench.units import MiB
 SEED_COLUMNS = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
                 "engine", "ZeRO stage", "CPU offload", "precision", "recompute", "ds preset", "compile",
                 "Max Global BSZ", "micro batch", "grad accum", "time/it (ms)", "throughput (samples/s)", "tokens/s",
-                "tokens/s per GPU", "model TFLOP/s per GPU", "MFU", "HFU", "compile time (s)", "loss scale", "skipped steps",
-                "num params"]
+                "tokens/s per GPU", "model TFLOP/s per GPU", "MFU", "HFU", "compile time (s)", "loss scale",
+                "skipped steps", "num params"]
 REPEAT_COLUMNS = ["time/it median (ms)", "time/it min (ms)", "time/it max (ms)", "repeats"]
 ESTIMATE_COLUMNS = ["model states est. (MiB/rank)", "model states measured (MiB/rank)", "model states error (%)"]
 TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
