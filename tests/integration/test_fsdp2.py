@@ -30,6 +30,7 @@ FSDP2 = {
     "zero2": dict(zero=2),
     "zero3_offload": dict(zero=3, offload=True, offload_param=True),
     "zero3_full": dict(zero=3, recompute="full"),
+    "zero3_selective": dict(zero=3, recompute="selective"),
     "zero2_tp2": dict(zero=2, parallel=ParallelConfig(tp=2, dp=1)),
 }
 # fp32 losses of one step differ from ZeRO-3's by reduction order only (the prototype: at most 1.4e-7
@@ -101,7 +102,7 @@ def test_fsdp2_holds_fewer_states_than_zero3_and_zero2_peaks_above_zero3(runs):
 
 def test_live_peaks_near_the_estimate(runs):
     """gpt-tiny's peaks are a few MiB: the prototype's model met them within 6 %."""
-    for name in ("zero3", "zero2", "zero3_full"):
+    for name in ("zero3", "zero2", "zero3_full", "zero3_selective"):
         cfg, res, _ = runs[0][name]
         e = estimate(cfg)
         pred = e.peak_bytes(2) - e.overhead
