@@ -100,17 +100,19 @@ def test_fsdp2_holds_fewer_states_than_zero3_and_zero2_peaks_above_zero3(runs):
     assert live["zero2"] > live["zero3"] > live["zero3_full"]
 
 
-def test_live_peaks_near_the_estimate(runs):
-    """Every phase model (zero 2/3, recompute none/selective/full) near its measured peak. gpt-tiny's
-    peaks are 3-6 MiB, which a few hundred KiB of gloo's and the profiler's buffers move by up to
-    ~12 % between runs and ranks (the prototype's rank 1 read 7 % above rank 0); the tight check, 5 %,
-    is GPT-small's in test_estimate_vs_measured.py."""
+def test_peaks_near_the_estimate(runs):
+    """Every phase model (zero 2/3, recompute none/selective/full) within the RSS margin the ZeRO
+    stages meet (12 %), and near its live peak. gpt-tiny's live peaks are 3-6 MiB, where a few hundred
+    KiB count: gloo's and the profiler's buffers (rank 1 reads up to 0.6 MiB above rank 0), and with
+    recompute=full the gradients inside a recomputed layer's backward, which the model leaves out
+    (-5 % on gpt-mini in the prototype). The 5 % live check is GPT-small's (test_estimate_vs_measured)."""
     for name in ("zero3", "zero2", "zero3_full", "zero3_selective"):
         cfg, res, _ = runs[0][name]
         e = estimate(cfg)
-        pred = e.peak_bytes(2) - e.overhead
         for r in res.ranks:
-            assert pred == pytest.approx(r.peak_live_bytes, rel=0.15), (name, r.rank, pred, r.peak_live_bytes)
+            assert e.peak_bytes(2) == pytest.approx(r.peak_rss_bytes, rel=0.12), (name, r.rank)
+            live = e.peak_bytes(2) - e.overhead
+            assert live == pytest.approx(r.peak_live_bytes, rel=0.25), (name, r.rank, live, r.peak_live_bytes)
 
 
 def test_a_killed_fsdp2_rank_is_oom_and_the_pool_goes_on(runs):

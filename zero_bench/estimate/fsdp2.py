@@ -27,7 +27,8 @@ The peak is the largest of these phases (`phases`), on top of the persistent 12P
 Every layer phase is linear in i, so its maximum is at i = L-1, L-2 or 1: only those are kept.
 Activations are megatron's, as for ZeRO (estimate/activations.py; measured per-sample slopes equal
 ZeRO-3's), except the logits: 4 bytes per token and vocabulary row in fp32, 8 in bf16 (the bf16
-logits, megatron's fp32 copy and its clone's half), as measured at the peak on CPU.
+logits, megatron's fp32 copy and its clone's half), as measured at the peak on CPU. Left out: the
+gradients inside one layer's backward (with recompute=full the peak moves there: -5 % on gpt-mini).
 How close this comes to CPU measurements: README.md, "FSDP2 beside ZeRO-3".
 """
 from __future__ import annotations
