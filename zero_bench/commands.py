@@ -90,8 +90,8 @@ def run(cfg: DictConfig, inv: Invocation) -> int:
 def maxbatch(cfg: DictConfig, inv: Invocation) -> int:
     """The largest global batch that fits, decided in fresh processes."""
     if inv.sweep:
-        print(inv.sweep.progress(f"model={cfg.model.name} {OmegaConf.to_container(cfg.parallel)} zero={cfg.zero} "
-                                 f"offload={cfg.offload}", finished=False), flush=True)
+        print(inv.sweep.progress(f"model={cfg.model.name} {OmegaConf.to_container(cfg.parallel)} engine={cfg.engine} "
+                                 f"zero={cfg.zero} offload={cfg.offload}", finished=False), flush=True)
     res = _maxbatch(cfg, inv)
     if inv.sweep:
         print(inv.sweep.progress(f"{res.label}: {res.status} max global batch {res.max_global_batch}",

@@ -18,8 +18,8 @@ from typing import Any, Optional
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
 
-__all__ = ["ConfigError", "BenchConfig", "ModelConfig", "ParallelConfig", "HardwareConfig", "BatchConfig",
-           "StepsConfig", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
+__all__ = ["ConfigError", "BenchConfig", "EngineName", "ModelConfig", "ParallelConfig", "HardwareConfig",
+           "BatchConfig", "StepsConfig", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DS_TEMPLATES = Path(__file__).resolve().parent.parent / "ds_configs"
@@ -43,6 +43,11 @@ class Recompute(StrEnum):
     none = "none"
     selective = "selective"  # core attention
     full = "full"  # each layer's input kept, the layer recomputed in backward
+
+
+class EngineName(StrEnum):
+    deepspeed = "deepspeed"  # DeepSpeed ZeRO 0-3 (deepspeed.initialize)
+    fsdp2 = "fsdp2"  # PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), ZeRO 2/3 semantics
 
 
 class Launcher(StrEnum):
@@ -121,12 +126,18 @@ class BenchConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    engine: EngineName = EngineName.deepspeed
+    """What shards the model: deepspeed (ZeRO 0-3) or fsdp2 (PyTorch's fully_shard on every
+    transformer layer and the root; zero=3 reshards after forward, zero=2 keeps the gathered
+    parameters from forward to backward; fp32 or bf16; no DeepSpeed config)."""
     zero: int = 2
-    """ZeRO stage 0-3."""
+    """ZeRO stage 0-3 (engine=fsdp2: 2 or 3)."""
     offload: bool = False
-    """Optimizer states (and the gradients they read) to host memory; ZeRO 1-3."""
+    """Optimizer states (and the gradients they read) to host memory; ZeRO 1-3. engine=fsdp2: the
+    parameters, gradients and optimizer states together (CPUOffloadPolicy)."""
     offload_param: Optional[bool] = None
-    """Parameters to host memory; ZeRO-3 only. None: follow `offload` with ZeRO-3."""
+    """Parameters to host memory; ZeRO-3 only. None: follow `offload` with ZeRO-3 (engine=fsdp2:
+    always follows `offload`)."""
     precision: Precision = Precision.auto
     """fp32, bf16, fp16 (GPU only) or auto."""
     recompute: Recompute = Recompute.none
@@ -154,6 +165,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         # Values given as plain strings (tests, stored records) become the enums the schema types.
         self.precision, self.recompute = Precision(self.precision), Recompute(self.recompute)
+        self.engine = EngineName(self.engine)
 
     @property
     def global_batch(self) -> int:
@@ -179,7 +191,7 @@ class BenchConfig:
     def search_key(self) -> str:
         """Stable id of everything but the batch, with the software that runs it: one search per key,
         so a resume never mixes trials of different torch / deepspeed / megatron-core versions."""
-        d = self.to_dict()
+        d = self._keyed()
         d["batch"] = {"grad_accum": self.batch.grad_accum}
         for k in ("steps", "timeout_s"):
             d.pop(k)
@@ -187,17 +199,29 @@ class BenchConfig:
         return _hash(d)
 
     def trial_key(self) -> str:
-        return _hash(self.to_dict())
+        return _hash(self._keyed())
+
+    def _keyed(self) -> dict:
+        """to_dict() without the keys whose default value predates them: stores written before
+        `engine` existed keep their keys, so their searches resume and their rows stay one row."""
+        d = self.to_dict()
+        if d["engine"] == EngineName.deepspeed:
+            d.pop("engine")
+        return d
 
     def label(self) -> str:
         extras = [f"recompute={self.recompute}" if self.recompute != "none" else "",
                   "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else ""]
         return " ".join([make_label(self.model.name, self.parallel.tp, self.parallel.dp, self.zero,
-                                    self.offload, self.precision)] + [x for x in extras if x])
+                                    self.offload, self.precision, self.engine)] + [x for x in extras if x])
 
 
-def make_label(model: str, tp: int, dp: int, zero: Any, offload: bool, precision: str) -> str:
-    return f"{model} tp{tp} dp{dp} zero{zero}{'+offload' if offload else ''} {precision}"
+def make_label(model: str, tp: int, dp: int, zero: Any, offload: bool, precision: str,
+               engine: str = EngineName.deepspeed) -> str:
+    """E.g. "GPT-mini tp1 dp2 zero3 fp32", "GPT-mini tp1 dp2 zero3 fp32 fsdp2": DeepSpeed's labels read as
+    they did before there was a choice of engine."""
+    tail = "" if engine == EngineName.deepspeed else f" {engine}"
+    return f"{model} tp{tp} dp{dp} zero{zero}{'+offload' if offload else ''} {precision}{tail}"
 
 
 @dataclass

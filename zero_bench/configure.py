@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from zero_bench.config import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, HardwareConfig,
-                               Precision, ReportConfig, SearchConfig, composition_error, structured)
+from zero_bench.config import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
+                               HardwareConfig, Precision, ReportConfig, SearchConfig, composition_error, structured)
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
 
@@ -163,7 +163,8 @@ def cuda_available() -> bool:
 
 def resolve(b: BenchConfig, here: bool = True) -> BenchConfig:
     """The one place "auto" and None become concrete: device (CUDA when torch sees it), precision
-    (bf16 on GPU, fp32 on CPU), offload_param (follows offload with ZeRO-3). here=False (an
+    (bf16 on GPU, fp32 on CPU), offload_param (follows offload with ZeRO-3, and always with
+    engine=fsdp2). here=False (an
     estimate for another machine) keeps device=gpu without a visible GPU."""
     device = b.hardware.device
     if device == Device.auto:
@@ -173,7 +174,9 @@ def resolve(b: BenchConfig, here: bool = True) -> BenchConfig:
     precision = b.precision
     if precision == Precision.auto:
         precision = Precision.bf16 if device == Device.gpu else Precision.fp32
-    offload_param = bool(b.offload and b.zero == 3) if b.offload_param is None else b.offload_param
+    # fsdp2's CPUOffloadPolicy moves parameters with the optimizer states: one key, `offload`.
+    follows = b.offload if b.engine == EngineName.fsdp2 else b.offload and b.zero == 3
+    offload_param = bool(follows) if b.offload_param is None else b.offload_param
     return dataclasses.replace(b, hardware=dataclasses.replace(b.hardware, device=Device(device)),
                                precision=precision, offload_param=offload_param)
 
@@ -182,6 +185,8 @@ def validate_static(b: BenchConfig) -> None:
     """Checks across keys that need only the config (inside a grid, a failing combination is
     recorded as skipped rather than ending the sweep)."""
     m, tp = b.model, b.parallel.tp
+    if b.engine == EngineName.fsdp2:
+        check_fsdp2(b)
     if m.num_heads % tp:
         raise ConfigError(f"parallel.tp={tp}: must divide model.num_heads={m.num_heads}")
     if m.hidden_size % tp:
@@ -193,12 +198,30 @@ def validate_static(b: BenchConfig) -> None:
         raise ConfigError(f"model.num_heads={m.num_heads}: must divide model.hidden_size={m.hidden_size}")
     if b.offload and b.zero == 0:
         raise ConfigError("offload=true: needs ZeRO stage 1, 2 or 3 (got zero=0); allowed with zero=0: false")
-    if b.offload_param and b.zero != 3:
+    if b.offload_param and b.zero != 3 and b.engine == EngineName.deepspeed:
         raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
     if b.precision == "fp16" and b.hardware.device == "cpu":
         raise ConfigError("precision=fp16: not supported by DeepSpeed's CPU accelerator; allowed on cpu: fp32, bf16")
 
 
+def check_fsdp2(b: BenchConfig) -> None:
+    """What engine=fsdp2 cannot run, each in one line with the nearest choices."""
+    if b.zero not in (2, 3):
+        raise ConfigError(f"zero={b.zero}: engine=fsdp2 always shards parameters; allowed with fsdp2: zero=2 "
+                          "(gathered parameters kept from forward to backward) or zero=3 (resharded after "
+                          "forward); engine=deepspeed for zero=0/1")
+    if b.precision == Precision.fp16:
+        raise ConfigError("precision=fp16: engine=fsdp2 has no dynamic loss scaling wired in (torch's "
+                          "ShardedGradScaler), and unscaled fp16 gradients under- and overflow; allowed with "
+                          "fsdp2: fp32, bf16")
+    if b.offload_param != b.offload:
+        raise ConfigError(f"offload_param={str(b.offload_param).lower()}: engine=fsdp2 offloads parameters, "
+                          "gradients and optimizer states together (CPUOffloadPolicy); set offload=true or "
+                          "false alone")
+    if b.ds_preset != "default" or b.ds:
+        key = f"ds_preset={b.ds_preset}" if b.ds_preset != "default" else "ds"
+        raise ConfigError(f"{key}: DeepSpeed settings; engine=fsdp2 reads no DeepSpeed config; allowed with "
+                          "fsdp2: ds_preset=default and no ds.* keys")
 
 
 # -- the keys, for `zero_bench --help` ------------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from zero_bench import metrics
+from zero_bench.config import EngineName
 from zero_bench.configure import from_cfg
 from zero_bench.errors import ConfigError
 from zero_bench.hosts import check_hostfile, master_addr
@@ -150,7 +151,10 @@ def needed_ops(bench) -> dict[str, str]:
     DeepSpeedCPUAdam with optimizer offload (engine._configure_basic_optimizer); on CPU
     ds_configs/cpu.json sets torch_adam, so only the shared-memory collective is built. Where
     FusedAdam cannot be built, GPU runs use torch's fused AdamW (ds_config), which needs no build.
+    engine=fsdp2 builds none: torch's own AdamW and process group.
     """
+    if bench.engine == EngineName.fsdp2:
+        return {}
     if bench.hardware.device == "cpu":
         return {"deepspeed_shm_comm": "init_distributed on CPU (~34 s to JIT-build once)"}
     if bench.offload:

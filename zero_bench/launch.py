@@ -27,7 +27,7 @@ import psutil
 
 from zero_bench import ds_config as dsc
 from zero_bench.capacity import capacity_bytes
-from zero_bench.config import BenchConfig
+from zero_bench.config import BenchConfig, EngineName
 from zero_bench.configure import resolve
 from zero_bench.environment import machine_environment_cached
 from zero_bench.gpu import DEVICES_ENV
@@ -249,14 +249,18 @@ class _Launch:
     t0: float = field(default_factory=time.time)
 
     def prepare(self, port: int) -> tuple[list[str], dict]:
-        """Write ds_config.json, trial.json, the env file and cmd.txt; return (command, environment)."""
+        """Write ds_config.json (engine=deepspeed), trial.json, the env file and cmd.txt; return (command,
+        environment)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for old in self.run_dir.glob("rank*.jsonl"):
             old.unlink()
-        self.ds = dsc.write(self.cfg, self.run_dir / "ds_config.json")
+        ds_path = ""  # engine=fsdp2 reads no DeepSpeed config
+        if self.cfg.engine == EngineName.deepspeed:
+            self.ds = dsc.write(self.cfg, self.run_dir / "ds_config.json")
+            ds_path = str((self.run_dir / "ds_config.json").resolve())
         self.cap = capacity_bytes(self.cfg)
         # absolute: a pool's ranks run in the pool's working directory, not this job's
-        spec = TrialSpec(config=self.cfg, ds_config=str((self.run_dir / "ds_config.json").resolve()),
+        spec = TrialSpec(config=self.cfg, ds_config=ds_path,
                          out_dir=str(self.run_dir.resolve()), plan=self.plan, capacity_bytes=self.cap,
                          fault=self.opts.fault)
         self.spec_path.write_text(spec.to_json())

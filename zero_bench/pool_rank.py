@@ -39,11 +39,12 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 REFUSED_EXIT = 75  # sysexits.h EX_TEMPFAIL: this pool cannot serve; a launch per trial can
 
 
-# What every trial imports; children inherit these instead of importing them again.
+# What every trial imports, whichever engine it runs (zero_bench.engines imports both: one pool
+# serves a sweep over engine=deepspeed,fsdp2); children inherit these instead of importing them again.
 PRELOAD = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
-           "deepspeed.runtime.zero.stage_1_and_2", "megatron.core.models.gpt",
-           "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.tensor_parallel", "torch.profiler",
-           "zero_bench.worker")
+           "deepspeed.runtime.zero.stage_1_and_2", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.tensor_parallel",
+           "torch.profiler", "zero_bench.engines.fsdp2", "zero_bench.worker")
 
 
 def preload() -> None:

@@ -10,7 +10,7 @@ from typing import Optional
 import psutil
 
 from zero_bench.capacity import search_capacity
-from zero_bench.config import BenchConfig, ConfigError, make_label
+from zero_bench.config import BenchConfig, ConfigError, EngineName, make_label
 from zero_bench.ds_config import check_with_deepspeed
 from zero_bench.estimate import estimate
 from zero_bench.hosts import check_hostfile, device_tokens, local_ranks
@@ -37,9 +37,11 @@ def check_devices(b: BenchConfig) -> None:
 
 
 def validate_machine(b: BenchConfig) -> None:
-    """Checks against this machine: device count, bf16 support, hostfile, DeepSpeed's view of `ds`."""
+    """Checks against this machine: device count, bf16 support, hostfile, DeepSpeed's view of `ds`
+    (engine=deepspeed)."""
     check_devices(b)
-    check_with_deepspeed(b)
+    if b.engine == EngineName.deepspeed:  # fsdp2 reads no DeepSpeed config (configure refuses ds.* with it)
+        check_with_deepspeed(b)
     if b.hardware.hostfile:
         check_hostfile(b)  # ranks live on the hostfile's hosts, not here
         return
@@ -98,8 +100,10 @@ def skipped_search(c: dict, reason: str) -> SearchResult:
     """A grid entry that failed validation (`c`: the composed config as a dict), recorded with its
     reason and shown in the report."""
     m, p = c["model"], c["parallel"]
-    label = make_label(m["name"], p["tp"], p["dp"], c["zero"], c["offload"], c["precision"])
-    key = "skip-" + hashlib.sha256(json.dumps({k: c[k] for k in ("model", "parallel", "zero", "offload",
-                                                                    "precision", "batch")},
-                                              sort_keys=True, default=str).encode()).hexdigest()[:12]
+    engine = c.get("engine") or EngineName.deepspeed
+    label = make_label(m["name"], p["tp"], p["dp"], c["zero"], c["offload"], c["precision"], engine)
+    keyed = {k: c[k] for k in ("model", "parallel", "zero", "offload", "precision", "batch")}
+    if engine != EngineName.deepspeed:  # DeepSpeed's skipped entries keep the keys they had before `engine`
+        keyed["engine"] = engine
+    key = "skip-" + hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return SearchResult(search_key=key, label=label, status=SearchStatus.SKIPPED, note=reason, config=c)

@@ -26,7 +26,7 @@ from typing import NoReturn, Optional
 import torch
 
 from zero_bench.capacity import compared_peak, over_capacity
-from zero_bench.engines import Engine, build_engine
+from zero_bench.engines import Engine, build_engine, init_distributed
 from zero_bench.faults import inject
 from zero_bench.gpu import RankGpu, baseline, near_full
 from zero_bench.oom import is_oom
@@ -92,7 +92,6 @@ def device_near_full(gpu: Optional[RankGpu], cap: Optional[int] = None) -> bool:
 
 def start(spec: TrialSpec) -> "Rank":
     """This process as one rank of the trial: process group, GPU (emulated capacity), engine."""
-    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     marks = Marks()
@@ -100,7 +99,7 @@ def start(spec: TrialSpec) -> "Rank":
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # What other processes hold on the GPU, read before this process's first CUDA call.
     base = None if on_cpu else baseline(local_rank)
-    deepspeed.init_distributed()
+    init_distributed(spec.config, on_cpu)
     rank = torch.distributed.get_rank()
     gpu = None
     if not on_cpu:

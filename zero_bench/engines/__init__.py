@@ -3,6 +3,10 @@ and does not know which library is behind it; each engine builds the model (mode
 optimizer step, and counts its own exact model states.
 
 deepspeed.py: DeepSpeed ZeRO 0-3, CPU offload, DeepSpeed's activation checkpointing.
+fsdp2.py: PyTorch FSDP2 (fully_shard per layer and root; zero 2/3, bf16, CPU offload, megatron's recompute).
+Both are imported in every rank, whichever runs: a pool's forked child and a freshly launched rank
+then hold the same libraries (megatron-core imports torch's FSDP anyway; deepspeed adds ~21 MiB RSS),
+so the engines' memory figures differ by what they do, not by what they import.
 """
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from zero_bench.engines.deepspeed import DeepSpeedEngine
+from zero_bench.config import BenchConfig, EngineName
+from zero_bench.engines import deepspeed, fsdp2
 from zero_bench.records import TrialSpec
 
 # One micro-batch: (input tokens, position ids, labels).
@@ -38,6 +43,16 @@ class Engine(Protocol):
         """torch.compile the model (lazily, at the first step of each shape)."""
 
 
+def init_distributed(cfg: BenchConfig, on_cpu: bool) -> None:
+    """torch.distributed's process group, the way the trial's engine wants it."""
+    if cfg.engine == EngineName.fsdp2:
+        fsdp2.init_distributed(cfg, on_cpu)
+    else:
+        deepspeed.init_distributed()
+
+
 def build_engine(spec: TrialSpec, on_cpu: bool) -> Engine:
     """The engine a trial spec asks for, with megatron's parallel groups set up and the model built."""
-    return DeepSpeedEngine(spec, on_cpu)
+    if spec.config.engine == EngineName.fsdp2:
+        return fsdp2.Fsdp2Engine(spec, on_cpu)
+    return deepspeed.DeepSpeedEngine(spec, on_cpu)

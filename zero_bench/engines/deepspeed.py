@@ -15,6 +15,11 @@ from zero_bench.models.shims import torch_checkpoint_for_selective
 from zero_bench.records import TrialSpec
 
 
+def init_distributed() -> None:
+    """DeepSpeed's own: it picks the accelerator's backend (gloo on CPU, NCCL on GPU)."""
+    deepspeed.init_distributed()
+
+
 class DeepSpeedEngine:
     """megatron's GPT under deepspeed.initialize (ZeRO-3: built under deepspeed.zero.Init)."""
 

@@ -14,6 +14,8 @@ Sources
   see activation_bytes_per_sample.
 - Buffers: DeepSpeed's own, sized from the ds_config a trial runs with (zero_bench.ds_config.build).
 One module each: states.py, activations.py, buffers.py; this one adds them up (Estimate).
+engine=fsdp2 has its own states and phases (fsdp2.py: PyTorch FSDP2's memory model); it fills the
+same Estimate, whose peak is the largest phase either way.
 
 A rank's peak, as the search compares it with the capacity (RSS on CPU, reserved bytes on GPU):
   fixed overhead + model states (incl. gradients) + max(buffers alive in backward + activations(micro),
@@ -26,12 +28,13 @@ the figures cannot drift); tests/integration/test_estimate_vs_measured.py checks
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from zero_bench.capacity import search_capacity
+from zero_bench.config import BenchConfig, EngineName
+from zero_bench.estimate import fsdp2
 from zero_bench.hosts import local_ranks
-from zero_bench.config import BenchConfig
 from zero_bench.estimate.activations import activation_bytes_per_sample
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
 from zero_bench.estimate.states import model_states_bytes
@@ -66,6 +69,8 @@ class Estimate:
       bwd_end: all gradients + the reduction buffers
       step:    the gradients the optimizer reads + the step's temporaries
     and at least the peak of deepspeed.initialize (the model plus its flat / partitioned copy).
+    engine=fsdp2 (estimate/fsdp2.py) names its own phases, each with the activation bytes per sample
+    it holds (act_phase): the peak is the largest phase whatever their names.
     """
     label: str
     device: str
@@ -86,6 +91,18 @@ class Estimate:
     grads_phase: dict  # gradient bytes counted in each phase (in the memory the capacity is about)
     local_ranks: int = 1
     capacity: Optional[int] = None
+    act_phase: dict = field(default_factory=dict)  # phase -> activation bytes per sample; {}: act_per_sample in "act"
+    engine: str = EngineName.deepspeed
+
+    @property
+    def phases(self) -> list[str]:
+        return list(self.grads_phase)
+
+    def per_sample(self, phase: str) -> int:
+        """Activation bytes one sample adds in `phase`."""
+        if self.act_phase:
+            return self.act_phase.get(phase, 0)
+        return self.act_per_sample if phase == "act" else 0
 
     @property
     def states_on_rank(self) -> int:
@@ -111,8 +128,7 @@ class Estimate:
     @property
     def buffers_total(self) -> int:
         """The buffers of the phase with the most (what the table shows)."""
-        return max(sum(v["bytes"] for v in self.buffers.values() if ph in v["phases"])
-                   for ph in ("act", "bwd_end", "step"))
+        return max(sum(v["bytes"] for v in self.buffers.values() if ph in v["phases"]) for ph in self.phases)
 
     def fixed_bytes(self) -> int:
         """Per-rank peak without activations."""
@@ -120,8 +136,8 @@ class Estimate:
 
     def peak_bytes(self, micro: int) -> int:
         """Predicted per-rank peak at this micro-batch (RSS on CPU, device memory on GPU)."""
-        steady = self.overhead + self.persistent + max(self.phase_bytes("act") + micro * self.act_per_sample,
-                                                       self.phase_bytes("bwd_end"), self.phase_bytes("step"))
+        steady = self.overhead + self.persistent + max(self.phase_bytes(ph) + micro * self.per_sample(ph)
+                                                       for ph in self.phases)
         return max(steady, self.overhead + self.init_peak)
 
     def cannot_initialize(self, capacity: Optional[int] = None) -> bool:
@@ -132,12 +148,13 @@ class Estimate:
     def max_micro(self, capacity: Optional[int] = None) -> Optional[int]:
         """Largest micro-batch whose predicted peak fits `capacity` (0: not even one sample)."""
         cap = capacity if capacity is not None else self.capacity
-        if cap is None or self.act_per_sample <= 0:
+        grows = [ph for ph in self.phases if self.per_sample(ph) > 0]
+        if cap is None or not grows:
             return None
         if self.peak_bytes(1) > cap:
             return 0
-        base = self.overhead + self.persistent + self.phase_bytes("act")
-        return max(1, int((cap - base) // self.act_per_sample))
+        base = self.overhead + self.persistent
+        return max(1, int(min((cap - base - self.phase_bytes(ph)) // self.per_sample(ph) for ph in grows)))
 
     def host_bytes(self) -> int:
         """Host memory the offloaded states need on one node (all its ranks)."""
@@ -147,7 +164,8 @@ class Estimate:
         s = self.states
         m = self.max_micro()
         return {
-            "config": f"zero{self.zero}" + ("+offload" if self.offload_optimizer else "")
+            "config": ("fsdp2 " if self.engine == EngineName.fsdp2 else "") + f"zero{self.zero}"
+                      + ("+offload" if self.offload_optimizer else "")
                       + ("+param" if self.offload_param else ""),
             "params": s["params"], "grads": s["grads"], "optimizer": s["optimizer"],
             "device_states": s["gpu"], "host_states": s["cpu"],
@@ -167,9 +185,16 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     """The prediction for one BenchConfig (its device, precision, stage, offload, dp, tp)."""
     m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp
     P = m.params_per_shard(tp)
+    on_cpu = bench.hardware.device == "cpu"
+    common = dict(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
+                  offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=dp, tp=tp,
+                  num_params=m.num_params, params_per_shard=P, local_ranks=local_ranks(bench),
+                  overhead=CPU_RANK_OVERHEAD if on_cpu else GPU_RANK_OVERHEAD, engine=bench.engine,
+                  capacity=capacity if capacity is not None else search_capacity(bench))
+    if bench.engine == EngineName.fsdp2:
+        return Estimate(**common, **fsdp2.parts(bench))
     states = model_states_bytes(P, bench.zero, dp, 1, bench.precision,
                                 bench.offload, bench.offload_param and bench.zero == 3)
-    on_cpu = bench.hardware.device == "cpu"
     checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing)
     factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
@@ -181,15 +206,9 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     first = b * max(param_numels(m, tp))  # ZeRO-0/1: the tied embedding's gradient comes first
     grads_phase = {"act": first if bench.zero <= 1 else grads, "bwd_end": grads,
                    "step": 0 if bench.zero == 1 and not bench.offload else grads}
-    return Estimate(
-        label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
-        offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=dp, tp=tp,
-        num_params=m.num_params, params_per_shard=P, states=states, buffers=deepspeed_buffers(bench, ds),
-        activations=act, act_per_sample=int(per_sample * factor),
-        overhead=CPU_RANK_OVERHEAD if on_cpu else GPU_RANK_OVERHEAD, init_peak=init_peak(bench, P),
-        grads_phase={k: int(v) for k, v in grads_phase.items()},
-        local_ranks=local_ranks(bench),
-        capacity=capacity if capacity is not None else search_capacity(bench))
+    return Estimate(**common, states=states, buffers=deepspeed_buffers(bench, ds), activations=act,
+                    act_per_sample=int(per_sample * factor), init_peak=init_peak(bench, P),
+                    grads_phase={k: int(v) for k, v in grads_phase.items()})
 
 
 def seed_micro(bench: BenchConfig) -> Optional[int]:

@@ -11,7 +11,8 @@ from zero_bench.report.files import replacing
 from zero_bench.report.views import summary_view
 
 BREAKDOWN_NOTE = ("Model states: the worker's exact counts. Activations: the estimate's bytes per sample x the "
-                  "micro-batch (the same for every ZeRO stage). Buffers: the estimate's, from the ds_config. "
+                  "micro-batch (the same for every ZeRO stage). Buffers: the estimate's, from the ds_config "
+                  "(FSDP2: its gathered parameters and unsharded gradients). "
                   "Runtime: the process before the model is built (recorded, or the estimate's fixed cost). "
                   "Other: the measured peak at the configuration's own max micro-batch minus all of these "
                   "(negative: they overcount). Total: the sum at this micro-batch.")

@@ -21,7 +21,8 @@ from zero_bench.report.views import baseline_index
 GROUP = ["Model", "num_layers", "hidden_size", "num_heads", "device"]
 SPS, BSZ = "throughput (samples/s)", "Max Global BSZ"
 # Keys that tell configurations of one group apart, and how a name shows each (ZeRO stage always).
-NAMED = {"data parallel": lambda v: f"dp{v:g}", "model parallel": lambda v: f"tp{v:g}",
+NAMED = {"engine": lambda v: {"fsdp2": "on FSDP2"}.get(v, "on DeepSpeed"),
+         "data parallel": lambda v: f"dp{v:g}", "model parallel": lambda v: f"tp{v:g}",
          "CPU offload": lambda v: {"No": "", "Yes": "+ offload"}.get(v, f"+ offload {v[4:]}".strip()),
          "precision": str, "recompute": lambda v: f"recompute {v}", "compile": lambda v: "compiled" if v == "Yes" else
          "eager", "ds preset": str, "grad accum": lambda v: f"grad accum {v:g}"}

@@ -9,8 +9,10 @@ from typing import Optional
 
 import pandas as pd
 
+from zero_bench.config import EngineName
 from zero_bench.models import ModelConfig
 from zero_bench.estimate import model_states_bytes
+from zero_bench.estimate.fsdp2 import model_states as fsdp2_model_states
 from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu, model_flops_per_seq
 from zero_bench.records import DeviceMemStats, TrialResult
 from zero_bench.report.rows import Loaded, Row
@@ -19,16 +21,17 @@ from zero_bench.units import MiB
 
 # The seed table's columns (shared/seeds/zero_table_8xA100.md), then what it lacked.
 SEED_COLUMNS = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
-                "ZeRO stage", "CPU offload", "precision", "recompute", "ds preset", "compile", "Max Global BSZ",
-                "micro batch", "grad accum", "time/it (ms)", "throughput (samples/s)", "tokens/s", "tokens/s per GPU",
-                "model TFLOP/s per GPU", "MFU", "HFU", "compile time (s)", "loss scale", "skipped steps",
-                "num params"]
+                "engine", "ZeRO stage", "CPU offload", "precision", "recompute", "ds preset", "compile",
+                "Max Global BSZ", "micro batch", "grad accum", "time/it (ms)", "throughput (samples/s)", "tokens/s",
+                "tokens/s per GPU", "model TFLOP/s per GPU", "MFU", "HFU", "compile time (s)", "loss scale",
+                "skipped steps", "num params"]
 REPEAT_COLUMNS = ["time/it median (ms)", "time/it min (ms)", "time/it max (ms)", "repeats"]
 ESTIMATE_COLUMNS = ["model states est. (MiB/rank)", "model states measured (MiB/rank)", "model states error (%)"]
 TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
 # What identifies "the same configuration" across stores (the Compare and Scaling sheets).
 CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
-              "ZeRO stage", "CPU offload", "precision", "recompute", "ds preset", "compile", "grad accum", "device"]
+              "engine", "ZeRO stage", "CPU offload", "precision", "recompute", "ds preset", "compile", "grad accum",
+              "device"]
 COMPARED = ["Max Global BSZ", "time/it (ms)", "throughput (samples/s)", "tokens/s per GPU", "MFU",
             "peak memory used"]
 
@@ -48,6 +51,7 @@ class Setup:
     recompute: str
     ds_preset: str
     compile: bool
+    engine: str = EngineName.deepspeed
 
     @property
     def world(self) -> int:
@@ -68,7 +72,7 @@ def setup_of(c: dict) -> Setup:
                  offload_param=bool(c.get("offload_param") or False), precision=str(c.get("precision", "")),
                  device=str(hw.get("device", "")), grad_accum=int(batch.get("grad_accum", 1)),
                  recompute=str(c.get("recompute") or "none"), ds_preset=preset_name(c.get("ds_preset")),
-                 compile=bool(c.get("compile", False)))
+                 compile=bool(c.get("compile", False)), engine=str(c.get("engine") or EngineName.deepspeed))
 
 
 
@@ -127,8 +131,8 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
     if df.get(ESTIMATE_COLUMNS[0]) is not None and df[ESTIMATE_COLUMNS[0]].notna().any():
         cols += ESTIMATE_COLUMNS
     cols += ["memory of"] + devs + ["peak memory used"] + TAIL_COLUMNS
-    # the seed table's order: by model size, then ZeRO stage, then DP before MP, offload last
-    order = ["num params", "ZeRO stage", "model parallel", "CPU offload"]
+    # the seed table's order: by model size, then ZeRO stage (DeepSpeed before FSDP2), then DP before MP, offload last
+    order = ["num params", "ZeRO stage", "engine", "model parallel", "CPU offload"]
     return df.reindex(columns=cols).sort_values(order, kind="stable", na_position="last", ignore_index=True)
 
 
@@ -142,7 +146,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     m = s.model
     rec = {"Model": m.get("name"), "num_layers": m.get("num_layers"), "hidden_size": m.get("hidden_size"),
            "num_heads": m.get("num_heads"), "# gpus": s.world, "data parallel": s.dp, "model parallel": s.tp,
-           "ZeRO stage": s.zero, "CPU offload": _offload_text(s), "precision": s.precision,
+           "engine": s.engine, "ZeRO stage": s.zero, "CPU offload": _offload_text(s), "precision": s.precision,
            "recompute": s.recompute, "ds preset": s.ds_preset, "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
            "num params": s.num_params, "Notes": r.note, "status": r.status, "device": s.device,
@@ -211,8 +215,11 @@ def measured_model_states(t: TrialResult) -> tuple[Optional[int], bool]:
 def estimated_model_states(s: Setup, with_grads: bool = True) -> Optional[int]:
     """zero_bench.estimate's figure for one rank (device + host bytes), None if it is missing or fails."""
     try:
-        est = model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
-                                 offload_optimizer=s.offload, offload_param=s.offload_param)
+        if s.engine == EngineName.fsdp2:
+            est = fsdp2_model_states(ModelConfig(**s.model), s.dp, s.tp, s.precision, s.offload)
+        else:
+            est = model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
+                                     offload_optimizer=s.offload, offload_param=s.offload_param)
         total = int(est["gpu"]) + int(est["cpu"])
         return total if with_grads else total - int(est.get("grads", 0))
     except Exception:  # not written yet, or cannot answer for this configuration
@@ -315,6 +322,11 @@ def environment_frames(env: dict, env_source: str, peaks: Peaks, rows: list[Row]
         notes.append("CPU: devices are ranks and memory is each rank's RSS; MFU/HFU use a measured matmul peak.")
     if any(s.offload or s.offload_param for s in on_cpu):
         notes.append("CPU offload on CPU moves bytes from CPU to CPU: it runs the code path but cannot lower RSS.")
+    if any(setup_of(r.config).engine == EngineName.fsdp2 for r in rows):
+        notes.append("engine=fsdp2: PyTorch FSDP2 (fully_shard on every layer and the root); zero=3 reshards "
+                     "after forward (FULL_SHARD), zero=2 keeps the gathered parameters until backward "
+                     "(SHARD_GRAD_OP); same model, data, optimizer and measurements as DeepSpeed; no DeepSpeed "
+                     "config (its ds_config cell is {}).")
     per_row = [_reproduce(r, loaded) for r in rows]
     return [("Machine", pd.DataFrame(facts, columns=["item", "value"])),
             ("Peak FLOP/s used for MFU/HFU", pd.DataFrame(peak_rows, columns=["device", "precision",

@@ -23,7 +23,8 @@ from zero_bench.units import MiB
 LEAD = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "ZeRO stage",
         "CPU offload", "Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)"]
 # Keys "what each optimization buys" compares, and each one's order from baseline to most optimised.
-OPTIMIZATIONS = {"ZeRO stage": [0, 1, 2, 3], "CPU offload": ["No", "Yes", "Yes (+params)"],
+OPTIMIZATIONS = {"ZeRO stage": [0, 1, 2, 3], "engine": ["deepspeed", "fsdp2"],
+                 "CPU offload": ["No", "Yes", "Yes (+params)"],
                  "precision": ["fp32", "fp16", "bf16"], "recompute": ["none", "selective", "full"],
                  "compile": ["No", "Yes"], "ds preset": ["default", "megatron_deepspeed"]}
 SAME = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "grad accum",
@@ -38,6 +39,9 @@ def summary_view(details: pd.DataFrame) -> pd.DataFrame:
     """The table's layout: "used MiB / total MiB" per device as nvidia-smi shows it, each next to
     its number (what the charts read); everything else is on the Details sheet."""
     out = details.reindex(columns=LEAD[:-1]).copy()
+    engines = details.get("engine", pd.Series(dtype=object)).dropna()
+    if (engines != "deepspeed").any():  # only then: a ZeRO-only report keeps the reference table's layout
+        out.insert(LEAD.index("ZeRO stage"), "engine", engines)
     out["Throughput (samples/sec)"] = details.get("throughput (samples/s)")
     kinds = set(details.get("memory of", pd.Series(dtype=object)).dropna())
     prefix = {frozenset({"GPU (NVML used)"}): "GPU", frozenset({"rank RSS"}): "Rank"}.get(frozenset(kinds), "Device")

@@ -1,0 +1,157 @@
+"""engine=fsdp2 for real on CPU (2 ranks, gloo): the trials, their records and outcomes, the same
+losses as DeepSpeed's ZeRO-3, a max-batch search and a sweep over both engines with its report.
+
+One module fixture runs every trial in one pool (a forked child each, as a search runs them)."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from zero_bench.config import ParallelConfig
+from zero_bench.estimate import estimate
+from zero_bench.estimate.fsdp2 import model_states
+from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.pool import PoolSlot
+from zero_bench.records import Entry, Fault, SearchStatus
+from zero_bench.store import Store
+
+from conftest import cpu_cfg
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+FSDP2 = {
+    "zero3": dict(zero=3),
+    "zero2": dict(zero=2),
+    "zero3_offload": dict(zero=3, offload=True, offload_param=True),
+    "zero3_full": dict(zero=3, recompute="full"),
+    "zero3_selective": dict(zero=3, recompute="selective"),
+    "zero2_tp2": dict(zero=2, parallel=ParallelConfig(tp=2, dp=1)),
+}
+# fp32 losses of one step differ from ZeRO-3's by reduction order only (the prototype: at most 1.4e-7
+# relative over 5 steps); a wrong gradient, clipping or optimizer moves them by > 1e-3 at once.
+SAME_LOSS = 2e-6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """gpt-tiny, fp32, micro 2, one measured entry each: ZeRO-3 on DeepSpeed, then the FSDP2 variants."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    with PoolSlot(tmp / "pool") as pools:
+        out = {}
+        for name, kw in {"deepspeed_zero3": dict(zero=3), **{n: dict(engine="fsdp2", **kw)
+                                                              for n, kw in FSDP2.items()}}.items():
+            cfg = cpu_cfg(**kw)
+            (res,) = run_launch(cfg, [Entry(2, "measure")], tmp / name, LaunchOptions(pools=pools))
+            out[name] = (cfg, res, tmp / name)
+        yield out, pools, tmp
+
+
+@pytest.mark.parametrize("name", list(FSDP2))
+def test_fsdp2_trial_runs_and_reports(runs, name):
+    cfg, res, run_dir = runs[0][name]
+    assert res.status == "ok", res.reason
+    assert "fsdp2" in res.label.split() and res.config["engine"] == "fsdp2"
+    assert math.isfinite(res.loss) and res.time_per_step_s > 0 and res.samples_per_s > 0
+    assert res.global_batch == 2 * cfg.parallel.dp
+    assert not (run_dir / "ds_config.json").exists() and res.ds_config == {}
+    assert len(res.ranks) == cfg.parallel.world_size
+    for r in res.ranks:
+        assert r.peak_rss_bytes > 0 and r.peak_live_bytes > 0 and r.zero_init is False
+        assert r.loss_scale is None and r.skipped_steps == 0
+    assert {d.id for d in res.devices if d.kind == "rank"} == set(range(cfg.parallel.world_size))
+
+
+@pytest.mark.parametrize("name", list(FSDP2))
+def test_fp32_losses_equal_zero3s_at_every_step(runs, name):
+    """Same weights (one seed, built whole before sharding vs under zero.Init), same tokens, same
+    AdamW and clipping: FSDP2 and ZeRO-3 change where tensors live, not the arithmetic."""
+    ref = runs[0]["deepspeed_zero3"][1].ranks[0].losses
+    for r in runs[0][name][1].ranks:
+        assert len(r.losses) == len(ref) >= 4
+        assert r.losses == pytest.approx(ref, rel=SAME_LOSS), (r.losses, ref)
+
+
+@pytest.mark.parametrize("name", list(FSDP2))
+def test_model_states_are_the_estimates_to_the_byte(runs, name):
+    cfg, res, _ = runs[0][name]
+    dp, tp = cfg.parallel.dp, cfg.parallel.tp
+    for r in res.ranks:
+        want = model_states(cfg.model, dp, tp, cfg.precision, cfg.offload, rank=r.rank % dp)
+        got = r.model_states
+        assert (got["params"], got["master"], got["optimizer"]) == (want["params"], want["master"], want["moments"])
+        assert got["grads"] == 0 and got["grads_at_step"] == want["grads"]  # freed after the step, as ZeRO's
+    local = [r.model_states["numel_local"] for r in res.ranks]
+    assert sum(local) == cfg.model.num_params if tp == 1 else local == [cfg.model.params_per_shard(tp)] * tp
+
+
+def test_fsdp2_holds_fewer_states_than_zero3_and_zero2_peaks_above_zero3(runs):
+    """DeepSpeed's ZeRO-3 keeps an fp32 master copy beside fp32 parameters; FSDP2 updates its shards
+    in place: 12P/dp against 16P/dp between steps. zero=2 keeps every layer gathered until backward."""
+    states = {n: sum(runs[0][n][1].ranks[0].model_states[k] for k in ("params", "master", "optimizer", "grads"))
+              for n in ("deepspeed_zero3", "zero3")}
+    assert states["zero3"] == pytest.approx(states["deepspeed_zero3"] * 12 / 16, rel=0.001)
+    live = {n: runs[0][n][1].ranks[0].peak_live_bytes for n in ("zero3", "zero2", "zero3_full")}
+    assert live["zero2"] > live["zero3"] > live["zero3_full"]
+
+
+def test_peaks_near_the_estimate(runs):
+    """Every phase model (zero 2/3, recompute none/selective/full) within the RSS margin the ZeRO
+    stages meet (12 %), and near its live peak. gpt-tiny's live peaks are 3-6 MiB, where a few hundred
+    KiB count: gloo's and the profiler's buffers (rank 1 reads up to 0.6 MiB above rank 0), and with
+    recompute=full the gradients inside a recomputed layer's backward, which the model leaves out
+    (-5 % on gpt-mini in the prototype). The 5 % live check is GPT-small's (test_estimate_vs_measured)."""
+    for name in ("zero3", "zero2", "zero3_full", "zero3_selective"):
+        cfg, res, _ = runs[0][name]
+        e = estimate(cfg)
+        for r in res.ranks:
+            assert e.peak_bytes(2) == pytest.approx(r.peak_rss_bytes, rel=0.12), (name, r.rank)
+            live = e.peak_bytes(2) - e.overhead
+            assert live == pytest.approx(r.peak_live_bytes, rel=0.25), (name, r.rank, live, r.peak_live_bytes)
+
+
+def test_a_killed_fsdp2_rank_is_oom_and_the_pool_goes_on(runs):
+    _, pools, tmp = runs
+    cfg = cpu_cfg(engine="fsdp2", zero=3)
+    res = run_launch(cfg, [Entry(1), Entry(2)], tmp / "kill", LaunchOptions(pools=pools, fault=Fault(
+        kind="kill", rank=1, min_micro=2)))
+    assert [r.status for r in res] == ["ok", "oom"], [r.reason for r in res]
+    assert pools.started == 1  # both engines' trials were children of one pool
+
+
+def test_sweep_over_engines_searches_each_and_reports_one_row_per_engine(tmp_path):
+    """`maxbatch -m engine=deepspeed,fsdp2 zero=3` on gpt-mini against a budget the estimate puts
+    between micro 4 and 5 for FSDP2: each engine's search finds its own boundary in fresh trials,
+    and the report shows both, with the engine as the one change between them."""
+    cfg = cpu_cfg("gpt-mini", engine="fsdp2", zero=3)
+    e = estimate(cfg)
+    budget_gb = (e.peak_bytes(4) + e.act_per_sample // 2) / 2**30
+    db, out = tmp_path / "store.sqlite", tmp_path / "report.xlsx"
+    cmd = [sys.executable, "-m", "zero_bench", "maxbatch", "-m", "model=gpt-mini", "engine=deepspeed,fsdp2",
+           "zero=3", "precision=fp32", "hardware=cpu", f"hardware.memory_gb={budget_gb:.4f}", "steps.warmup=1",
+           "steps.timed=2", "search.max=32", f"store={db}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    searches = {s.config["engine"]: s for s in Store(db).searches()}
+    assert set(searches) == {"deepspeed", "fsdp2"}
+    fs = searches["fsdp2"]
+    assert fs.status == SearchStatus.DONE and fs.max_micro and fs.first_fail_micro == fs.max_micro + 1, fs.note
+    assert fs.measure is not None and fs.measure.fresh and fs.measure.time_per_step_s > 0
+    assert fs.label == "GPT-mini tp1 dp2 zero3 fp32 fsdp2"
+    # one pool for the whole sweep: the engines' trials are children of the same ranks
+    assert [d.name for d in (tmp_path / "sweep" / "pool").iterdir()] == ["pool01"]
+
+    subprocess.run([sys.executable, "-m", "zero_bench", "report", f"store={db}", f"report.out={out}",
+                    f"hydra.run.dir={tmp_path / 'rep'}"], cwd=ROOT, check=True, capture_output=True)
+    details = pd.read_excel(out, sheet_name="Details")
+    assert sorted(details["engine"]) == ["deepspeed", "fsdp2"] and len(details) == 2
+    summary = pd.read_excel(out, sheet_name="Summary", header=None).astype(str)
+    assert (summary == "engine").any().any() and (summary == "fsdp2").any().any()
+    if searches["deepspeed"].max_micro:  # both measured: the engine is the one change between them
+        buys = pd.read_excel(out, sheet_name="What each optimization buys", header=None).astype(str)
+        assert buys.apply(lambda col: col.str.contains("engine: deepspeed -> fsdp2")).any().any()

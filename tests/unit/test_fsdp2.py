@@ -1,0 +1,204 @@
+"""engine=fsdp2 without launching anything: its refusals, how it enters the label and the keys, and
+its estimate against what issue 29's prototype measured on CPU (2 ranks, gloo, torch 2.13)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+import pytest
+
+from zero_bench.config import ConfigError
+from zero_bench.configure import compose, from_cfg
+from zero_bench.estimate import estimate
+from zero_bench.estimate.fsdp2 import layer_phases, model_states, param_shapes
+from zero_bench.preflight import skipped_search
+from zero_bench.sweeps import sweep_size
+
+from conftest import cpu_cfg, model
+
+
+def bench(*overrides: str):
+    return from_cfg(compose(["hardware=cpu", *overrides]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["zero=1"], "zero=1: engine=fsdp2 always shards parameters; allowed with fsdp2: zero=2"),
+    (["zero=0"], "engine=deepspeed for zero=0/1"),
+    (["precision=fp16"], "precision=fp16: engine=fsdp2 has no dynamic loss scaling wired in"),
+    (["zero=3", "offload=true", "offload_param=false"], "offload_param=false: engine=fsdp2 offloads parameters, "
+                                                        "gradients and optimizer states together"),
+    (["ds_preset=megatron_deepspeed"], "ds_preset=megatron_deepspeed: DeepSpeed settings; engine=fsdp2 reads no"),
+    (["+ds.zero_optimization.reduce_bucket_size=5"], "ds: DeepSpeed settings; engine=fsdp2"),
+])
+def test_what_fsdp2_cannot_run_is_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        bench("engine=fsdp2", *overrides)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_engine_choices():
+    with pytest.raises(ConfigError, match="^engine=fsdp1: allowed values are deepspeed, fsdp2$"):
+        bench("engine=fsdp1")
+
+
+def test_what_fsdp2_runs():
+    for ov in (("zero=2",), ("zero=3",), ("zero=3", "offload=true"), ("zero=2", "offload=true"),
+               ("precision=bf16",), ("recompute=full",), ("recompute=selective",), ("parallel=tp2",)):
+        b = bench("engine=fsdp2", *ov)
+        assert b.engine == "fsdp2"
+        assert b.offload_param == b.offload  # CPUOffloadPolicy moves the parameters with the optimizer states
+
+
+def test_engine_is_in_the_label_and_keys_and_deepspeed_keys_did_not_move():
+    ds, fs = bench("zero=3"), bench("zero=3", "engine=fsdp2")
+    assert ds.label() == "GPT-mini tp1 dp2 zero3 fp32" and fs.label() == "GPT-mini tp1 dp2 zero3 fp32 fsdp2"
+    assert ds.search_key() != fs.search_key() and ds.trial_key() != fs.trial_key()
+    # a store written before `engine` existed resumes: DeepSpeed's keys hash what they hashed then
+    assert "engine" not in ds._keyed() and fs._keyed()["engine"] == "fsdp2"
+    assert fs.search_key() == fs.with_micro(9).search_key()
+
+
+def test_engine_sweeps_and_skipped_entries_stay_apart():
+    assert sweep_size(["engine=deepspeed,fsdp2", "zero=3"]) == 2
+    c = bench("zero=3").to_dict()
+    a, b = skipped_search(c, "why"), skipped_search({**c, "engine": "fsdp2"}, "why")
+    assert a.search_key != b.search_key and b.label.endswith("fp32 fsdp2")
+    assert a.search_key == skipped_search({k: v for k, v in c.items() if k != "engine"}, "why").search_key
+
+
+# -- the estimate against the prototype's CPU measurements ------------------------------------------
+
+# Rank 0's exact counts (engines/fsdp2.count_states, taken at the step): params or master, AdamW's
+# state, sharded gradients (/work/proto/fsdp2/results.jsonl; both ranks equal).
+MEASURED_STATES = {"gpt-tiny": (339_456, 679_024, 339_456), "gpt-mini": (10_644_480, 21_289_168, 10_644_480),
+                   "gpt-small": (138_771_456, 277_543_312, 138_771_456)}
+
+
+@pytest.mark.parametrize("name", list(MEASURED_STATES))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_model_states_are_the_measured_bytes(name, precision):
+    held, optimizer, grads = MEASURED_STATES[name]
+    for rank in (0, 1):
+        s = model_states(model(name), dp=2, precision=precision, rank=rank)
+        assert (s["params"] + s["master"], s["moments"], s["grads"]) == (held, optimizer, grads)
+        assert (s["params"] == 0) == (precision == "bf16")  # no 16-bit copy persists
+    e = estimate(cpu_cfg(name, engine="fsdp2", zero=3, precision=precision))
+    assert e.persistent == held + optimizer  # 12P/dp between steps
+    assert e.states_on_rank == held + optimizer + grads  # 16P/dp at the step
+
+
+def test_shards_are_padded_to_whole_rows_and_offload_moves_them_all():
+    m = dataclasses.replace(model("gpt-tiny"), seq_len=7)  # the position table's 7 rows do not split evenly
+    r0, r1 = (model_states(m, dp=2, rank=r) for r in (0, 1))
+    assert r0["grads"] == r1["grads"]  # padded to ceil(7/2) rows on both
+    assert r0["moments"] - r1["moments"] == 8 * m.hidden_size  # AdamW's state covers the real rows only
+    off = model_states(m, dp=2, offload=True)
+    assert off["gpu"] == 0 and off["cpu"] == r0["gpu"]
+
+
+def test_shapes_are_the_described_model():
+    for name in ("gpt-tiny", "gpt-small", "gpt345m"):
+        for tp in (1, 2, 8):
+            param_shapes(model(name), tp)  # raises when they drift from models/description.py
+
+
+# Peak live tensor bytes of the profiled step (MiB, rank 0), measured by the prototype's harness,
+# which is the worker's profiled_step: (model, precision, zero, micro) -> MiB.
+MEASURED_PEAK_MIB = {
+    ("gpt-tiny", "fp32", 3, 2): 3.66, ("gpt-tiny", "fp32", 3, 4): 5.63, ("gpt-tiny", "fp32", 2, 2): 3.85,
+    ("gpt-tiny", "fp32", 2, 4): 5.82, ("gpt-tiny", "bf16", 3, 2): 2.93, ("gpt-tiny", "bf16", 3, 4): 4.66,
+    ("gpt-tiny", "bf16", 2, 2): 3.12, ("gpt-tiny", "bf16", 2, 4): 4.85,
+    ("gpt-mini", "fp32", 3, 2): 109.33, ("gpt-mini", "fp32", 3, 4): 168.87, ("gpt-mini", "fp32", 2, 2): 118.36,
+    ("gpt-mini", "fp32", 2, 4): 177.91, ("gpt-mini", "bf16", 3, 2): 89.69, ("gpt-mini", "bf16", 3, 4): 143.24,
+    ("gpt-mini", "bf16", 2, 2): 95.72, ("gpt-mini", "bf16", 2, 4): 149.26,
+    ("gpt-small", "fp32", 3, 2): 711.96, ("gpt-small", "fp32", 3, 4): 808.67, ("gpt-small", "fp32", 2, 2): 847.08,
+    ("gpt-small", "fp32", 2, 4): 965.31, ("gpt-small", "bf16", 3, 2): 626.91, ("gpt-small", "bf16", 3, 4): 650.90,
+    ("gpt-small", "bf16", 2, 2): 666.36, ("gpt-small", "bf16", 2, 4): 725.97,
+}
+
+
+@pytest.mark.parametrize("key", list(MEASURED_PEAK_MIB))
+def test_peak_model_reproduces_the_measured_live_peaks(key):
+    name, precision, zero, micro = key
+    e = estimate(cpu_cfg(name, engine="fsdp2", zero=zero, precision=precision))
+    live = (e.peak_bytes(micro) - e.overhead) / 2**20
+    assert live == pytest.approx(MEASURED_PEAK_MIB[key], rel=0.06)
+
+
+def test_peak_phases_and_max_micro():
+    assert layer_phases(1) == {} and layer_phases(2) == {"layer_last": 1}
+    assert layer_phases(12) == {"layer_last": 11, "layer_next": 10, "layer_first": 1}
+    z3, z2 = (estimate(cpu_cfg("gpt-small", engine="fsdp2", zero=z)) for z in (3, 2))
+    # zero=2 holds every layer gathered at the end of forward: more memory, same states
+    assert z2.peak_bytes(2) > z3.peak_bytes(2) and z2.persistent == z3.persistent
+    for e in (z2, z3):
+        cap = e.peak_bytes(5) + 1
+        assert e.max_micro(cap) == 5 and e.peak_bytes(6) > cap
+    # the activations of the layer phases grow by fewer layers than backward_start's
+    assert z3.per_sample("layer_first") < z3.per_sample("backward_start") == z3.act_per_sample
+    full = estimate(cpu_cfg("gpt-small", engine="fsdp2", zero=3, recompute="full"))
+    assert full.act_per_sample < z3.act_per_sample and full.persistent == z3.persistent
+
+
+def test_fsdp2_states_below_zero3_in_fp32():
+    """DeepSpeed's ZeRO-3 clones an fp32 master even for fp32 parameters (20P/dp at the step);
+    FSDP2's optimizer updates its fp32 shards in place (16P/dp)."""
+    ds = estimate(cpu_cfg("gpt-small", zero=3))
+    fs = estimate(cpu_cfg("gpt-small", zero=3, engine="fsdp2"))
+    assert fs.states_on_rank == pytest.approx(ds.states_on_rank * 16 / 20, rel=0.001)
+    assert fs.row()["config"] == "fsdp2 zero3" and ds.row()["config"] == "zero3"
+
+
+# -- the report --------------------------------------------------------------------------------------
+
+def test_report_shows_the_engine_and_what_changing_it_buys(tmp_path, monkeypatch):
+    from zero_bench import report
+    from zero_bench.config import ReportConfig
+    from zero_bench.records import SearchResult
+    from zero_bench.store import Store
+
+    from synthetic import GPT345, measured
+
+    monkeypatch.setenv("ZERO_BENCH_CACHE", str(tmp_path / "cache"))
+    store = Store(tmp_path / "s.sqlite")
+    zero3 = dataclasses.replace(GPT345, zero=3)
+    for cfg, micro, step_s, used in ((zero3, 32, 1.9, 30000), (dataclasses.replace(zero3, engine="fsdp2"), 48, 2.6,
+                                                                   31000)):
+        t = measured(cfg, micro, step_s, [used] * 8)
+        store.put_search(SearchResult(search_key=cfg.search_key(), label=cfg.label(), status="done", max_micro=micro,
+                                      max_global_batch=t.global_batch, config=cfg.to_dict(), measure=t))
+    xlsx, csv, md, *_ = report.write_reports(ReportConfig(runs=store.path, out=tmp_path / "r.xlsx"))
+    details = pd.read_csv(csv)
+    assert sorted(details["engine"]) == ["deepspeed", "fsdp2"]
+    assert details.loc[details["engine"] == "fsdp2", "config"].item() == "GPT-345M tp1 dp8 zero3 bf16 fsdp2"
+    buys = pd.read_excel(xlsx, sheet_name="What each optimization buys")
+    assert list(buys["change"]) == ["baseline", "engine: deepspeed -> fsdp2"]
+    assert buys["max batch Δ %"].iloc[1] == pytest.approx(50)
+    text = md.read_text()
+    assert "| engine | ZeRO stage |" in text and "ZeRO-3 on FSDP2 fits 384 samples" in text
+
+
+# -- the engine's process group -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, offload, backend", [("cpu", False, "gloo"), ("cpu", True, "gloo"),
+                                                      ("gpu", False, "nccl"), ("gpu", True, "cpu:gloo,cuda:nccl")])
+def test_fsdp2_process_group_backend(monkeypatch, device, offload, backend):
+    """Not DeepSpeed's init_distributed (its CPU shm op is JIT-built and unused by FSDP2); on GPU the
+    device is set first, and offload adds gloo for the gradient norm of host-resident shards."""
+    import deepspeed
+    import torch
+
+    from zero_bench.engines import init_distributed
+
+    calls = {}
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: calls.setdefault("deepspeed", True))
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda b: calls.setdefault("backend", b))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("device", d))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    cfg = cpu_cfg(engine="fsdp2", zero=3, offload=offload, offload_param=offload)
+    init_distributed(cfg, on_cpu=device == "cpu")
+    assert calls.get("backend") == backend and "deepspeed" not in calls
+    assert calls.get("device") == (1 if device == "gpu" else None)
+    calls.clear()
+    init_distributed(cpu_cfg(zero=3), on_cpu=True)
+    assert calls == {"deepspeed": True}

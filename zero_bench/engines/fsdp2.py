@@ -1,0 +1,215 @@
+"""PyTorch FSDP2 (torch.distributed.fsdp.fully_shard): the alternative to ZeRO a user weighs.
+
+The same megatron-core GPT as the DeepSpeed engine (models/), built with the same seed on every
+rank, then `fully_shard` on each transformer layer and on the root (embeddings, final LayerNorm,
+the tied output layer) over megatron's data-parallel group. In ZeRO's words:
+  zero=3: reshard_after_forward=True (parameters re-gathered in backward; FSDP1's FULL_SHARD)
+  zero=2: reshard_after_forward=False (gathered parameters kept from forward to backward; FSDP1's
+          SHARD_GRAD_OP). FSDP2 always reshards after backward: between steps both hold the same
+          shards, only the peak differs.
+  bf16:   MixedPrecisionPolicy(bf16 compute, fp32 reduce): the sharded fp32 parameters are the
+          master, no 16-bit copy persists.
+  offload: CPUOffloadPolicy (parameters, gradients and optimizer states; the step runs on the host).
+zero 0/1 and fp16 are refused by zero_bench.configure.check_fsdp2. Optimizer and clipping are
+ds_configs/base.json's (torch's AdamW, fused on GPU), so both engines train the same way: fp32
+losses equal ZeRO-3's within rounding (tests/integration/test_fsdp2.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from zero_bench.config import BenchConfig, Precision
+from zero_bench.ds_config import load_template
+from zero_bench.models.megatron import build_gpt, init_parallel, transformer_config
+from zero_bench.models.shims import torch_checkpoint_for_selective
+from zero_bench.records import TrialSpec
+
+
+def init_distributed(cfg: BenchConfig, on_cpu: bool) -> None:
+    """torch.distributed from the launcher's RANK / WORLD_SIZE / MASTER_* variables. Not DeepSpeed's
+    init_distributed: on CPU it loads DeepSpeed's JIT-built shared-memory op, which FSDP2 never uses.
+    GPU with offload: the sharded gradients live on the host, and clipping all-reduces their norm
+    there, which NCCL cannot (pytorch/pytorch#148532): gloo serves the CPU tensors, NCCL the rest."""
+    if on_cpu:
+        dist.init_process_group("gloo")
+        return
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # FSDP2 shards onto the current device
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cfg.offload else "nccl")
+
+
+class Fsdp2Engine:
+    """One optimizer step over grad_accum micro-batches with the DeepSpeed engine's semantics: loss /
+    grad_accum for the backward, gradients reduce-scattered every micro-batch (as ZeRO-2/3 do),
+    clipping, AdamW, gradients freed after the step."""
+
+    zero_init = False  # every rank builds the whole model, then fully_shard keeps its shard
+
+    def __init__(self, spec: TrialSpec, on_cpu: bool):
+        cfg = spec.config
+        self.mixed = cfg.precision == Precision.bf16
+        init_parallel(cfg.parallel.tp, cfg.seed, on_cpu)
+        if cfg.recompute != "none":
+            # megatron's CheckpointFunction is reentrant (it hides the layer's forward from FSDP2's
+            # backward hooks) and saves CUDA's RNG state; torch's non-reentrant checkpoint recomputes
+            # the same function and composes with fully_shard. Dropout is off: no RNG state matters.
+            torch_checkpoint_for_selective()
+        model = build_gpt(cfg, compute_config(cfg, on_cpu), on_cpu)
+        self.tp_split = tp_split_names(model)
+        shard(model, dp_mesh(on_cpu), cfg, on_cpu)
+        self.module = model
+        self.optimizer, self.clip = make_optimizer(model, on_cpu)
+        from megatron.core import parallel_state
+
+        self.tp, self.tp_rank = cfg.parallel.tp, parallel_state.get_tensor_model_parallel_rank()
+        self.grads_at_step = 0  # bytes of sharded gradients the last step read
+
+    def step(self, batches: list, mask: torch.Tensor, marks: Callable[[str], None]) -> list[float]:
+        losses = []
+        for inputs, pos, labels in batches:
+            marks("forward")
+            loss = self.module(inputs, pos, mask, labels=labels).float().mean()
+            marks("backward")
+            (loss / len(batches)).backward()  # as DeepSpeed scales by gradient_accumulation_steps
+            losses.append(loss.item())
+        marks("step")
+        named = list(self.module.named_parameters())
+        self.grads_at_step = sum(storages(p.grad for _, p in named).values())
+        clip_grad_norm(named, self.clip, self.tp_rank, self.tp, self.tp_split)
+        self.optimizer.step()
+        # set_to_none: the sharded gradients are freed between steps, as DeepSpeed's engine.step does.
+        self.optimizer.zero_grad(set_to_none=True)
+        return losses
+
+    def was_step_applied(self) -> bool:
+        return True  # no loss scaler, no skipped steps (fp16 is refused)
+
+    def loss_scale(self) -> Optional[float]:
+        return None
+
+    def model_states(self) -> dict:
+        states = count_states(self.module, self.optimizer, self.mixed)
+        states["grads_at_step"] = self.grads_at_step
+        return states
+
+    def compile(self) -> None:
+        """torch.compile each transformer layer (torchtitan's per-block compile): FSDP2's hooks stay
+        outside the compiled regions, so its all-gathers and reduce-scatters run as in eager mode."""
+        for layer in self.module.decoder.layers:
+            layer.compile()
+
+
+# -- building --------------------------------------------------------------------------------------
+
+def compute_config(cfg: BenchConfig, on_cpu: bool):
+    """megatron's TransformerConfig with fp32 parameters whatever the precision: FSDP2's sharded
+    parameters are the fp32 master, and bf16 is only what MixedPrecisionPolicy gathers and computes
+    in. config.bf16 is set anyway: megatron reads it (here) only to run the attention softmax in fp32
+    on bf16 inputs, as its own bf16 runs and DeepSpeed's do."""
+    config = transformer_config(dataclasses.replace(cfg, precision=Precision.fp32), on_cpu)
+    config.bf16 = cfg.precision == Precision.bf16
+    return config
+
+
+def dp_mesh(on_cpu: bool) -> DeviceMesh:
+    """A 1-D mesh over this rank's megatron data-parallel group. megatron's tensor parallelism is not
+    DTensor-based, so FSDP2 need see only the DP ranks; megatron's group keeps its TP x DP layout."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    return DeviceMesh.from_group(group, "cpu" if on_cpu else "cuda", mesh_dim_names=("dp",))
+
+
+def shard(model: torch.nn.Module, mesh: DeviceMesh, cfg: BenchConfig, on_cpu: bool) -> None:
+    """fully_shard bottom-up: each transformer layer is its own all-gather / reduce-scatter group,
+    the root holds the rest (word and position embeddings, final LayerNorm; the output layer reuses
+    the word embedding)."""
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if cfg.precision == Precision.bf16 else MixedPrecisionPolicy())
+    # pin_memory needs an accelerator: on CPU the "offload" copies CPU to CPU and only runs the path.
+    offload = CPUOffloadPolicy(pin_memory=not on_cpu) if cfg.offload else OffloadPolicy()
+    kw = dict(mesh=mesh, reshard_after_forward=cfg.zero == 3, mp_policy=mp, offload_policy=offload)
+    for layer in model.decoder.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+
+
+def make_optimizer(model: torch.nn.Module, on_cpu: bool) -> tuple[torch.optim.Optimizer, float]:
+    """torch's AdamW with ds_configs/base.json's hyper-parameters (what every ZeRO trial runs) and its
+    clipping threshold. Fused on GPU; on CPU the single-tensor path, as DeepSpeed's torch_adam there."""
+    base = load_template("base")
+    params = dict(base["optimizer"]["params"])
+    params["betas"] = tuple(params["betas"])
+    return torch.optim.AdamW(model.parameters(), **params, fused=None if on_cpu else True), base["gradient_clipping"]
+
+
+# -- gradient clipping -----------------------------------------------------------------------------
+
+def tp_split_names(model: torch.nn.Module) -> frozenset:
+    """Parameters megatron splits over TP ranks (the others every TP rank holds whole: LayerNorms,
+    row-parallel biases, positions). Read before fully_shard: the DTensors it registers in their
+    place lose megatron's tensor_model_parallel attribute; the names stay."""
+    return frozenset(n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False))
+
+
+def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split: frozenset) -> float:
+    """The global L2 norm over DP shards and TP slices, then one scale on every rank.
+
+    tp == 1: torch's clip_grad_norm_ (DTensor gradients: it reduces over the DP mesh). tp > 1: that
+    would reduce over DP only and give each TP rank its own norm (the replicated LayerNorms then
+    diverge); sum the local squares instead, TP duplicates on TP rank 0 only, over the whole world."""
+    named = [(n, p) for n, p in named if p.grad is not None]
+    if tp == 1:
+        return float(torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm))
+    sq = torch.zeros((), dtype=torch.float32, device=named[0][1].grad.device if named else None)
+    for n, p in named:
+        if tp_rank == 0 or n in tp_split:
+            sq += local(p.grad).float().pow(2).sum()
+    dist.all_reduce(sq)  # DP shards are disjoint and TP duplicates counted once: a plain sum
+    norm = float(sq.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for _, p in named:
+            local(p.grad).mul_(coef)
+    return norm
+
+
+# -- exact model states ----------------------------------------------------------------------------
+
+def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def storages(tensors: Iterable[Optional[torch.Tensor]]) -> dict:
+    """{storage address: bytes} of the local shards, each storage once. FSDP2 pads a shard to
+    ceil(dim0 / dp) rows; its storage holds the padding, so this counts what is allocated."""
+    out = {}
+    for t in map(local, tensors):
+        if t is not None and t.numel():
+            st = t.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def count_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mixed: bool) -> dict:
+    """Bytes of this rank's model states, as engines/deepspeed.py's model_state_bytes names them.
+
+    The optimizer updates the sharded parameters themselves: fp32, they are the params (master 0);
+    with bf16 compute (`mixed`) they are the fp32 master and no 16-bit copy persists (the bf16
+    parameters exist only while a group is gathered), so params 0. grads: what is still held (0
+    after the step, as with ZeRO); the step's figure is the engine's grads_at_step."""
+    params = list(model.parameters())
+    p_map = storages(params)
+    held = sum(p_map.values())
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    g_map = {k: v for k, v in storages(p.grad for p in params).items() if k not in p_map}
+    return {"params": 0 if mixed else held, "master": held if mixed else 0,
+            "optimizer": sum(storages(state).values()), "grads": sum(g_map.values()),
+            "numel_local": sum(local(p).numel() for p in params)}

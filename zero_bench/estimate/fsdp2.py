@@ -1,0 +1,153 @@
+"""FSDP2's memory per rank (engine=fsdp2): exact model states and the phases of a step.
+
+Notation (elements of one tensor-parallel shard): P parameters; R the root group (word embedding
+V/tp x h, positions S x h, final LayerNorm 2h; the output layer reuses the word embedding); G one
+transformer layer; L layers; b the compute dtype's bytes (fp32 4, bf16 2); dp ranks.
+
+Model states (exact, what engines/fsdp2.count_states reports; FSDP2 pads each shard to
+ceil(dim0 / dp) rows):
+  params (fp32) or master (bf16): 4 * sum ceil(d0/dp) * rest                ~ 4P/dp
+  optimizer: AdamW's m and v on the unpadded local shard + a 4-byte step each  ~ 8P/dp
+  grads (sharded fp32, from the reduce-scatter to the step):                   ~ 4P/dp
+  = 12P/dp between steps, 16P/dp at the step, fp32 and bf16 alike (no 16-bit copy persists).
+
+Transient, measured on CPU with FSDP2's record_function ranges (issue 29's prototype):
+- the root group is gathered through the whole forward and backward (b*R), and the tied word
+  embedding's unsharded gradient lives from the output layer's backward to the end (b*R);
+- zero=3: in backward the layer being differentiated plus the one FSDP2 prefetches; on CPU, gloo's
+  all_gather_into_tensor allocates a second output-sized buffer; the previous layer's
+  reduce-scatter input (fp32, 4G) is held until the next reduce-scatter;
+- zero=2: every layer stays gathered from its forward to its own backward (b*P at forward's end).
+The peak is the largest of these phases (`phases`), on top of the persistent 12P/dp:
+  backward_start: 2bR + (z3: bG | z2: L*bG)              + activations of all layers + logits
+  layer_i (i = L-1 .. 1, the pre-backward of layer i, which prefetches layer i-1):
+                  2bR + (z3: bG + bG (+ bG gloo) | z2: (i+1)*bG) + [i < L-1] 4G
+                  + (L-1-i) * 4G/dp (sharded gradients of the layers above) + activations of layers 0..i
+  step:           4P/dp (all sharded gradients) + AdamW's temporaries (CPU: single-tensor AdamW)
+Every layer phase is linear in i, so its maximum is at i = L-1, L-2 or 1: only those are kept.
+Activations are megatron's, as for ZeRO (estimate/activations.py; measured per-sample slopes equal
+ZeRO-3's), except the logits: 4 bytes per token and vocabulary row in fp32, 8 in bf16 (the bf16
+logits, megatron's fp32 copy and its clone's half), as measured at the peak on CPU. Left out: the
+gradients inside one layer's backward (with recompute=full the peak moves there: -5 % on gpt-mini).
+How close this comes to CPU measurements: README.md, "FSDP2 beside ZeRO-3".
+"""
+from __future__ import annotations
+
+from zero_bench.config import BenchConfig
+from zero_bench.estimate.activations import activation_bytes_per_sample
+from zero_bench.models import ModelConfig, param_numels
+from zero_bench.units import BYTES
+
+LOGITS_BYTES = {"fp32": 4, "bf16": 8}  # per token and vocabulary row at the peak (see above)
+ADAM_TEMPORARIES = 2  # single-tensor AdamW: sqrt(v), then its quotient, of one parameter's shard
+
+
+def param_shapes(m: ModelConfig, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
+    """Shapes of one TP rank's parameters by FSDP2 group (megatron's GPT, local spec, tied
+    embedding). Column-parallel weights split dim 0, row-parallel ones dim 1 (their bias is whole)."""
+    h, V, S = m.hidden_size, m.padded_vocab(tp), m.seq_len
+    layer = [(h,), (h,), (3 * h // tp, h), (3 * h // tp,), (h, h // tp), (h,), (h,), (h,),
+             (4 * h // tp, h), (4 * h // tp,), (h, 4 * h // tp), (h,)]
+    shapes = {"root": [(V // tp, h), (S, h), (h,), (h,)], "layer": layer}
+    # The description (models/) is the one source of what is built: a family these shapes do not
+    # describe must fail here, not be estimated wrongly.
+    mine = sorted(_numel(s) for s in shapes["root"] + layer * m.num_layers)
+    if mine != sorted(param_numels(m, tp)):
+        raise ValueError(f"model {m.name}: its parameters are not megatron's GPT that estimate/fsdp2.py shards")
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def shard_elems(shape: tuple[int, ...], dp: int, rank: int, padded: bool) -> int:
+    """Elements of one parameter's dim-0 shard on `rank` (torch.chunk; padded to chunk 0's size)."""
+    rows = -(-shape[0] // dp)
+    if not padded:
+        rows = max(0, min(rows, shape[0] - rank * rows))
+    return rows * _numel(shape[1:])
+
+
+def model_states(m: ModelConfig, dp: int, tp: int = 1, precision: str = "fp32", offload: bool = False,
+                 rank: int = 0) -> dict:
+    """Exact bytes of one rank's states (rank 0 holds the most), split as estimate/states.py splits
+    ZeRO's: params, grads (at the step), master, moments, optimizer (master + moments), gpu, cpu.
+    offload (CPUOffloadPolicy): all of them in host memory."""
+    g = param_shapes(m, tp)
+    shapes = g["root"] + g["layer"] * m.num_layers
+    held = 4 * sum(shard_elems(s, dp, rank, padded=True) for s in shapes)
+    moments = 8 * sum(shard_elems(s, dp, rank, padded=False) for s in shapes) + 4 * len(shapes)
+    mixed = precision == "bf16"
+    params, master = (0, held) if mixed else (held, 0)
+    total = params + master + moments + held
+    return {"params": params, "grads": held, "master": master, "moments": moments, "optimizer": master + moments,
+            "gpu": 0 if offload else total, "cpu": total if offload else 0}
+
+
+def layer_phases(L: int) -> dict[str, int]:
+    """The layer phases kept (name -> i): the top layer, the one below it, and layer 1."""
+    out: dict[str, int] = {}
+    for name, i in (("layer_last", L - 1), ("layer_next", L - 2), ("layer_first", 1)):
+        if 1 <= i <= L - 1 and i not in out.values():
+            out[name] = i
+    return out
+
+
+def parts(bench: BenchConfig) -> dict:
+    """The engine-specific fields of zero_bench.estimate.Estimate for engine=fsdp2: states, buffers
+    (name -> bytes and the phases they are alive in), the gradients and the activation bytes per
+    sample of each phase, and the peak while the model is built."""
+    m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp
+    on_cpu = bench.hardware.device == "cpu"
+    states = model_states(m, dp, tp, bench.precision, bench.offload)
+    g = param_shapes(m, tp)
+    b, L = BYTES[bench.precision], m.num_layers
+    R, G = sum(map(_numel, g["root"])), sum(map(_numel, g["layer"]))
+    layers = layer_phases(L)
+    # Sharded gradients live in host memory with offload on a GPU: none on the device.
+    dev_grads = 0 if bench.offload and not on_cpu else 1
+    layer_grads = dev_grads * 4 * sum(shard_elems(s, dp, 0, padded=True) for s in g["layer"])
+    buffers = _buffers(bench, b, R, G, layers, on_cpu)
+    if on_cpu:  # fused AdamW (GPU) makes no temporaries
+        largest = max(shard_elems(s, dp, 0, padded=True) for s in g["root"] + g["layer"])
+        buffers["adamw_temporaries"] = (ADAM_TEMPORARIES * 4 * largest, ["step"])
+    grads_phase = {"backward_start": 0, **{n: (L - 1 - i) * layer_grads for n, i in layers.items()},
+                   "step": dev_grads * states["grads"]}
+    act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute)
+    kept = act["layers"] / L  # per layer, after recompute's savings
+    logits = m.seq_len * m.padded_vocab(tp) // tp * LOGITS_BYTES[bench.precision]
+    act_phase = {"backward_start": act["layers"] + act["embedding"] + logits,
+                 **{n: (i + 1) * kept + act["recomputed"] + act["embedding"] for n, i in layers.items()},
+                 "step": 0}
+    P = sum(param_numels(m, tp))
+    return {"states": states, "buffers": {k: {"bytes": int(v), "phases": ph} for k, (v, ph) in buffers.items()},
+            "activations": act, "act_per_sample": int(act_phase["backward_start"]),
+            "grads_phase": {k: int(v) for k, v in grads_phase.items()},
+            "act_phase": {k: int(v) for k, v in act_phase.items()},
+            # every rank builds the whole fp32 model; fully_shard then keeps one group's shard at a time
+            "init_peak": 4 * P + 4 * max(R, G) // dp}
+
+
+def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[str, int], on_cpu: bool) -> dict:
+    """Gathered parameters and unsharded gradients: name -> (bytes, phases alive)."""
+    L, names, bR, bG = bench.model.num_layers, list(layers), b * R, b * G
+    backward = ["backward_start"] + names
+    out = {"root_gathered": (bR, backward), "tied_embedding_grad": (bR, backward)}
+    if bench.zero == 3:
+        out["layer_gathered"] = (bG, backward)
+        out["layer_prefetched"] = (bG, names)
+        if on_cpu:
+            out["gloo_allgather_copy"] = (bG, names)
+    else:  # zero=2: layers 0..i stay gathered until their own backward
+        for n, i in layers.items():
+            out[f"layers_0_{i}_gathered"] = ((i + 1) * bG, [n] + (["backward_start"] if i == L - 1 else []))
+        if L - 1 not in layers.values():
+            out[f"layers_0_{L - 1}_gathered"] = (L * bG, ["backward_start"])
+    held = [n for n, i in layers.items() if i < L - 1]
+    if held:
+        out["held_reduce_scatter_input"] = (4 * G, held)  # reduced in fp32 whatever the compute dtype
+    return out
