@@ -59,6 +59,11 @@ class Launcher(StrEnum):
     impi = "impi"
 
 
+class ModuleLoading(StrEnum):
+    lazy = "lazy"  # CUDA >= 11.7 with torch >= 1.13: kernels load when first used (the default)
+    eager = "eager"  # every kernel at start, as before CUDA 11.7 (the reference table's software)
+
+
 class Strategy(StrEnum):
     fit = "fit"  # grow by measured memory per sample
     doubling = "doubling"  # plain doubling + bisection
@@ -98,6 +103,10 @@ class HardwareConfig:
     """Nodes of the hostfile to use."""
     launcher: Launcher = Launcher.pdsh
     """DeepSpeed's multi-node launcher."""
+    cuda_module_loading: ModuleLoading = ModuleLoading.lazy
+    """How CUDA loads kernels, which sets the CUDA context's size (estimate/gpu.py): lazy, the default
+    since CUDA 11.7 with torch 1.13; eager, as software before that did. GPU ranks run with
+    CUDA_MODULE_LOADING set to it, so a trial measures what the estimate assumes."""
 
 
 @dataclass

@@ -21,11 +21,13 @@ from zero_bench.units import GiB, MiB
 COLUMNS = {"config": "config", "params": "params GiB", "grads": "grads GiB", "optimizer": "optim GiB",
            "device_states": "states/dev GiB", "host_states": "host/rank GiB", "buffers": "buffers GiB",
            "act_per_sample": "act/sample MiB", "peak_micro1": "peak@micro1 GiB", "host_needed": "host/node GiB",
-           "max_micro": "max micro", "max_global_batch": "max global", "measured_max_micro": "measured micro"}
+           "max_micro": "max micro", "max_micro_low_overhead": "max micro (low end)", "max_global_batch": "max global",
+           "measured_max_micro": "measured micro"}
 GIB_COLUMNS = ("params", "grads", "optimizer", "device_states", "host_states", "buffers", "peak_micro1", "host_needed")
 LEGEND = ("states/dev: params+grads+optimizer on the device; host/rank: offloaded states per rank (on CPU the "
-          "same memory); peak@micro1 includes overhead and buffers; max micro: predicted largest micro-batch per "
-          "rank for the capacity ('?' when no capacity is known).")
+          "same memory); peak@micro1 includes the fixed terms and buffers; max micro: predicted largest micro-batch "
+          "per rank for the capacity ('?' when no capacity is known), with the fixed terms at the high end of their "
+          "published ranges; (low end): the same at the low end (zero_bench/estimate/gpu.py names each term's source).")
 
 
 def variants(bench: BenchConfig, explicit: frozenset) -> list[BenchConfig]:
@@ -71,9 +73,17 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     head = (f"zero_bench estimate: {m.name} ({m.num_params / 1e9:.3f}B params, "
             f"{m.params_per_shard(bench.parallel.tp) / 1e9:.3f}B per TP shard) tp={bench.parallel.tp} "
             f"dp={bench.parallel.dp} on {bench.hardware.device} {bench.precision}, micro x grad_accum "
-            f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank; fixed "
-            f"overhead {(first.overhead if first else 0) / MiB:.0f} MiB per rank")
-    return "\n".join([head, format_table(rows), LEGEND])
+            f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank")
+    return "\n".join([head, fixed_line(first), format_table(rows), LEGEND])
+
+
+def fixed_line(e: Optional[Estimate]) -> str:
+    """The named fixed terms per rank (their high end) and the allocator's fragmentation."""
+    if e is None:
+        return ""
+    terms = ", ".join(f"{name} {value / MiB:,.0f} MiB" for name, value in e.terms.items())
+    frag = f"; allocator fragmentation x{e.fragmentation:.2f} (ZeRO-{e.zero})" if e.fragmentation != 1 else ""
+    return f"fixed per rank: {terms}{frag}"
 
 
 def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], ests: list[Estimate]) -> str:
@@ -103,7 +113,7 @@ def format_table(rows: list[dict]) -> str:
     for k in GIB_COLUMNS:
         df[k] = df[k].map(_gib)
     df["act_per_sample"] = df["act_per_sample"].map(lambda x: f"{x / MiB:.1f}")
-    for k in ("max_micro", "max_global_batch", "measured_max_micro"):
+    for k in ("max_micro", "max_micro_low_overhead", "max_global_batch", "measured_max_micro"):
         if k in df:
             df[k] = df[k].map(_count)
     keep = [k for k in COLUMNS if k in df]

@@ -107,6 +107,7 @@ def trial_env(cfg: BenchConfig) -> dict:
         env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     else:
         env["DS_ACCELERATOR"] = "cuda"
+        env["CUDA_MODULE_LOADING"] = cfg.hardware.cuda_module_loading.upper()  # the context the estimate sizes
         # TORCH_NCCL_ASYNC_ERROR_HANDLING stays torch's default (3, SkipCleanUp): its watchdog ends a
         # rank whose collective failed or timed out, without ncclCommAbort, which can itself hang
         # (ProcessGroupNCCL.hpp). No value makes a collective return early when a peer died: the

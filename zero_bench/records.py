@@ -171,6 +171,8 @@ class RankRecord:
     time_per_step: Optional[float] = None
     time_note: str = ""  # why time_per_step is None (e.g. every timed fp16 step overflowed)
     peak_rss_bytes: Optional[int] = None  # ru_maxrss of the rank process
+    runtime_bytes: Optional[int] = None  # the process before the model is built: RSS on CPU, outside the
+    # allocator on GPU (interpreter, torch, deepspeed, megatron-core, the process group; the CUDA context)
     peak_live_bytes: Optional[int] = None  # live tensor bytes of one profiled step (CPU) / torch peak (GPU)
     peak_phase: str = ""
     loss_scale: Optional[float] = None  # fp16's dynamic loss scale after the entry (None: no scaling)

@@ -107,15 +107,24 @@ def start(spec: TrialSpec) -> "Rank":
         gpu = RankGpu(torch, local_rank, spec.capacity_bytes, base=base)
         gpu.emulate()
         gpu.serve_deepspeed(get_accelerator())
+    runtime = gpu.outside_now() if gpu else rss_now()
     append_record(log_path(spec, rank), RankRecord(
         rank=rank, event=Event.START, pid=os.getpid(), host=os.uname().nodename, local_rank=local_rank,
-        node_rank=int(os.environ.get("CROSS_RANK", 0)), **(gpu.record() if gpu else {})))
+        node_rank=int(os.environ.get("CROSS_RANK", 0)), runtime_bytes=runtime, **(gpu.record() if gpu else {})))
     engine = build_engine(spec, on_cpu)
     if gpu:
         gpu.emulate()  # again, now that NCCL's buffers exist
     if spec.config.compile:
         engine.compile()  # torch.compile runs lazily, in the first step of each new shape
-    return Rank(spec, engine, rank, marks, gpu)
+    r = Rank(spec, engine, rank, marks, gpu)
+    r.runtime_bytes = runtime
+    return r
+
+
+def rss_now() -> int:
+    """This process's resident set now (not its peak)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def log_path(spec: TrialSpec, rank: int) -> Path:
@@ -168,6 +177,7 @@ class Rank:
         self.compile_s: Optional[float] = None
         self.states: Optional[dict] = None
         self.applied = self.applied_any = False  # was the last / any optimizer step applied
+        self.runtime_bytes: Optional[int] = None  # the process before the model was built (start())
         self._mask = None
 
     def _emit(self, record: RankRecord) -> None:
@@ -286,7 +296,8 @@ class Rank:
                           time_per_step=statistics.median(run.times) if run.times else None, time_note=note,
                           peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
                           loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,
-                          zero_init=self.engine.zero_init, marks=self.marks.marks, **self.memory_now())
+                          zero_init=self.engine.zero_init, runtime_bytes=self.runtime_bytes, marks=self.marks.marks,
+                          **self.memory_now())
 
     def over_capacity(self, rec: RankRecord) -> bool:
         """All ranks agree (max all-reduce) whether any rank's peak passed the capacity."""

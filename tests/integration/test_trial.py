@@ -48,6 +48,8 @@ def test_variant_runs_and_reports(runs, name):
         assert (run_dir / f).exists(), f
     ranks = sorted(run_dir.glob("rank*.jsonl"))
     assert len(ranks) == cfg.parallel.world_size == len(res.ranks)
+    # the process before its model: imports and the process group, a good part of the peak
+    assert all(100 * 2**20 < r.runtime_bytes < r.peak_rss_bytes for r in res.ranks), [r.runtime_bytes for r in res.ranks]
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == cfg.zero
     assert ("offload_optimizer" in ds["zero_optimization"]) == cfg.offload

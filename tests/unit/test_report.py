@@ -227,7 +227,7 @@ def _row(cfg, micro, peak_mib, states_mib, runtime_mib=None):
     for rec in t.ranks:
         rec.model_states = {"params": states_mib * MiB, "master": 0, "optimizer": 0, "grads": 0}
         if runtime_mib is not None:
-            rec.runtime_bytes = runtime_mib * MiB  # the field another change adds to RankRecord
+            rec.runtime_bytes = runtime_mib * MiB
     return Row(config=t.config, label=t.label, key=t.search_key, status="done", note="", source="s",
                measure=t, max_micro=micro, max_global_batch=t.global_batch)
 
@@ -249,7 +249,8 @@ def test_breakdown_takes_activations_from_one_source_for_every_stage():
     assert df["activations MiB"].tolist() == pytest.approx([8 * per_sample / MiB] * 3)
     assert (df["activations from"] == "estimate").all()
     z0, z1, z3 = (df.loc[c.label()] for c in cfgs)
-    assert z0["runtime MiB"] == 500 and z0["runtime from"] == "estimate (fixed cost per process)"
+    assert z0["runtime MiB"] == est[cfgs[0].label()].overhead / MiB  # the named fixed terms (estimate/gpu.py)
+    assert z0["runtime from"] == "estimate (fixed cost per process)"
     assert z1["runtime MiB"] == 900 and z1["runtime from"] == "measured before the model was built"
     # other: the peak at the configuration's own max micro minus everything else at that micro
     b1 = est[cfgs[1].label()].buffers_total / MiB
@@ -286,3 +287,27 @@ def test_every_sheet_fits_its_content_and_sizes_its_wrapped_rows(synthetic, tmp_
                     assert ws.row_dimensions[top + 1 + i].height >= 15 * wrapped_lines(text, width, CHAR, INDENT)
                 elif not isinstance(v, str) and text:
                     assert len(text) * CHAR + PAD <= width + 1e-6, (name, col, text)  # no "###"
+
+
+def test_predicted_vs_measured_names_the_term_that_is_off(synthetic):
+    """GPU records (synthetic: no GPU here) at their max batch: each term of the estimate beside the
+    figure the ranks measured, per rank."""
+    from zero_bench.estimate import estimate
+    from zero_bench.report.predicted import predicted_frame
+
+    rows = report.rows_of(report.load([synthetic]))
+    row = next(r for r in rows if r.key == GPT345.search_key())
+    t = row.measure
+    for r in t.ranks:
+        r.torch_peak_allocated, r.torch_peak_reserved, r.nvml_peak_bytes = 30000 * MiB, 33000 * MiB, 36074 * MiB
+    df = predicted_frame([row]).set_index("term")
+    est = estimate(GPT345)
+    assert df.loc["allocator peak (torch max allocated)", "measured MiB"] == 30000
+    assert df.loc["allocator peak (torch max allocated)", "predicted MiB"] == pytest.approx(
+        est.allocated_bytes(t.micro) / MiB)
+    assert df.loc["fragmentation (reserved - allocated)", "measured MiB"] == 3000
+    assert df.loc["outside the allocator (NVML used - reserved)", "measured MiB"] == 36074 - 33000
+    assert df.loc["outside the allocator (NVML used - reserved)", "predicted MiB"] == pytest.approx(est.overhead / MiB)
+    peak = df.loc["device peak (NVML used, as nvidia-smi)"]
+    assert peak["error (%)"] == pytest.approx((peak["predicted MiB"] - 36074) / 36074 * 100)
+    assert "NCCL buffers" in df.loc["outside the allocator (NVML used - reserved)", "predicted from"]

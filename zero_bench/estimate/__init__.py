@@ -37,6 +37,7 @@ from zero_bench.estimate import fsdp2
 from zero_bench.hosts import local_ranks
 from zero_bench.estimate.activations import activation_bytes_per_sample
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
+from zero_bench.estimate.gpu import CUBLAS_WORKSPACE, fragmentation, outside_allocator
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.units import BYTES
 from zero_bench.models import param_numels
@@ -45,11 +46,10 @@ from zero_bench.units import GiB, MiB
 __all__ = ["BYTES", "Estimate", "GiB", "MiB", "activation_bytes_per_sample", "deepspeed_buffers", "estimate",
            "model_states_bytes", "param_numels", "seed_micro"]
 
-# Fixed cost of one rank before any model tensor: python + torch + deepspeed + megatron imports,
-# gloo, allocator arenas (RSS of a GPT-tiny rank on this machine: ~410 MiB). On GPU: the CUDA
-# context and cuBLAS/NCCL workspaces (~500 MiB per device).
+# Fixed cost of one CPU rank before any model tensor: python + torch + deepspeed + megatron imports,
+# gloo, allocator arenas (RSS of a GPT-tiny rank on this machine: ~410 MiB). On GPU the fixed cost is
+# the named terms of estimate/gpu.py (the CUDA context, NCCL's buffers), each with its source.
 CPU_RANK_OVERHEAD = 410 * MiB
-GPU_RANK_OVERHEAD = 500 * MiB
 
 # Per-sample activation memory of a CPU rank's RSS relative to the formula (whose live tensor bytes
 # it matches within 4 %), fitted on model=gpt-mini (2 ranks, fp32, ZeRO-2 micro 2/4/8: 31.7 MiB/sample
@@ -86,7 +86,7 @@ class Estimate:
     buffers: dict  # deepspeed_buffers
     activations: dict  # activation_bytes_per_sample
     act_per_sample: int  # calibrated for the device
-    overhead: int
+    overhead: int  # outside the tensors: CPU the process's runtime; GPU outside the allocator, high end
     init_peak: int
     grads_phase: dict  # gradient bytes counted in each phase (in the memory the capacity is about)
     local_ranks: int = 1
@@ -103,6 +103,9 @@ class Estimate:
         if self.act_phase:
             return self.act_phase.get(phase, 0)
         return self.act_per_sample if phase == "act" else 0
+    overhead_low: Optional[int] = None  # GPU: outside the allocator at the low end of the published ranges
+    fragmentation: float = 1.0  # GPU: reserved / allocated at the peak (the caching allocator)
+    terms: dict = dataclasses.field(default_factory=dict)  # the named fixed terms (bytes), for the report
 
     @property
     def states_on_rank(self) -> int:
@@ -134,27 +137,38 @@ class Estimate:
         """Per-rank peak without activations."""
         return self.peak_bytes(0)
 
-    def peak_bytes(self, micro: int) -> int:
-        """Predicted per-rank peak at this micro-batch (RSS on CPU, device memory on GPU)."""
-        steady = self.overhead + self.persistent + max(self.phase_bytes(ph) + micro * self.per_sample(ph)
-                                                       for ph in self.phases)
-        return max(steady, self.overhead + self.init_peak)
+    def allocated_bytes(self, micro: int) -> int:
+        """The tensors' peak at this micro-batch (torch's max allocated on GPU): the persistent states
+        plus the largest phase (its gradients, buffers and activations)."""
+        steady = self.persistent + max(self.phase_bytes(ph) + micro * self.per_sample(ph) for ph in self.phases)
+        return max(steady, self.init_peak)
+
+    def peak_bytes(self, micro: int, overhead: Optional[int] = None) -> int:
+        """Predicted per-rank peak at this micro-batch (RSS on CPU, device memory as nvidia-smi shows it
+        on GPU): the fixed part (`overhead`, default the high end) + the allocator's reserve."""
+        fixed = self.overhead if overhead is None else overhead
+        return fixed + int(self.fragmentation * self.allocated_bytes(micro))
 
     def cannot_initialize(self, capacity: Optional[int] = None) -> bool:
         """The model states alone (or deepspeed.initialize's peak) exceed the capacity."""
         cap = capacity if capacity is not None else self.capacity
         return bool(cap) and self.fixed_bytes() > cap
 
-    def max_micro(self, capacity: Optional[int] = None) -> Optional[int]:
+    def max_micro(self, capacity: Optional[int] = None, overhead: Optional[int] = None) -> Optional[int]:
         """Largest micro-batch whose predicted peak fits `capacity` (0: not even one sample)."""
         cap = capacity if capacity is not None else self.capacity
         grows = [ph for ph in self.phases if self.per_sample(ph) > 0]
         if cap is None or not grows:
             return None
-        if self.peak_bytes(1) > cap:
+        fixed = self.overhead if overhead is None else overhead
+        if self.peak_bytes(1, fixed) > cap:
             return 0
-        base = self.overhead + self.persistent
-        return max(1, int(min((cap - base - self.phase_bytes(ph)) // self.per_sample(ph) for ph in grows)))
+        room = (cap - fixed) / self.fragmentation - self.persistent
+        return max(1, int(min((room - self.phase_bytes(ph)) // self.per_sample(ph) for ph in grows)))
+
+    def max_micro_range(self, capacity: Optional[int] = None) -> tuple[Optional[int], Optional[int]]:
+        """The max micro-batch at the high and at the low end of the fixed terms' published ranges."""
+        return self.max_micro(capacity), self.max_micro(capacity, self.overhead_low)
 
     def host_bytes(self) -> int:
         """Host memory the offloaded states need on one node (all its ranks)."""
@@ -173,6 +187,7 @@ class Estimate:
             "overhead": self.overhead, "peak_micro1": self.peak_bytes(1),
             "host_needed": self.host_bytes(), "capacity": self.capacity,
             "max_micro": m, "max_global_batch": None if m is None else m * self.dp,
+            "max_micro_low_overhead": self.max_micro_range()[1] if self.overhead_low is not None else None,
         }
 
     def to_dict(self) -> dict:
@@ -189,8 +204,8 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     common = dict(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
                   offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=dp, tp=tp,
                   num_params=m.num_params, params_per_shard=P, local_ranks=local_ranks(bench),
-                  overhead=CPU_RANK_OVERHEAD if on_cpu else GPU_RANK_OVERHEAD, engine=bench.engine,
-                  capacity=capacity if capacity is not None else search_capacity(bench))
+                  engine=bench.engine, capacity=capacity if capacity is not None else search_capacity(bench),
+                  **fixed_terms(bench))
     if bench.engine == EngineName.fsdp2:
         return Estimate(**common, **fsdp2.parts(bench))
     states = model_states_bytes(P, bench.zero, dp, 1, bench.precision,
@@ -209,6 +224,20 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     return Estimate(**common, states=states, buffers=deepspeed_buffers(bench, ds), activations=act,
                     act_per_sample=int(per_sample * factor), init_peak=init_peak(bench, P),
                     grads_phase={k: int(v) for k, v in grads_phase.items()})
+
+
+def fixed_terms(bench: BenchConfig) -> dict:
+    """The Estimate's fields for what a rank holds besides its model's tensors."""
+    if bench.hardware.device == "cpu":
+        return {"overhead": CPU_RANK_OVERHEAD, "terms": {"runtime (measured on CPU)": CPU_RANK_OVERHEAD}}
+    loading, tp, dp = bench.hardware.cuda_module_loading, bench.parallel.tp, bench.parallel.dp
+    high, low = outside_allocator(loading, tp, dp, 1), outside_allocator(loading, tp, dp, 0)
+    # cuBLAS's workspace lives inside the allocator but is there from the first matmul on, whatever
+    # the batch: it is counted with the fixed terms
+    return {"overhead": high.total + CUBLAS_WORKSPACE, "overhead_low": low.total + CUBLAS_WORKSPACE,
+            "fragmentation": fragmentation(bench.zero, bench.engine),
+            "terms": {f"CUDA context ({loading} loading)": high.cuda_context, "NCCL buffers": high.nccl,
+                      "cuBLAS workspace": CUBLAS_WORKSPACE}}
 
 
 def seed_micro(bench: BenchConfig) -> Optional[int]:

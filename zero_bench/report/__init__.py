@@ -19,12 +19,13 @@ from zero_bench.environment import machine_environment
 from zero_bench.report.charts import write_charts
 from zero_bench.report.costs import assumptions, with_costs
 from zero_bench.report.markdown import markdown_report, write_csv, write_markdown
+from zero_bench.report.predicted import predicted_frame
 from zero_bench.report.recommend import Advice, advice_lines, recommend
 from zero_bench.report.rows import find_stores, load, rows_of
 from zero_bench.report.tables import (ESTIMATE_COLUMNS, SEED_COLUMNS, Peaks, compare_frame, environment_frames, recorded_environment,
                                       scaling_frame, summary_frame, trials_frame)
 from zero_bench.report.views import breakdown_frame, buys_frame, summary_view
-from zero_bench.report.xlsx import BREAKDOWN, BUYS, write_xlsx
+from zero_bench.report.xlsx import BREAKDOWN, BUYS, PREDICTED, write_xlsx
 
 __all__ = ["Report", "ReportConfig", "build", "write_reports", "ESTIMATE_COLUMNS", "SEED_COLUMNS",
            "Peaks", "find_stores", "load", "rows_of", "summary_frame"]
@@ -39,6 +40,7 @@ class Report:
     breakdown: pd.DataFrame = None  # memory by kind at a common batch
     buys: pd.DataFrame = None  # what each optimization buys
     advice: list[Advice] = field(default_factory=list)  # the recommendation, per model and device
+    predicted: pd.DataFrame = None  # the estimate's terms beside the measured ones
     assumptions: str = ""  # what the cost columns assume ("" without a price or token count)
 
     def preface(self) -> list[tuple[str, str]]:
@@ -50,7 +52,7 @@ class Report:
 
     def sheets(self) -> dict[str, pd.DataFrame]:
         out = {"Summary": summary_view(self.summary), "Details": self.summary}
-        for name, df in ((BUYS, self.buys), (BREAKDOWN, self.breakdown)):
+        for name, df in ((BUYS, self.buys), (BREAKDOWN, self.breakdown), (PREDICTED, self.predicted)):
             if df is not None and len(df):
                 out[name] = df
         out["Trials"] = self.trials
@@ -79,6 +81,7 @@ def build(runs: str | Path, key: str = "report.runs", options: Optional[ReportCo
     return Report(summary=summary, trials=trials_frame(loaded), scaling=scaling_frame(summary),
                   environment=environment_frames(env, env_source, peaks, rows, loaded, sources), env=env,
                   breakdown=breakdown_frame(rows), buys=buys_frame(summary), advice=recommend(summary, tokens),
+                  predicted=predicted_frame(rows),
                   assumptions=assumptions(price, tokens))
 
 

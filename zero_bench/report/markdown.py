@@ -42,6 +42,9 @@ def markdown_report(rep, pngs: list[Path]) -> str:
     if rep.breakdown is not None and len(rep.breakdown):
         parts += ["", f"## Memory per device at micro-batch {int(rep.breakdown['micro batch'].iloc[0])}", "",
                   BREAKDOWN_NOTE, "", markdown_table(rep.breakdown.drop(columns=["micro batch"]))]
+    if rep.predicted is not None and len(rep.predicted):
+        parts += ["", "## Predicted vs measured (per rank, at each configuration's max batch)", "",
+                  markdown_table(rep.predicted)]
     if pngs:
         parts += ["", "## Charts", ""] + [f"![{p.stem}]({p.name})" for p in pngs]
     if len(rep.scaling):

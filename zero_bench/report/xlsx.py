@@ -16,8 +16,8 @@ from zero_bench.report.formats import number_format
 from zero_bench.report.layout import BOLD, CHAR, INDENT, column_width, indent_of, needs_wrap, row_height, wrapped_lines
 from zero_bench.report.sheet_charts import Table, charts_sheet
 
-BUYS, BREAKDOWN = "What each optimization buys", "Memory breakdown"
-FIRST = ("Summary", "Details", BUYS, BREAKDOWN, "Trials")
+BUYS, BREAKDOWN, PREDICTED = "What each optimization buys", "Memory breakdown", "Predicted vs measured"
+FIRST = ("Summary", "Details", BUYS, BREAKDOWN, PREDICTED, "Trials")
 FONT = "Calibri"  # named, or LibreOffice draws a bold header in its default serif
 MAX_FROZEN_ROWS = 12  # a longer preface scrolls away rather than fill the screen
 ENVIRONMENT_WIDTHS = (34, 60, 22, 22, 90, 90)

@@ -1,0 +1,76 @@
+"""What a GPU rank needs besides its tensors, each term named with its source.
+
+Nothing here is fitted to the reference table the estimate is scored on (benchmarks/seed_table.py):
+every figure is a published measurement (shared/README.md, "GPU memory: published figures", lists
+them with their sources). Where a published range is wide, both ends are kept, and the estimate
+states the max micro-batch at both (Estimate.max_micro_range); it sizes against the high end.
+
+A rank's device memory, as nvidia-smi shows it:
+    outside torch's allocator: the CUDA context and loaded kernels + NCCL's buffers per communicator
+    inside it (reserved):      the allocator's peak x the fragmentation factor of the ZeRO family
+                               (+ cuBLAS's workspace, allocated through it)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zero_bench.units import MiB
+
+MB = 10**6  # NCCL's reports are in decimal megabytes
+
+# The CUDA context and the kernels loaded into it, outside torch's allocator (low, high), bytes.
+# Lazy module loading (the default since CUDA 11.7 with torch 1.13): 274-481 MiB at start, growing as
+# kernels load (PyTorch forum threads on "CUDA context memory"; PyTorch maintainers: ~300 MB lazy).
+# Eager loading (before CUDA 11.7 / torch 1.13, or CUDA_MODULE_LOADING=EAGER): 922-942 MiB on an
+# A100-80GB with torch 1.13 / 2.1, 1271 MiB on a V100-32GB, ~1573 MiB on an A100-40GB and 1823 MiB
+# on an A100-80GB with torch 1.10 (pytorch/pytorch issues on CUDA_MODULE_LOADING, forum threads).
+CUDA_CONTEXT = {"lazy": (274 * MiB, 481 * MiB), "eager": (922 * MiB, 1823 * MiB)}
+
+# NCCL's buffers, outside the allocator, per communicator a rank belongs to, after its first
+# collective: 544 MB for a 2-rank group, 688 MB for a larger one (4 x A100 with NVLink; NVIDIA/nccl
+# issues #964 and #864). NCCL_BUFFSIZE is 4 MiB per channel per peer connection.
+NCCL_COMMUNICATOR = {2: 544 * MB, "more": 688 * MB}
+
+# cuBLAS's workspace, allocated through torch's allocator, per handle: 4 MiB (torch 1.x), 8.125 MiB
+# (torch 2.x before Hopper), 32 MiB on sm90 (torch's CUDABlas workspace sizes). The larger is taken.
+CUBLAS_WORKSPACE = 32 * MiB
+
+# The caching allocator rounds requests (512 B in 2 MiB segments up to 1 MiB, 20 MiB segments up to
+# 10 MiB, larger ones to 2 MiB) and caches freed blocks: reserved / allocated at the peak, per ZeRO
+# family. Megatron fp16 / bf16 and DeepSpeed stage 0 at OOM: 1.04-1.06; ZeRO-1/2
+# (stage_1_and_2.py): 1.09; ZeRO-3: ~1.23 (DeepSpeed issue #3734: one report, rough).
+FRAGMENTATION = {0: 1.05, 1: 1.09, 2: 1.09, 3: 1.23}
+
+
+@dataclass(frozen=True)
+class OutsideAllocator:
+    """Device bytes outside torch's allocator, by term, at one end of their published ranges."""
+    cuda_context: int
+    nccl: int
+
+    @property
+    def total(self) -> int:
+        return self.cuda_context + self.nccl
+
+
+def communicators(tp: int, dp: int) -> list[int]:
+    """Sizes of the NCCL communicators a rank joins in a trial: the world (zero_bench's barriers and
+    its over-capacity all-reduce, DeepSpeed's world collectives), the data-parallel group (ZeRO's
+    reduce-scatter and all-gather; a group of its own even when it spans the world) and, with tp > 1,
+    the tensor-parallel group (megatron's all-reduces). A group of one rank needs no buffers."""
+    return [n for n in (tp * dp, dp, tp if tp > 1 else 1) if n > 1]
+
+
+def nccl_bytes(tp: int, dp: int) -> int:
+    return sum(NCCL_COMMUNICATOR[2] if n == 2 else NCCL_COMMUNICATOR["more"] for n in communicators(tp, dp))
+
+
+def outside_allocator(module_loading: str, tp: int, dp: int, end: int = 1) -> OutsideAllocator:
+    """The terms at the low (end=0) or high (end=1) end of the context's published range."""
+    return OutsideAllocator(cuda_context=CUDA_CONTEXT[module_loading][end], nccl=nccl_bytes(tp, dp))
+
+
+def fragmentation(zero: int, engine: str = "deepspeed") -> float:
+    """The allocator's reserved / allocated at the peak. FSDP2: no published ratio, so none is applied
+    (the estimate then sizes its allocated bytes only, and says so in its terms)."""
+    return FRAGMENTATION[zero] if engine == "deepspeed" else 1.0
