@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
+from zero_bench.models.description import key_fields
 
 __all__ = ["ConfigError", "BenchConfig", "ModelConfig", "ParallelConfig", "HardwareConfig", "BatchConfig",
            "StepsConfig", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
@@ -179,7 +180,7 @@ class BenchConfig:
     def search_key(self) -> str:
         """Stable id of everything but the batch, with the software that runs it: one search per key,
         so a resume never mixes trials of different torch / deepspeed / megatron-core versions."""
-        d = self.to_dict()
+        d = self._key_dict()
         d["batch"] = {"grad_accum": self.batch.grad_accum}
         for k in ("steps", "timeout_s"):
             d.pop(k)
@@ -187,7 +188,14 @@ class BenchConfig:
         return _hash(d)
 
     def trial_key(self) -> str:
-        return _hash(self.to_dict())
+        return _hash(self._key_dict())
+
+    def _key_dict(self) -> dict:
+        """to_dict() with the model's later fields left out at their defaults: a GPT configuration
+        keeps the key it had before those fields existed."""
+        d = self.to_dict()
+        d["model"] = key_fields(d["model"])
+        return d
 
     def label(self) -> str:
         extras = [f"recompute={self.recompute}" if self.recompute != "none" else "",
