@@ -244,3 +244,26 @@ def test_preflight_gpu_cannot_initialize():
 
 
 # -- against real trials ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, count", [("Llama-3-8B", 8_030_261_248), ("Mistral-7B-v0.1", 7_241_732_096),
+                                         ("Qwen2.5-7B", 7_615_616_512)])
+def test_cli_estimates_a_hugging_face_config_with_its_published_count(tmp_path, name, count):
+    r = _cli("estimate", "model=hf", f"model.hf_config=tests/data/hf/{name}/config.json", "model.seq_len=4096",
+             "parallel=dp8", "hardware=h100_80gb", "--json", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout[r.stdout.index("{"):])
+    assert (doc["model"], doc["num_params"], doc["description"]["seq_len"]) == (name, count, 4096)
+    assert doc["capacity_bytes"] == 81559 * MiB  # nvidia-smi's total for an H100 80GB HBM3
+    assert len(doc["configs"]) == 7 and all(c["act_per_sample"] > 0 for c in doc["configs"])
+
+
+def test_cli_refuses_an_unsupported_model_type_in_one_line(tmp_path):
+    path = tmp_path / "gemma" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"model_type": "gemma2", "hidden_size": 2304, "num_attention_heads": 8}))
+    r = _cli("estimate", "model=hf", f"model.hf_config={path}", "model.seq_len=4096", f"hydra.run.dir={tmp_path}")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and r.stdout.strip() == ""
+    assert lines == ["zero_bench: error: model.hf_config: model_type=gemma2: zero_bench reads llama, mistral, qwen2 "
+                     "config.json files (other families are not modelled)"], r.stderr

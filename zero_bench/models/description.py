@@ -162,6 +162,17 @@ def param_numels(model: ModelConfig, tp: int = 1) -> list[int]:
     return numels(model, tp)
 
 
+def summary(m: ModelConfig) -> str:
+    """One line a user checks the description by (an imported config.json especially)."""
+    heads = f"{m.num_heads} heads" + (f" / {m.query_groups} query groups" if m.query_groups != m.num_heads else "")
+    biases = "biases" if m.add_bias else ("QKV bias" if m.qkv_bias else "no biases")
+    rope = f"RoPE base {m.rope_base:g}" + (f" scaled x{m.rope_scaling_factor:g}" if m.rope_scaling_factor else "")
+    return (f"{m.num_layers} layers, hidden {m.hidden_size}, {heads}, {m.activation} {m.ffn}, {m.normalization}, "
+            f"{rope if m.position_embedding == 'rope' else 'learned positions'}, "
+            f"{'tied' if m.tie_embeddings else 'untied'}, {biases}, {m.attention} attention, dropout {m.dropout:g}, "
+            f"seq {m.seq_len}, vocab {m.vocab_size} ({m.padded_vocab(1)} rows)")
+
+
 # Fields added after records were first stored: at their default they describe the GPT those
 # records ran, so they stay out of a configuration's key and old keys keep their value.
 LATER_FIELDS = ("ffn_hidden_size", "num_query_groups", "activation", "normalization", "position_embedding",
