@@ -80,23 +80,25 @@ def test_trial_runs_with_the_described_model(trials, name):
 
 def test_fp32_losses_equal_across_zero_stages_and_tp_at_every_step(trials):
     """ZeRO changes where states live and how gradients are reduced, tp how matmuls are split:
-    not the math. Every recorded step (before and after updates) within fp32 rounding."""
+    not the math. Every recorded step (before and after updates) within fp32 rounding (measured:
+    1.4e-7 at most, README)."""
     ref = losses(trials, "zero0")
     assert ref[-1] < ref[0]  # it trains
     for name in ("zero1", "zero2", "zero3", "tp2"):
-        assert max_rel_diff(losses(trials, name), ref) < 1e-5, (name, losses(trials, name), ref)
+        assert max_rel_diff(losses(trials, name), ref) < 1e-6, (name, losses(trials, name), ref)
 
 
 def test_sdpa_and_unfused_losses_equal_within_rounding(trials):
-    assert max_rel_diff(losses(trials, "unfused"), losses(trials, "zero2")) < 1e-5
+    assert max_rel_diff(losses(trials, "unfused"), losses(trials, "zero2")) < 1e-6
 
 
 def test_recompute_with_dropout_keeps_every_loss(trials):
-    """Wrong dropout masks in the recompute would give wrong gradients, which show from step 2 on."""
+    """Wrong dropout masks in the recompute would give wrong gradients, which show from step 2 on:
+    the losses are identical to the last bit."""
     ref = losses(trials, "dropout")
     assert ref[0] != losses(trials, "tp2")[0]  # dropout is on
     for name in ("dropout_selective", "dropout_full"):
-        assert max_rel_diff(losses(trials, name), ref) < 1e-6, (name, losses(trials, name), ref)
+        assert losses(trials, name) == ref, name
 
 
 def test_maxbatch_search_finds_a_confirmed_boundary(pools, tmp_path):
