@@ -12,6 +12,10 @@
 #                       trials are children forked from one pool whose parents never initialized CUDA
 #   5. NVML mapping     CUDA_VISIBLE_DEVICES=<last GPU>: the trial ran on that GPU (nvidia-smi's UUID)
 #                       and the report names exactly that one
+#   6. GPU memory       INFO lines, per GPU with a 1 GiB tensor alive: nvidia-smi's used next to NVML
+#                       v1 and v2 used, CUDA's total/free, torch's reserved/allocated and what is
+#                       outside the allocator; and per rank of the 1- and 2-GPU trials what the rank
+#                       recorded. Which figure equals nvidia-smi's "used" (expected: NVML v2's)?
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -20,23 +24,8 @@ STORE="$OUT/smoke.sqlite"
 pass=0; fail=0; skip=0
 say() { printf '%-5s %-16s %s\n' "$1" "$2" "$3"; case $1 in PASS) pass=$((pass+1));; FAIL) fail=$((fail+1));; SKIP) skip=$((skip+1));; esac; }
 zb() { "$PY" -m zero_bench "$@" "store=$STORE"; }
-query() {  # python one-liner over the store: prints what the check compares
-  "$PY" - "$STORE" "$@" <<'EOF'
-import sys
-from zero_bench.store import Store
-store, what = Store(sys.argv[1]), sys.argv[2]
-trials = store.trials()
-if what == "last_ok":
-    t = [t for t in trials if t.status == "ok"][-1]
-    gpus = t.devices_of("gpu")
-    print(len(gpus), " ".join(d.uuid for d in gpus), f"{t.time_per_step_s:.4f}", int(gpus[0].peak_bytes > 0) if gpus else 0)
-elif what == "search":
-    s = [s for s in store.searches()][-1]
-    ooms = [t for t in trials if t.search_key == s.search_key and t.status == "oom"]
-    real = sum("out of memory" in t.reason.lower() for t in ooms)
-    tot = s.measure.devices_of("gpu")[0].total_bytes // 2**20 if s.measure and s.measure.devices_of("gpu") else 0
-    print(s.status, s.max_micro, s.first_fail_micro, real, tot)
-EOF
+query() {  # what a check compares, from the store (launch/smoke_query.py says what each prints)
+  "$PY" launch/smoke_query.py "$STORE" "$@"
 }
 
 NGPU=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
@@ -51,12 +40,14 @@ TINY="model=gpt-tiny hardware=gpu batch.micro=2 steps.warmup=2 steps.timed=3"
 if zb $TINY parallel=dp1 hydra.run.dir="$OUT/one" > "$OUT/one.log" 2>&1; then
   read -r n uuids tps nonzero <<<"$(query last_ok)"
   [ "$n" = 1 ] && [ "$nonzero" = 1 ] && say PASS 1-gpu "time/it ${tps}s on $uuids" || say FAIL 1-gpu "devices=$n peak>0=$nonzero"
+  query gpu_mem | while read -r line; do say INFO mem-1gpu "$line"; done
 else say FAIL 1-gpu "exit $?; tail: $(tail -c 300 "$OUT/one.log")"; fi
 
 if [ "$NGPU" -ge 2 ]; then
   if zb $TINY parallel=dp2 hydra.run.dir="$OUT/two" > "$OUT/two.log" 2>&1; then
     read -r n uuids tps nonzero <<<"$(query last_ok)"
     [ "$n" = 2 ] && say PASS 2-gpu "NCCL dp=2, time/it ${tps}s on $uuids" || say FAIL 2-gpu "reported $n devices"
+    query gpu_mem | while read -r line; do say INFO mem-2gpu "$line"; done
   else say FAIL 2-gpu "exit $?; tail: $(tail -c 300 "$OUT/two.log")"; fi
 else say SKIP 2-gpu "one GPU only"; fi
 
@@ -76,6 +67,12 @@ if CUDA_VISIBLE_DEVICES=$LAST zb $TINY parallel=dp1 hydra.run.dir="$OUT/last" > 
   [ "$n" = 1 ] && [ "$uuids" = "$WANT" ] && say PASS nvml-mapping "CUDA_VISIBLE_DEVICES=$LAST ran and reported $uuids" \
     || say FAIL nvml-mapping "want $WANT, reported $n device(s): $uuids"
 else say FAIL nvml-mapping "exit $?; tail: $(tail -c 300 "$OUT/last.log")"; fi
+
+# per GPU, outside any trial: which figure is nvidia-smi's "used"?
+for i in $(seq 0 "$LAST"); do
+  line=$(CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=$i "$PY" launch/smoke_query.py - device "$i" 2>&1 | tail -n 1)
+  say INFO "mem-gpu$i" "$line"
+done
 
 echo "passed $pass, failed $fail, skipped $skip"
 [ "$fail" = 0 ]

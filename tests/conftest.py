@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig, StepsConfig
+from zero_bench.configure import resolve
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -18,11 +19,12 @@ def model(name: str) -> ModelConfig:
 
 
 def cpu_cfg(name: str = "gpt-tiny", **kw) -> BenchConfig:
-    """A 2-rank CPU config; keyword arguments replace BenchConfig fields."""
+    """A 2-rank CPU config, resolved as configure.from_cfg leaves it (its keys are the ones the
+    search stores trials under); keyword arguments replace BenchConfig fields."""
     base = BenchConfig(model=model(name), hardware=HardwareConfig(device="cpu"), precision="fp32",
                        parallel=ParallelConfig(tp=1, dp=2), steps=StepsConfig(warmup=1, timed=2),
                        timeout_s=300)
-    return dataclasses.replace(base, **kw)
+    return resolve(dataclasses.replace(base, **kw), here=False)
 
 
 def worker_processes(marker: str = "") -> list[psutil.Process]:

@@ -2,11 +2,13 @@
 
 Capacity per rank: the user's `hardware.memory_mib` / `memory_gb` (on CPU, a budget the sampler
 enforces; on GPU, the card itself, or an emulated smaller card, see `memory_fraction`); otherwise,
-on GPU, the card itself; on CPU, the host's RAM shared by the ranks on it (a search replaces that
-with `search.cpu_budget_gb`, see `with_cpu_budget`).
+on GPU, the card itself (`search_capacity`: CUDA's total of the smallest GPU the ranks use, the
+same number for the search's prediction and the estimate); on CPU, the host's RAM shared by the
+ranks on it (a search replaces that with `search.cpu_budget_gb`, see `with_cpu_budget`).
 
-The peak compared with it: on CPU the rank process's peak RSS; on GPU torch's peak reserved bytes
-(what the caching allocator holds, the figure the memory fraction limits).
+The peak compared with it: on CPU the rank process's peak RSS; on GPU the rank's device peak:
+torch's peak reserved bytes (what the caching allocator holds, the figure the memory fraction
+limits) plus what lives outside the allocator (context, NCCL, cuBLAS), as a real card holds both.
 """
 from __future__ import annotations
 
@@ -16,13 +18,10 @@ from typing import Iterable, Optional
 import psutil
 
 from zero_bench.config import BenchConfig
+from zero_bench.hosts import device_tokens, local_ranks
+from zero_bench.nvml import Nvml
 from zero_bench.records import RankRecord
 from zero_bench.units import GiB, MiB
-
-
-def local_ranks(cfg: BenchConfig) -> int:
-    """Ranks on one node (the deepspeed launcher spreads them evenly)."""
-    return max(1, cfg.parallel.world_size // max(1, cfg.hardware.num_nodes))
 
 
 def capacity_bytes(cfg: BenchConfig) -> Optional[int]:
@@ -36,18 +35,31 @@ def capacity_bytes(cfg: BenchConfig) -> Optional[int]:
     return psutil.virtual_memory().total // local_ranks(cfg)
 
 
-def device_capacity(cfg: BenchConfig) -> Optional[int]:
-    """Per-rank capacity for the estimate: the launch's, else the visible card's total memory."""
-    cap = capacity_bytes(cfg)
-    if cap is None and cfg.hardware.device == "gpu":
-        try:
-            import torch
+def card_totals(cfg: BenchConfig) -> list[int]:
+    """CUDA's total bytes of each GPU the ranks of this node use, read with NVML so that the
+    runner never starts a CUDA context: NVML's total minus the driver's reserve (nvml.h,
+    nvmlMemory_v2_t.reserved), which cudaMemGetInfo leaves out of its total. Without the v2 call
+    NVML's whole total, a little high. Empty without NVML."""
+    tokens = device_tokens(cfg)
+    n = Nvml(visible=",".join(tokens) if tokens is not None else None)
+    try:
+        mems = [n.memory(g) for g in n.visible[:local_ranks(cfg)]]
+        return [m.total - (m.reserved or 0) for m in mems if m]
+    finally:
+        n.close()
 
-            if torch.cuda.is_available():
-                cap = torch.cuda.get_device_properties(0).total_memory
-        except Exception:  # noqa: BLE001 - no GPU: the estimate cannot say
-            cap = None
-    return cap
+
+def search_capacity(cfg: BenchConfig, ranks: Iterable[RankRecord] = ()) -> Optional[int]:
+    """Per-rank capacity the search predicts with and the estimate sizes against: the launch's,
+    else (GPU) the smallest CUDA total the ranks reported, else the one NVML gives here."""
+    cap = capacity_bytes(cfg)
+    if cap is not None or cfg.hardware.device != "gpu":
+        return cap
+    seen = [r.cuda_total_bytes for r in ranks if r.cuda_total_bytes]
+    if seen:
+        return min(seen)
+    totals = card_totals(cfg)
+    return min(totals) if totals else None
 
 
 def with_cpu_budget(cfg: BenchConfig, budget_gb: float) -> BenchConfig:
@@ -58,8 +70,12 @@ def with_cpu_budget(cfg: BenchConfig, budget_gb: float) -> BenchConfig:
 
 
 def compared_peak(rec: RankRecord, device: str) -> Optional[int]:
-    """The peak of one rank that is compared with the capacity."""
-    return rec.peak_rss_bytes if device == "cpu" else rec.torch_peak_reserved
+    """The peak of one rank that is compared with the capacity. On GPU the device peak: under
+    emulation torch's reserved bytes alone stay below the fraction by construction, and a real
+    card also holds what grew outside the allocator (records without it: reserved bytes)."""
+    if device == "cpu":
+        return rec.peak_rss_bytes
+    return rec.device_peak_bytes if rec.device_peak_bytes is not None else rec.torch_peak_reserved
 
 
 def trial_peak(ranks: Iterable[RankRecord], device: str) -> Optional[int]:
@@ -73,13 +89,16 @@ def over_capacity(peak: Optional[int], cap: Optional[int]) -> bool:
 
 
 def memory_fraction(cap: Optional[int], card: int, outside_allocator: int) -> Optional[float]:
-    """torch's per-process memory fraction that emulates a card of `cap` bytes on a `card`-byte GPU.
+    """torch's per-process memory fraction that emulates a card of `cap` bytes on a GPU whose CUDA
+    total is `card` bytes (torch multiplies the fraction by that total, not NVML's, which also
+    counts the driver's reserve).
 
     The fraction caps only PyTorch's caching allocator; the CUDA context, NCCL buffers and cuBLAS
-    workspaces (`outside_allocator`: NVML's used bytes minus torch's reserved bytes, measured on
-    the rank's device) come on top. So the allocator gets cap - outside, and allocator + the rest
-    stays within the emulated card, as on a real one. None: no emulation (no cap, or cap >= card).
+    handles (`outside_allocator`: CUDA's used bytes minus torch's reserved bytes minus other
+    processes', measured on the rank's device) come on top. So the allocator gets cap - outside,
+    and allocator + the rest stays within the emulated card, as on a real one. None: no emulation
+    (no cap, or cap >= card). A float in (0, 1]: torch refuses anything else.
     """
     if not cap or cap >= card:
         return None
-    return max(cap - max(outside_allocator, 0), 1) / card
+    return float(min(1.0, max(cap - max(outside_allocator, 0), 1) / card))

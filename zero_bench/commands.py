@@ -64,7 +64,8 @@ def result_row(r: TrialResult) -> str:
                      for d in r.devices)
     rss = " ".join(f"r{x.rank}:{(x.peak_rss_bytes or 0) / MiB:.0f}MiB" for x in r.ranks)
     perf = (f"time/it {r.time_per_step_s * 1e3:.1f} ms | {r.samples_per_s:.2f} samples/s | "
-            f"{r.tokens_per_s:.0f} tokens/s | loss {r.loss:.4f}" if r.status == Status.OK else r.reason)
+            f"{r.tokens_per_s:.0f} tokens/s | loss {r.loss:.4f}" if r.status == Status.OK and r.time_per_step_s
+            else r.reason)
     return (f"{r.label} | global batch {r.global_batch} (micro {r.micro}) | {r.status} | {perf} | "
             f"peak RSS {rss} | sampled {peaks}")
 

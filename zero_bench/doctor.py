@@ -8,7 +8,6 @@ ssh (pdsh / mpirun / srun / sshd), the hostfile when one is set, and whether the
 """
 from __future__ import annotations
 
-import glob
 import os
 import platform
 import shutil
@@ -19,9 +18,9 @@ from zero_bench import metrics
 from zero_bench.configure import from_cfg
 from zero_bench.errors import ConfigError
 from zero_bench.hosts import check_hostfile, master_addr
-from zero_bench.launch import extensions_dir
 from zero_bench.nvml import Nvml
 from zero_bench.preflight import preflight, validate_machine
+from zero_bench.toolkit import cuda_toolkit, extensions_dir, fused_adam_fallback, jit_cached
 
 OK, FIX, NA = "ok", "FIX", "--"
 
@@ -113,13 +112,6 @@ def check_peak_flops(device: str, precision: str) -> Check:
 
 # -- DeepSpeed ops -------------------------------------------------------------------------------
 
-def _jit_cached(op: str) -> Optional[str]:
-    """Path of a JIT-built op in the torch extensions cache, if one was built."""
-    root = extensions_dir()
-    hits = glob.glob(os.path.join(root, "*", op, "*.so")) + glob.glob(os.path.join(root, op, "*.so"))
-    return hits[0] if hits else None
-
-
 def op_status() -> dict[str, dict]:
     """What `ds_report` shows, from DeepSpeed's Python API: per op, installed / compatible / cached."""
     import io
@@ -142,7 +134,7 @@ def op_status() -> dict[str, dict]:
         finally:
             logging.disable(logging.NOTSET)
         out[name] = {"installed": bool(installed_ops.get(name, False)) and accelerator_name == get_accelerator()._name,
-                     "compatible": compatible, "cached": _jit_cached(name),
+                     "compatible": compatible, "cached": jit_cached(name),
                      "note": buf.getvalue().strip()[-200:]}
     return out
 
@@ -156,13 +148,21 @@ def needed_ops(bench) -> dict[str, str]:
 
     ds_configs/base.json asks for "AdamW": on GPU DeepSpeed's engine makes that FusedAdam, or
     DeepSpeedCPUAdam with optimizer offload (engine._configure_basic_optimizer); on CPU
-    ds_configs/cpu.json sets torch_adam, so only the shared-memory collective is built.
+    ds_configs/cpu.json sets torch_adam, so only the shared-memory collective is built. Where
+    FusedAdam cannot be built, GPU runs use torch's fused AdamW (ds_config), which needs no build.
     """
     if bench.hardware.device == "cpu":
         return {"deepspeed_shm_comm": "init_distributed on CPU (~34 s to JIT-build once)"}
     if bench.offload:
         return {"cpu_adam": "DeepSpeedCPUAdam for optimizer offload (JIT-built with the host compiler)"}
+    if fused_adam_fallback():
+        return {}
     return {"fused_adam": "FusedAdam for AdamW (JIT-built with nvcc)"}
+
+
+def torch_adamw_line(reason: str) -> str:
+    return (f"FusedAdam cannot be built here ({reason}); GPU trials use torch's fused AdamW instead "
+            "(ds optimizer.params torch_adam=true, fused=true: compiled into torch, no build)")
 
 
 def prebuild_ops(bench, say=print) -> list[str]:
@@ -174,9 +174,12 @@ def prebuild_ops(bench, say=print) -> list[str]:
     from deepspeed.git_version_info import installed_ops
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())  # where the ranks will look
+    fallback = None if bench.offload else fused_adam_fallback()
+    if fallback:
+        say(f"zero_bench: {torch_adamw_line(fallback)}")
     built = []
     for name, why in needed_ops(bench).items():
-        if installed_ops.get(name) or _jit_cached(name):
+        if installed_ops.get(name) or jit_cached(name):
             continue
         say(f"zero_bench: building DeepSpeed op {name} once, before the first trial ({why})")
         try:
@@ -204,6 +207,8 @@ def check_ops(bench=None) -> list[Check]:
         return out + [Check(FIX, "deepspeed ops", f"cannot query op builders: {type(exc).__name__}: {exc}",
                             "run ds_report and fix what it reports")]
     need = needed_ops(bench) if bench is not None else {}
+    if bench is not None and bench.hardware.device == "gpu":
+        out += check_gpu_optimizer(bench)
     if bench is None or bench.hardware.device == "cpu":
         import torch
 
@@ -226,6 +231,19 @@ def check_ops(bench=None) -> list[Check]:
             out.append(Check(FIX, f"op {name}", f"not compatible here ({o['note'] or 'see ds_report'}); needed for {why}",
                              "install what ds_report lists for this op, or DS_BUILD_OPS=1 pip install deepspeed"))
     return out
+
+
+def check_gpu_optimizer(bench) -> list[Check]:
+    """nvcc against torch's CUDA (DeepSpeed's JIT build checks neither), and the optimizer a GPU run
+    therefore uses."""
+    kit = cuda_toolkit()
+    fix = (f"for DeepSpeed's FusedAdam: a CUDA toolkit whose nvcc is CUDA {kit.torch_cuda or 'of torch'}'s major "
+           "version, with CUDA_HOME pointing at it" if kit.problem else "")
+    checks = [Check(OK, "CUDA toolkit", kit.line(), fix)]
+    fallback = None if bench.offload else fused_adam_fallback()
+    if fallback:
+        checks.append(Check(OK, "optimizer", torch_adamw_line(fallback), fix))
+    return checks
 
 
 # -- launchers -------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Layers, later wins: ds_configs/base.json, zero{stage}.json, offload_*.json, the ds_preset's
 templates ({preset}.json, {preset}_zero3.json with ZeRO-3, {preset}_offload.json with offload),
 cpu.json (on CPU), the values that follow from the config (batch, precision, bucket sizes on the
-default preset, the activation checkpoints), then the user's `ds.*` keys.
+default preset, the activation checkpoints), then the user's `ds.*` keys. Last, on a GPU where
+DeepSpeed's FusedAdam cannot be built, torch's fused AdamW (zero_bench.toolkit), unless the user
+chose the optimizer's implementation.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from zero_bench.config import DS_TEMPLATES, BenchConfig
 from zero_bench.errors import ConfigError
+from zero_bench.toolkit import TORCH_FUSED_ADAMW, fused_adam_fallback
 
 TEMPLATE_DIR = DS_TEMPLATES
 
@@ -80,7 +83,17 @@ def build(cfg: BenchConfig) -> dict:
         if cfg.zero < 3:
             keep = {k: v for k, v in keep.items() if not k.startswith("stage3")}
         ds = merge(ds, {"zero_optimization": keep})
-    return merge(ds, cfg.ds)
+    return with_buildable_adam(merge(ds, cfg.ds), cfg)
+
+
+def with_buildable_adam(ds: dict, cfg: BenchConfig) -> dict:
+    """GPU, no optimizer offload, Adam/AdamW and FusedAdam not to be had here (no nvcc, or one of
+    another CUDA major than torch's): torch's fused AdamW, instead of a run that stops at its build."""
+    opt = ds.get("optimizer") or {}
+    if (cfg.hardware.device != "gpu" or cfg.offload or str(opt.get("type", "")).lower() not in ("adam", "adamw")
+            or "torch_adam" in (opt.get("params") or {}) or not fused_adam_fallback()):
+        return ds
+    return merge(ds, TORCH_FUSED_ADAMW)
 
 
 def _with_preset(ds: dict, cfg: BenchConfig) -> dict:

@@ -9,9 +9,13 @@ import dataclasses
 import subprocess
 from typing import Optional
 
-from zero_bench.capacity import local_ranks
 from zero_bench.config import BenchConfig
 from zero_bench.errors import ConfigError
+
+
+def local_ranks(cfg: BenchConfig) -> int:
+    """Ranks on one node (the deepspeed launcher spreads them evenly)."""
+    return max(1, cfg.parallel.world_size // max(1, cfg.hardware.num_nodes))
 
 
 def read_hostfile(path: str) -> dict[str, int]:

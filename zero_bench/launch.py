@@ -26,15 +26,17 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol
 import psutil
 
 from zero_bench import ds_config as dsc
-from zero_bench.capacity import capacity_bytes, local_ranks
+from zero_bench.capacity import capacity_bytes
 from zero_bench.config import BenchConfig
+from zero_bench.configure import resolve
 from zero_bench.environment import machine_environment_cached
 from zero_bench.gpu import DEVICES_ENV
-from zero_bench.hosts import check_hostfile, device_tokens, master_addr
+from zero_bench.hosts import check_hostfile, device_tokens, local_ranks, master_addr
 from zero_bench.machine import machine_lock, remove_shm_buffers
 from zero_bench.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
 from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
 from zero_bench.sampler import RANK_MODULE, Sampler, summarize
+from zero_bench.toolkit import extensions_dir
 
 if TYPE_CHECKING:
     from zero_bench.pool import PoolSlot
@@ -89,19 +91,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def extensions_dir() -> str:
-    """Where DeepSpeed JIT-builds its ops: one cache per virtualenv unless the user chose one.
-    A cache shared by two venvs rebuilds on every switch and can be left locked by a killed build."""
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
-
-
 def trial_env(cfg: BenchConfig) -> dict:
     """Environment of the rank processes (also written to the env file for remote nodes).
 
-    Multi-node (a hostfile): remote commands start from a login shell of sshd/srun with its own
-    PATH, so PATH leads with this interpreter's bin directory (the venv: ninja for DeepSpeed's
-    JIT ops, the `deepspeed` scripts) and library/cache paths set here are passed on. The working
-    directory needs nothing: DeepSpeed's pdsh runner itself runs `cd <launch cwd>` on every node.
+    PATH leads with this interpreter's bin directory (the venv: the `deepspeed` scripts and the ninja
+    DeepSpeed's JIT ops are built with) on every node: remote commands start from a login shell of
+    sshd/srun with its own PATH, and two ninja versions (pip's in the venv, the system's) do not
+    read each other's build log, so ranks that alternate between them rebuild the op every time.
+    Multi-node: library/cache paths set here are passed on. The working directory needs nothing:
+    DeepSpeed's pdsh runner itself runs `cd <launch cwd>` on every node.
     """
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
     if cfg.hardware.device == "cpu":
@@ -109,22 +107,29 @@ def trial_env(cfg: BenchConfig) -> dict:
         env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     else:
         env["DS_ACCELERATOR"] = "cuda"
-        # A rank whose peer died leaves its collective with an error instead of hanging.
-        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+        # TORCH_NCCL_ASYNC_ERROR_HANDLING stays torch's default (3, SkipCleanUp): its watchdog ends a
+        # rank whose collective failed or timed out, without ncclCommAbort, which can itself hang
+        # (ProcessGroupNCCL.hpp). No value makes a collective return early when a peer died: the
+        # runner ends the peers of a failed rank itself (FAILURE_GRACE_S, PoolTrial.kill).
         tokens = device_tokens(cfg)
         if tokens is not None:
             # The exact GPUs, in the user's spelling (UUIDs and MIG too, which DeepSpeed's --include
             # cannot express): each rank sets CUDA_VISIBLE_DEVICES to this list and uses its local rank.
             env[DEVICES_ENV] = ",".join(tokens[:local_ranks(cfg)])
     env["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+    env["PATH"] = venv_path()
     if cfg.hardware.hostfile:
         for k in REMOTE_PASS:
             if os.environ.get(k):
                 env[k] = os.environ[k]
-        bin_dir = os.path.dirname(sys.executable)
-        path = [p for p in os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(os.pathsep) if p]
-        env["PATH"] = os.pathsep.join([bin_dir] + [p for p in path if p != bin_dir])
     return env
+
+
+def venv_path() -> str:
+    """PATH with this interpreter's bin directory first."""
+    bin_dir = os.path.dirname(sys.executable)
+    path = [p for p in os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(os.pathsep) if p]
+    return os.pathsep.join([bin_dir] + [p for p in path if p != bin_dir])
 
 
 def launcher_cmd(cfg: BenchConfig, target: Path, port: int, flag: str = "--spec") -> list[str]:
@@ -356,9 +361,10 @@ class Ranks:
 def run_launch(cfg: BenchConfig, plan: list[Entry], run_dir: Path,
                opts: Optional[LaunchOptions] = None) -> list[TrialResult]:
     """Run `plan` (ascending micro sizes) in fresh rank processes, return one TrialResult per entry:
-    children forked from the search's pool when opts.pools has one, else a deepspeed launch of its own."""
+    children forked from the search's pool when opts.pools has one, else a deepspeed launch of its own.
+    A config built by hand (not by configure.from_cfg) has its "auto" values resolved here."""
     with machine_lock():
-        return _run(_Launch(cfg, plan, run_dir, opts or LaunchOptions()))
+        return _run(_Launch(resolve(cfg, here=False), plan, run_dir, opts or LaunchOptions()))
 
 
 def _run(launch: _Launch) -> list[TrialResult]:
@@ -370,7 +376,25 @@ def _run(launch: _Launch) -> list[TrialResult]:
         ranks, launch.cmd_text = pool.submit(launch.spec_path, run_dir, port)
     else:
         ranks = Ranks(cfg, cmd, env, run_dir)
-    sampler = Sampler(ranks.root_pid, opts.sample_interval,
+    sampler, timed_out = _watch(launch, ranks, env, port)
+    refused = pool.refused() if pool is not None else None
+    if refused is not None and not launch.emitted:
+        # No child ran: the same trial again, in a launch of its own (and every later one too).
+        opts.pools.refuse(refused)
+        launch.t0 = time.time()
+        return _run(launch)
+    sampler.write_csv(run_dir / "memory_timeline.csv")
+    end = LaunchEnd(cap=launch.cap, rc=ranks.rc, timed_out=timed_out,
+                    stopped=launch.stopped[0] if launch.stopped else None, log_tail=ranks.log_tail())
+    logs = read_rank_logs(run_dir)
+    launch.emit(classify(cfg, launch.plan, logs, end), sampler, logs)
+    return launch.emitted
+
+
+def _watch(launch: _Launch, ranks: RunningRanks, env: dict, port: int) -> tuple[Sampler, bool]:
+    """Sample and wait for the ranks, then end whatever is left; (sampler, timed out)."""
+    cfg = launch.cfg
+    sampler = Sampler(ranks.root_pid, launch.opts.sample_interval,
                       gpus=env.get(DEVICES_ENV, ",".join(map(str, range(local_ranks(cfg)))))
                       if cfg.hardware.device == "gpu" else None,
                       budget=launch.cap if cfg.hardware.device == "cpu" else None,
@@ -384,12 +408,7 @@ def _run(launch: _Launch) -> list[TrialResult]:
         sampler.stop()
         ranks.end(list(sampler.procs.values()))
         remove_shm_buffers(port)
-    sampler.write_csv(run_dir / "memory_timeline.csv")
-    end = LaunchEnd(cap=launch.cap, rc=ranks.rc, timed_out=timed_out,
-                    stopped=launch.stopped[0] if launch.stopped else None, log_tail=ranks.log_tail())
-    logs = read_rank_logs(run_dir)
-    launch.emit(classify(cfg, launch.plan, logs, end), sampler, logs)
-    return launch.emitted
+    return sampler, timed_out
 
 
 def _window(sampler: Sampler, r: TrialResult, marks: dict) -> list:

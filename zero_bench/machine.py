@@ -7,7 +7,9 @@ so a command holds it for its whole run and every launch inside takes it again f
 
 DeepSpeed's CPU collective keeps 66 MiB per rank in /dev/shm (RAM). Ranks ending by os._exit or
 SIGKILL never unlink it: the runner removes a launch's buffers after it, and whoever takes the
-lock removes the buffers of launches whose runner died (no live process maps them).
+lock removes the buffers of launches whose runner died (no live process maps them). The same holds
+for the lock file of a JIT build of DeepSpeed's ops killed mid-way (a trial's timeout, a kill):
+every later rank would wait for it forever.
 """
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from zero_bench.errors import MachineBusy
+from zero_bench.toolkit import extensions_dir
 
 SHM = Path("/dev/shm")
+# A JIT build's lock older than this, with no process building in its folder, was left by a killed build.
+BUILD_LOCK_STALE_S = 60.0
 
 
 def lock_path() -> Path:
@@ -87,6 +92,7 @@ def _acquire(wait: bool) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}".encode(), 0)
     remove_stale_shm()
+    remove_stale_build_locks()
     return fd
 
 
@@ -116,4 +122,25 @@ def remove_stale_shm() -> list[Path]:
     for f in stale:
         with contextlib.suppress(OSError):
             f.unlink()
+    return stale
+
+
+def remove_stale_build_locks(root: Optional[Path] = None) -> list[Path]:
+    """Remove the `lock` of a JIT build (torch.utils.cpp_extension's FileBaton) that no process is
+    building any more: its folder is no live process's working directory (ninja and the compiler run
+    there) and the lock is older than BUILD_LOCK_STALE_S (the builder writes build.ninja first)."""
+    import psutil
+
+    root = Path(root or extensions_dir())
+    locks = [p for p in root.glob("**/lock") if time.time() - p.stat().st_mtime > BUILD_LOCK_STALE_S]
+    if not locks:
+        return []
+    busy = set()
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            busy.add(proc.cwd())
+    stale = [p for p in locks if str(p.parent) not in busy]
+    for p in stale:
+        with contextlib.suppress(OSError):
+            p.unlink()
     return stale

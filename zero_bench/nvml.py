@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 
 def nvml_module():
@@ -41,6 +41,20 @@ def norm_pci(bus_id) -> str:
         return text
 
 
+class Mem(NamedTuple):
+    """One device's memory as NVML reports it, in bytes.
+
+    `used` is nvidia-smi's "used": nvmlMemory_v2_t.used, "Allocated device memory" (nvml.h).
+    `used_v1` is nvmlMemory_t.used, "Sum of Reserved and Allocated device memory": it also counts
+    `reserved`, memory the driver or firmware keeps for itself (~0.4-0.9 GiB on recent drivers).
+    A driver without the v2 call gives v1 only: then used == used_v1 and reserved is None.
+    """
+    used: int
+    total: int
+    reserved: Optional[int]
+    used_v1: int
+
+
 def _text(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -68,6 +82,7 @@ class Nvml:
         self.gpus: list[Gpu] = []  # every NVML device of this node, NVML order
         self.visible: list[Gpu] = []  # CUDA order under CUDA_VISIBLE_DEVICES
         self.driver: Optional[str] = None
+        self.v2 = True  # memory read with nvmlDeviceGetMemoryInfo_v2 (False: the driver lacks it)
         try:
             self.nv = nvml_module()
             self.nv.nvmlInit()
@@ -170,11 +185,22 @@ class Nvml:
         return order[local_rank] if 0 <= local_rank < len(order) else None
 
     # -- memory ---------------------------------------------------------------------------------
-    def memory(self, gpu: Gpu) -> Optional[tuple[int, int]]:
-        """(used, total) bytes of one device, None (and `error` set) if NVML cannot answer."""
+    def _info(self, handle) -> Mem:
+        """v2 where the driver has it (nvmlDeviceGetMemoryInfo_v2), v1 otherwise (and from then on)."""
+        nv = self.nv
+        if self.v2:
+            try:
+                m = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)
+                return Mem(int(m.used), int(m.total), int(m.reserved), int(m.used) + int(m.reserved))
+            except (nv.NVMLError_FunctionNotFound, nv.NVMLError_ArgumentVersionMismatch, nv.NVMLError_NotSupported):
+                self.v2 = False  # an older driver: pynvml finds no nvmlDeviceGetMemoryInfo_v2
+        m = nv.nvmlDeviceGetMemoryInfo(handle)
+        return Mem(int(m.used), int(m.total), None, int(m.used))
+
+    def memory(self, gpu: Gpu) -> Optional[Mem]:
+        """One device's memory, None (and `error` set) if NVML cannot answer."""
         try:
-            info = self.nv.nvmlDeviceGetMemoryInfo(gpu.handle)
-            return int(info.used), int(info.total)
+            return self._info(gpu.handle)
         except Exception as exc:
             self.error = f"GPU {gpu.uuid} not readable: {type(exc).__name__}: {exc}"
             return None
@@ -184,28 +210,20 @@ class Nvml:
         out = []
         for idx, h in list(self.handles.items()):
             try:
-                info = self.nv.nvmlDeviceGetMemoryInfo(h)
-                out.append((idx, int(info.used), int(info.total)))
+                mem = self._info(h)
+                out.append((idx, mem.used, mem.total))
             except Exception as exc:  # e.g. NVMLError_GpuIsLost mid-run: drop it, say so
                 self.error = f"GPU {idx} lost during sampling: {type(exc).__name__}: {exc}"
                 del self.handles[idx]
         return out
 
-    def rank_record(self, local_rank: int, uuid: Optional[str] = None,
-                    pci_bus_id: Optional[str] = None) -> dict:
-        """What a rank adds to its records about its own GPU, read on its own node."""
-        rec: dict = {}
-        gpu = None if self.nv is None else self.for_rank(local_rank, uuid, pci_bus_id)
-        if gpu is None:
-            rec["nvml_error"] = self.error or f"no NVML device for local rank {local_rank}"
-            return rec
-        rec.update(gpu_uuid=gpu.uuid, gpu_pci_bus_id=gpu.pci_bus_id, gpu_name=gpu.name)
-        mem = self.memory(gpu)
-        if mem:
-            rec["nvml_used_bytes"], rec["nvml_total_bytes"] = mem
-        else:
-            rec["nvml_error"] = self.error
-        return rec
+    def processes(self, gpu: Gpu) -> Optional[list[tuple[int, Optional[int]]]]:
+        """(pid, bytes or None where NVML cannot say) of each compute process on the device; None if
+        NVML cannot answer. PIDs are the host's: in a container they need not match os.getpid()."""
+        try:
+            return [(int(p.pid), p.usedGpuMemory) for p in self.nv.nvmlDeviceGetComputeRunningProcesses(gpu.handle)]
+        except Exception:  # noqa: BLE001 - a count we cannot get is left out, never guessed
+            return None
 
     def status(self) -> str:
         """One line for `zero_bench doctor`."""

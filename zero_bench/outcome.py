@@ -97,7 +97,11 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
     oom = [e for e in errs if e.status == RankStatus.OOM]
     if oom:
         return Status.OOM, f"rank {oom[0].rank}: {oom[0].error}"
-    if silent and errs and all(PEER_LOST.search(e.error) for e in errs):
+    peers_lost = bool(errs) and all(PEER_LOST.search(e.error) for e in errs)
+    if end.timed_out and peers_lost:
+        # our own kill at the timeout: a peer that lost the killed rank is a consequence of it
+        return Status.TIMEOUT, "no result within timeout_s; logs: " + end.log_tail[-300:].strip()
+    if silent and peers_lost:
         # A rank vanished without a word (every exception is recorded, so: SIGKILL, as the kernel's
         # OOM killer sends) and its peers only lost the connection to it.
         return Status.OOM, (f"rank {silent[0]} died without a result (killed, e.g. by the OOM killer); "
@@ -115,13 +119,21 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
 
 
 def _ok(cfg: BenchConfig, entry: Entry, index: int, done: list[RankRecord]) -> TrialResult:
-    # The slowest rank sets the pace of a synchronous step.
-    tps = max(e.time_per_step for e in done)
-    samples = cfg.with_micro(entry.micro).global_batch / tps
+    # The slowest rank sets the pace of a synchronous step; a rank without an applied step to time
+    # (fp16: all overflowed) leaves time/it empty rather than taking a skipped step's time.
+    untimed = [e for e in done if e.time_per_step is None]
+    tps = None if untimed else max(e.time_per_step for e in done)
+    samples = cfg.with_micro(entry.micro).global_batch / tps if tps else None
     first = min(done, key=lambda e: e.rank)
+    notes = [f"rank {untimed[0].rank}: {untimed[0].time_note or 'no time/it'}"] if untimed else []
+    shared = sorted(e.rank for e in done if e.gpu_shared)
+    if shared:
+        notes.append(f"GPU of rank(s) {', '.join(map(str, shared))} shared with other processes: "
+                     "NVML's per-GPU figures include theirs")
     return trial(cfg, entry, index, Status.OK, time_per_step_s=tps, samples_per_s=samples,
-                 tokens_per_s=samples * cfg.model.seq_len, loss=first.loss, loss_scale=first.loss_scale,
-                 skipped_steps=max((e.skipped_steps or 0) for e in done), compile_s=first.compile_s,
+                 tokens_per_s=samples * cfg.model.seq_len if samples else None, loss=first.loss,
+                 loss_scale=first.loss_scale, skipped_steps=max((e.skipped_steps or 0) for e in done),
+                 compile_s=first.compile_s, reason="; ".join(notes),
                  ranks=[e.summary() for e in sorted(done, key=lambda e: e.rank)])
 
 

@@ -7,7 +7,9 @@ group, master port, records, logs and memory figures), so "fresh" keeps its mean
 holds at most one pool for a search: started on first use, replaced when a trial needs other ranks
 (world size, nodes, environment) or when it died, closed at the end. Whatever a child does (OOM,
 crash, hang), the runner ends that child only and the pool serves the next trial; a pool that does
-not answer a kill is closed and the next trial starts a new one.
+not answer a kill is closed and the next trial starts a new one. A pool that refuses to serve
+(its imports initialized CUDA: forked children could not use the GPU) turns the slot off: every
+trial from then on is a launch of its own (zero_bench.launch), and one line says why.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -25,7 +28,7 @@ import psutil
 from zero_bench.config import BenchConfig
 from zero_bench.launch import free_port, kill_tree, launch_env, launcher_cmd, trial_env
 from zero_bench.machine import machine_lock
-from zero_bench.pool_rank import exit_path, request_path, write_whole
+from zero_bench.pool_rank import exit_path, refused_path, request_path, write_whole
 from zero_bench.records import PoolRequest
 from zero_bench.sampler import is_worker
 
@@ -55,6 +58,13 @@ class Pool:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def refused(self) -> Optional[str]:
+        """Why the pool's ranks refused to serve (pool_rank.serve), None while they serve."""
+        try:
+            return refused_path(self.dir).read_text()
+        except OSError:
+            return None
 
     def submit(self, spec_path: Path, run_dir: Path, port: int) -> tuple["PoolTrial", str]:
         """Ask every rank for a child running the trial spec at `spec_path` with master port `port`;
@@ -162,9 +172,13 @@ class PoolSlot:
         self.root = root
         self.pool: Optional[Pool] = None
         self.started = 0
+        self.disabled: Optional[str] = None  # why trials are launched one by one instead
         self._lock: Optional[contextlib.ExitStack] = None
 
-    def get(self, cfg: BenchConfig) -> Pool:
+    def get(self, cfg: BenchConfig) -> Optional[Pool]:
+        """The pool for `cfg`'s ranks; None once a pool refused (launch each trial on its own)."""
+        if self.disabled is not None:
+            return None
         if self.pool is not None and (self.pool.key != pool_key(cfg) or not self.pool.alive()):
             self.close()
         if self.pool is None:
@@ -181,6 +195,12 @@ class PoolSlot:
         while (self.root / f"pool{n:02d}").exists():
             n += 1
         return self.root / f"pool{n:02d}"
+
+    def refuse(self, reason: str) -> None:
+        """A pool refused: no more pools here, every later trial is a launch of its own."""
+        self.close()
+        self.disabled = reason
+        print(f"zero_bench: pool refused ({reason}); launching each trial fresh", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -10,18 +10,21 @@ The runner's requests are files in DIR, numbered from 1 (written whole, by renam
   reqNNNNN.json              a records.PoolRequest: trial.json path, master port, run dir
   reqNNNNN.kill              the runner ends that trial: kill the child's process group
   reqNNNNN.rank{R}.exit      written here: the child's exit code (negative: killed by that signal)
+  refused                    written here: why this pool cannot serve (the runner launches instead)
   stop                       end the pool (the runner also kills the launcher's process group)
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import importlib
 import os
 import signal
+import sys
 import time
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Optional, TextIO
 
 from zero_bench.records import PoolRequest
 
@@ -33,6 +36,7 @@ CHILD_POLL_S = 0.25
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 MADV_POPULATE_READ = 22  # linux/mman.h (5.14)
 PAGE = os.sysconf("SC_PAGE_SIZE")
+REFUSED_EXIT = 75  # sysexits.h EX_TEMPFAIL: this pool cannot serve; a launch per trial can
 
 
 # What every trial imports; children inherit these instead of importing them again.
@@ -68,7 +72,40 @@ def cuda_untouched() -> bool:
     return libcuda.cuDeviceGetCount(ctypes.byref(count)) == CUDA_ERROR_NOT_INITIALIZED
 
 
-def resident_file_pages() -> list[tuple[int, int]]:
+def release_nvml() -> int:
+    """Shut NVML down in the pool parent; how many initialisations that undid.
+
+    Importing DeepSpeed with DS_ACCELERATOR=cuda creates its CUDA accelerator, whose __init__ runs
+    pynvml.nvmlInit() (cuda_accelerator.py, _init_pynvml). NVML keeps a count of initialisations
+    and shuts down only when it reaches zero (nvml.h, nvmlShutdown): a forked child's nvmlInit
+    would only raise the inherited count and keep using the parent's driver state, which is not
+    safe across fork(). At zero, each child's first nvmlInit is its own. DeepSpeed's module global
+    stays set, so its pynvml calls in a child still find the module."""
+    mod = sys.modules.get("deepspeed.accelerator.cuda_accelerator")
+    nv = getattr(mod, "pynvml", None)
+    undone = 0
+    while nv is not None and undone < 64:  # bounded: a fake or broken library must not loop forever
+        try:
+            nv.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - NVMLError_Uninitialized: the count is zero
+            break
+        undone += 1
+    return undone
+
+
+def keep_mapping(fields: list[str]) -> bool:
+    """A /proc/self/maps line (split) worth mapping again in a child: a readable regular file.
+    Device files (/dev/nvidia*: VM_IO/VM_PFNMAP, nvidia-uvm: not even copied by fork) cannot be
+    populated and may fault when read; deleted files are not the child's to map. /dev/shm is tmpfs."""
+    if len(fields) < 6 or "r" not in fields[1]:
+        return False
+    path = fields[5].rstrip("\n")
+    if not path.startswith("/") or path.endswith("(deleted)"):
+        return False
+    return not path.startswith("/dev/") or path.startswith("/dev/shm/")
+
+
+def resident_file_pages(maps: Optional[TextIO] = None, pagemap=None) -> list[tuple[int, int]]:
     """(address, length) runs of file-backed pages this process has mapped and resident.
 
     fork() copies the page tables of anonymous and written memory only; pages of files it never
@@ -77,24 +114,30 @@ def resident_file_pages() -> list[tuple[int, int]]:
     the imports touched (39 MiB for gpt-mini: enough to move a CPU boundary by a size).
     /proc/self/pagemap has one 64-bit entry per page; bit 63 says it is present.
     """
+    with contextlib.ExitStack() as files:
+        maps = maps or files.enter_context(open("/proc/self/maps"))
+        pagemap = pagemap or files.enter_context(open("/proc/self/pagemap", "rb"))
+        return _resident_runs(maps, pagemap)
+
+
+def _resident_runs(maps: TextIO, pagemap) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
-    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
-        for line in maps:
-            fields = line.split(None, 5)
-            if len(fields) < 6 or not fields[5].startswith("/") or "r" not in fields[1]:
-                continue
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            pagemap.seek(lo // PAGE * 8)
-            entries = memoryview(pagemap.read((hi - lo) // PAGE * 8)).cast("Q")
-            start = None
-            for i, e in enumerate(entries):
-                if e >> 63 and start is None:
-                    start = i
-                elif not e >> 63 and start is not None:
-                    runs.append((lo + start * PAGE, (i - start) * PAGE))
-                    start = None
-            if start is not None:
-                runs.append((lo + start * PAGE, (len(entries) - start) * PAGE))
+    for line in maps:
+        fields = line.split(None, 5)
+        if not keep_mapping(fields):
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        pagemap.seek(lo // PAGE * 8)
+        entries = memoryview(pagemap.read((hi - lo) // PAGE * 8)).cast("Q")
+        start = None
+        for i, e in enumerate(entries):
+            if e >> 63 and start is None:
+                start = i
+            elif not e >> 63 and start is not None:
+                runs.append((lo + start * PAGE, (i - start) * PAGE))
+                start = None
+        if start is not None:
+            runs.append((lo + start * PAGE, (len(entries) - start) * PAGE))
     return runs
 
 
@@ -104,13 +147,21 @@ def map_again(runs: list[tuple[int, int]]) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     for addr, length in runs:
-        if libc.madvise(addr, length, MADV_POPULATE_READ) != 0:  # before Linux 5.14: touch each page
+        if libc.madvise(addr, length, MADV_POPULATE_READ) == 0:
+            continue
+        # EINVAL: a kernel before 5.14 that does not know the advice: touch each page. Anything
+        # else (EFAULT, ENOMEM: a mapping that cannot be populated) is left alone, not read.
+        if ctypes.get_errno() == errno.EINVAL:
             for a in range(addr, addr + length, PAGE):
                 ctypes.string_at(a, 1)
 
 
 def request_path(pool_dir: Path, n: int, suffix: str = ".json") -> Path:
     return pool_dir / f"req{n:05d}{suffix}"
+
+
+def refused_path(pool_dir: Path) -> Path:
+    return pool_dir / "refused"
 
 
 def exit_path(pool_dir: Path, n: int, rank: int) -> Path:
@@ -129,8 +180,11 @@ def serve(pool_dir: Path, run_trial: Callable[[Path], NoReturn]) -> NoReturn:
     child runs `run_trial(spec path)` (zero_bench.rank.trial), which never returns."""
     preload()
     if os.environ.get("DS_ACCELERATOR") == "cuda" and not cuda_untouched():
-        raise SystemExit("zero_bench pool: importing the trial's modules initialized CUDA, so forked "
-                         "children could not use the GPU; run with search.pool=false")
+        # e.g. Transformer Engine's import, or a DeepSpeed older than 0.19.3's fork-safety fix
+        write_whole(refused_path(pool_dir), "importing the trial's modules initialized CUDA, so forked "
+                    "children could not use the GPU")
+        os._exit(REFUSED_EXIT)
+    release_nvml()
     resident = resident_file_pages()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # pending until sigtimedwait takes it
     rank = int(os.environ.get("RANK", "0"))

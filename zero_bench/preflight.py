@@ -9,11 +9,11 @@ from typing import Optional
 
 import psutil
 
-from zero_bench.capacity import device_capacity, local_ranks
+from zero_bench.capacity import search_capacity
 from zero_bench.config import BenchConfig, ConfigError, make_label
 from zero_bench.ds_config import check_with_deepspeed
 from zero_bench.estimate import estimate
-from zero_bench.hosts import check_hostfile, device_tokens
+from zero_bench.hosts import check_hostfile, device_tokens, local_ranks
 from zero_bench.outcome import trial
 from zero_bench.records import Entry, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.units import GiB
@@ -69,7 +69,7 @@ def preflight(bench: BenchConfig, force: bool = False, micro: Optional[int] = No
     if force:
         return None
     try:
-        est = estimate(bench, capacity=device_capacity(bench))
+        est = estimate(bench, capacity=search_capacity(bench))
     except Exception:  # noqa: BLE001 - no estimate: let the launch decide
         return None
     micro = micro or bench.batch.micro

@@ -169,6 +169,7 @@ class RankRecord:
     losses: list = field(default_factory=list)
     step_times: list = field(default_factory=list)
     time_per_step: Optional[float] = None
+    time_note: str = ""  # why time_per_step is None (e.g. every timed fp16 step overflowed)
     peak_rss_bytes: Optional[int] = None  # ru_maxrss of the rank process
     peak_live_bytes: Optional[int] = None  # live tensor bytes of one profiled step (CPU) / torch peak (GPU)
     peak_phase: str = ""
@@ -188,11 +189,20 @@ class RankRecord:
     gpu_uuid: str = ""
     gpu_pci_bus_id: str = ""
     gpu_name: str = ""
-    nvml_used_bytes: Optional[int] = None
+    nvml_used_bytes: Optional[int] = None  # nvidia-smi's "used" (NVML v2), device-wide
     nvml_total_bytes: Optional[int] = None
-    nvml_peak_bytes: Optional[int] = None  # the rank's own NVML sampling over the entry
-    gpu_card_bytes: Optional[int] = None  # the physical card (or MIG slice) total
+    nvml_used_v1_bytes: Optional[int] = None  # NVML v1's used: v2's plus the driver's reserve
+    nvml_reserved_bytes: Optional[int] = None  # the driver's reserve (None: the driver has no v2 call)
+    nvml_v2: Optional[bool] = None  # memory was read with nvmlDeviceGetMemoryInfo_v2
+    nvml_peak_bytes: Optional[int] = None  # the rank's own NVML sampling over the entry, less gpu_others_bytes
+    gpu_card_bytes: Optional[int] = None  # the physical card (or MIG slice) total, NVML's
+    cuda_total_bytes: Optional[int] = None  # CUDA's total (cudaMemGetInfo): the one torch's fraction multiplies
     memory_fraction: Optional[float] = None  # torch's allocator cap when a smaller card is emulated
+    outside_bytes: Optional[int] = None  # the rank's device memory outside torch's allocator, now
+    device_peak_bytes: Optional[int] = None  # torch's peak reserved + outside: compared with the capacity
+    gpu_others_bytes: Optional[int] = None  # held by other processes before the rank started (not counted)
+    gpu_processes: Optional[int] = None  # compute processes NVML lists on the device
+    gpu_shared: Optional[bool] = None  # other processes use the GPU: NVML's device-wide figures include them
     nvml_error: str = ""
 
     def __post_init__(self) -> None:

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from zero_bench.capacity import capacity_bytes, trial_peak
+from zero_bench.capacity import search_capacity, trial_peak
 from zero_bench.config import BenchConfig, SearchConfig
+from zero_bench.configure import resolve
 from zero_bench.launch import LaunchOptions, run_launch
 from zero_bench.pool import PoolSlot
 from zero_bench.records import Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Status, TrialResult
@@ -249,10 +250,12 @@ class Search:
 
     def __init__(self, cfg: BenchConfig, spec: SearchConfig, store: Store, run_dir: Path,
                  opts: Optional[SearchOptions] = None):
-        self.cfg, self.spec, self.store, self.run_dir = cfg, spec, store, run_dir
+        # a config built by hand (not by configure.from_cfg) has its "auto" values resolved here
+        self.cfg, self.spec, self.store, self.run_dir = resolve(cfg, here=False), spec, store, run_dir
         self.opts = opts or SearchOptions()
-        self.key, self.label = cfg.search_key(), cfg.label()
-        self.cap = capacity_bytes(cfg)
+        self.key, self.label = self.cfg.search_key(), self.cfg.label()
+        # what peaks are compared with, here and in the estimate (a bare GPU: its CUDA total)
+        self.cap = search_capacity(self.cfg)
         self.trials: list[TrialResult] = []
         self.new_trials = self.launches = self.fit_launches = 0
         self.error: Optional[TrialResult] = None
@@ -280,6 +283,7 @@ class Search:
             self.trials = self.store.trials(self.key)
             if self.trials:
                 self.say(f"resuming from {len(self.trials)} stored trials")
+                self.update_cap()
             while self.error is None and self.new_trials < self.spec.max_trials:
                 plan = self.plan()
                 if not plan:
@@ -318,11 +322,17 @@ class Search:
         if errs:  # a bigger batch will not fix it
             self.error = errs[0]
 
+    def update_cap(self) -> None:
+        """On a bare GPU the ranks report the card's CUDA total: the capacity from then on."""
+        if self.cfg.hardware.device == "gpu":
+            self.cap = search_capacity(self.cfg, [r for t in self.trials for r in t.ranks])
+
     def record(self, t: TrialResult) -> None:
         self.store.add_trial(t)
         self.trials.append(t)
         if t.status == Status.NOT_RUN:
             return
+        self.update_cap()
         self.new_trials += 1
         known = self.known()
         why = f" ({t.reason})" if t.status != Status.OK and t.reason else ""
@@ -384,7 +394,8 @@ class Search:
             res.note += f"; before it, micro {lo} fitted{'' if lo in known.measured else ' (not confirmed fresh)'}"
         got = [t for t in self.trials if t.micro == lo and t.fresh and t.mode == Mode.MEASURE and t.status == Status.OK]
         if got:
-            got.sort(key=lambda t: t.time_per_step_s)
+            # a repeat without time/it (fp16: every timed step overflowed) sorts last
+            got.sort(key=lambda t: (t.time_per_step_s is None, t.time_per_step_s or 0.0))
             res.measure = got[len(got) // 2]  # the median run
             res.repeats = [t.time_per_step_s for t in got]
 

@@ -28,7 +28,7 @@ import torch
 from zero_bench.capacity import compared_peak, over_capacity
 from zero_bench.engines import Engine, build_engine
 from zero_bench.faults import inject
-from zero_bench.gpu import RankGpu
+from zero_bench.gpu import RankGpu, baseline, near_full
 from zero_bench.oom import is_oom
 from zero_bench.records import OOM_EXIT, Event, Mode, RankRecord, RankStatus, TrialSpec
 
@@ -71,25 +71,43 @@ def append_record(path: Path, record: RankRecord) -> None:
         os.fsync(f.fileno())
 
 
-def failure_record(rank: int, exc: BaseException, event: Event, **kw) -> RankRecord:
-    return RankRecord(rank=rank, event=event, status=RankStatus.OOM if is_oom(exc) else RankStatus.ERROR,
-                      error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-4000:], **kw)
+def failure_record(rank: int, exc: BaseException, event: Event, near_full: bool = False, **kw) -> RankRecord:
+    status = RankStatus.OOM if is_oom(exc, near_full) else RankStatus.ERROR
+    return RankRecord(rank=rank, event=event, status=status, error=f"{type(exc).__name__}: {exc}"[:2000],
+                      traceback=traceback.format_exc()[-4000:], **kw)
+
+
+def device_near_full(gpu: Optional[RankGpu], cap: Optional[int] = None) -> bool:
+    """Is this rank's GPU (or its emulated card) close to full, as a failure is recorded? Never
+    starts CUDA and never raises: it only qualifies an error that already happened."""
+    try:
+        if gpu is not None:
+            return gpu.near_full()
+        if torch.cuda.is_initialized():
+            return near_full(torch.cuda, torch.cuda.current_device(), cap)
+    except Exception:  # noqa: BLE001 - the failure itself is what gets recorded
+        pass
+    return False
 
 
 def start(spec: TrialSpec) -> "Rank":
     """This process as one rank of the trial: process group, GPU (emulated capacity), engine."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     marks = Marks()
     on_cpu = spec.config.hardware.device == "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # What other processes hold on the GPU, read before this process's first CUDA call.
+    base = None if on_cpu else baseline(local_rank)
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     gpu = None
     if not on_cpu:
         # Emulate a smaller card: allocations past the fraction raise a real CUDA OOM.
-        gpu = RankGpu(torch, local_rank, spec.capacity_bytes)
+        gpu = RankGpu(torch, local_rank, spec.capacity_bytes, base=base)
         gpu.emulate()
+        gpu.serve_deepspeed(get_accelerator())
     append_record(log_path(spec, rank), RankRecord(
         rank=rank, event=Event.START, pid=os.getpid(), host=os.uname().nodename, local_rank=local_rank,
         node_rank=int(os.environ.get("CROSS_RANK", 0)), **(gpu.record() if gpu else {})))
@@ -103,6 +121,38 @@ def start(spec: TrialSpec) -> "Rank":
 
 def log_path(spec: TrialSpec, rank: int) -> Path:
     return Path(spec.out_dir) / f"rank{rank}.jsonl"
+
+
+class _EntrySteps:
+    """The optimizer steps of one plan entry: losses, skipped (fp16 overflow) and timed steps."""
+
+    def __init__(self, rank: "Rank", micro: int):
+        self.rank, self.micro = rank, micro
+        self.losses: list[float] = []
+        self.warm: list[float] = []
+        self.times: list[float] = []
+        self.skipped = 0
+
+    def count(self, loss: float) -> None:
+        self.losses.append(loss)
+        self.skipped += not self.rank.applied
+
+    def step(self) -> float:
+        secs, loss = self.rank.step(self.micro)
+        self.count(loss)
+        if len(self.losses) == 1 and self.rank.gpu is not None:
+            self.rank.gpu.refresh()  # what the first step added outside the allocator lowers the cap
+        return secs
+
+    def timed(self, n: int) -> None:
+        """Until `n` applied steps were timed: a skipped step (fp16 overflow) does no update and
+        is no sample of time/it. Bounded: a scale that keeps overflowing leaves fewer samples."""
+        tries = 0
+        while len(self.times) < n and tries < n + MAX_SKIPPED_STEPS:
+            secs = self.step()
+            tries += 1
+            if self.rank.applied:
+                self.times.append(secs)
 
 
 class Rank:
@@ -198,7 +248,7 @@ class Rank:
         if not self.on_cpu:
             out["torch_peak_allocated"] = torch.cuda.max_memory_allocated()
             out["torch_peak_reserved"] = torch.cuda.max_memory_reserved()
-            out.update(self.gpu.record())
+            out.update(self.gpu.record(peak_reserved=out["torch_peak_reserved"]))
         return out
 
     # -- plan -----------------------------------------------------------------------------------
@@ -213,36 +263,30 @@ class Rank:
         if not self.on_cpu:
             torch.cuda.reset_peak_memory_stats()
             self.gpu.reset_peak()
-        losses, times, warm = [], [], []
-        skipped = 0
-        for i in range(n_warm + n_timed):
-            secs, loss = self.step(micro)
-            losses.append(loss)
-            skipped += not self.applied
-            if i < n_warm:
-                warm.append(secs)
-            elif self.applied:  # time/it counts applied steps only (fp16 overflows skip)
-                times.append(secs)
-        if self.cfg.compile and times and self.compile_s is None:
+        run = _EntrySteps(self, micro)
+        for _ in range(n_warm):
+            run.warm.append(run.step())
+        run.timed(n_timed)
+        if self.cfg.compile and run.times and self.compile_s is None:
             # What compiling cost: the warm-up's time beyond steady steps (first measured entry).
-            steady = statistics.median(times)
-            self.compile_s = sum(max(0.0, w - steady) for w in warm)
+            steady = statistics.median(run.times)
+            self.compile_s = sum(max(0.0, w - steady) for w in run.warm)
         # Optimizer state is allocated at the first update: with fp16, go on until one was applied.
-        while not self.applied_any and skipped < MAX_SKIPPED_STEPS:
-            secs, loss = self.step(micro)
-            losses.append(loss)
-            skipped += not self.applied
+        while not self.applied_any and run.skipped < MAX_SKIPPED_STEPS:
+            run.step()
         if self.states is None:  # model states exist once the first optimizer step has run
             self.states = self.engine.model_states()
         secs, loss, peak_live, phase = self.profiled_step(micro)
-        skipped += not self.applied
-        losses.append(loss)
-        if not times:
-            times.append(secs)
+        run.count(loss)
+        if not n_timed and self.applied:  # a probe's time: its profiled step, if that was applied
+            run.times.append(secs)
+        note = "" if run.times else ("fp16: every timed step overflowed, no time/it from a skipped step" if n_timed
+                                     else "fp16: the profiled step overflowed, no time/it from a skipped step")
         return RankRecord(rank=self.rank, event=Event.END, status=RankStatus.OK, micro=micro, mode=mode,
-                          loss=losses[-1], losses=losses, step_times=times, time_per_step=statistics.median(times),
+                          loss=run.losses[-1], losses=run.losses, step_times=run.times,
+                          time_per_step=statistics.median(run.times) if run.times else None, time_note=note,
                           peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
-                          loss_scale=self.engine.loss_scale(), skipped_steps=skipped, compile_s=self.compile_s,
+                          loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,
                           zero_init=self.engine.zero_init, marks=self.marks.marks, **self.memory_now())
 
     def over_capacity(self, rec: RankRecord) -> bool:
@@ -258,8 +302,8 @@ class Rank:
             try:
                 rec = self.run_entry(entry.micro, entry.mode)
             except BaseException as exc:  # noqa: BLE001 - every failure must be recorded
-                failed = failure_record(self.rank, exc, Event.END, micro=entry.micro, mode=entry.mode,
-                                        marks=self.marks.marks[-50:])
+                failed = failure_record(self.rank, exc, Event.END, device_near_full(self.gpu), micro=entry.micro,
+                                        mode=entry.mode, marks=self.marks.marks[-50:])
                 self._emit(failed)
                 # Peers may wait in a collective we will never join: leave, the launcher ends them.
                 os._exit(OOM_EXIT if failed.status == RankStatus.OOM else 1)
@@ -276,7 +320,8 @@ def run_spec(spec: TrialSpec) -> NoReturn:
         rank = start(spec)
     except BaseException as exc:  # noqa: BLE001 - an init failure is a result ("cannot initialize")
         r = int(os.environ.get("RANK", "0"))
-        failed = failure_record(r, exc, Event.INIT_FAILED)
+        on_gpu = spec.config.hardware.device != "cpu"
+        failed = failure_record(r, exc, Event.INIT_FAILED, on_gpu and device_near_full(None, spec.capacity_bytes))
         append_record(log_path(spec, r), failed)
         os._exit(OOM_EXIT if failed.status == RankStatus.OOM else 1)
     if spec.fault is not None:

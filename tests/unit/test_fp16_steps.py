@@ -76,9 +76,60 @@ def test_probe_runs_until_an_update_was_applied(tmp_path):
 def test_timed_steps_exclude_skipped_ones(tmp_path):
     r = rank(OverflowingEngine(overflows=2), StepsConfig(warmup=1, timed=3, probe=1), tmp_path)
     rec = r.run_entry(4, Mode.MEASURE)
-    # warm-up skipped, first timed skipped, two timed applied
-    assert len(rec.step_times) == 2 and min(rec.step_times) >= APPLIED_S
-    assert rec.skipped_steps == 2 and rec.loss_scale == 2.0 ** 14
+    # warm-up skipped, first timed skipped, then stepping on until three timed steps were applied
+    assert len(rec.step_times) == 3 and min(rec.step_times) >= APPLIED_S
+    assert rec.skipped_steps == 2 and rec.loss_scale == 2.0 ** 14 and rec.time_note == ""
+
+
+def test_timed_steps_continue_until_applied(tmp_path):
+    """The megatron preset's scale (2**16, hysteresis 2) can overflow through warm-up 2 + timed 5."""
+    r = rank(OverflowingEngine(overflows=7), StepsConfig(warmup=2, timed=5, probe=1), tmp_path)
+    rec = r.run_entry(4, Mode.MEASURE)
+    assert len(rec.step_times) == 5 and min(rec.step_times) >= APPLIED_S
+    assert rec.time_per_step >= APPLIED_S and rec.skipped_steps == 7
+
+
+class AlwaysOverflowing(OverflowingEngine):
+    """Overflows every step except `applied_at` (1-based step numbers)."""
+
+    def __init__(self, applied_at=()):
+        super().__init__(overflows=0)
+        self.applied_at = set(applied_at)
+
+    def step(self, batches, mask, marks):
+        marks("forward")
+        self.steps += 1
+        self.applied = self.steps in self.applied_at
+        if not self.applied:
+            self.scale /= 2
+        return [5.0] * len(batches)
+
+
+def test_no_time_from_a_skipped_step(tmp_path, monkeypatch):
+    """Every timed step overflowed (bounded by MAX_SKIPPED_STEPS): no time/it, and the record says
+    why, rather than the time of a step that did no update."""
+    monkeypatch.setattr(worker, "MAX_SKIPPED_STEPS", 4)
+    r = rank(AlwaysOverflowing(applied_at={1}), StepsConfig(warmup=1, timed=2, probe=1), tmp_path)
+    rec = r.run_entry(4, Mode.MEASURE)
+    assert rec.step_times == [] and rec.time_per_step is None
+    assert "every timed step overflowed" in rec.time_note and rec.skipped_steps == 2 + 4 + 1
+    # a probe whose profiled step overflowed: no time either
+    rec = r.run_entry(8, Mode.PROBE)
+    assert rec.time_per_step is None and "profiled step overflowed" in rec.time_note
+
+
+def test_an_entry_without_time_is_ok_without_throughput():
+    """outcome: the entry fits (memory says so) but has no time/it, and the reason says why."""
+    from zero_bench.outcome import LaunchEnd, classify
+    from zero_bench.records import Entry, RankRecord
+
+    cfg = BenchConfig(model=model("gpt-tiny"), hardware=HardwareConfig(device="cpu"), precision="fp16")
+    note = "fp16: every timed step overflowed, no time/it from a skipped step"
+    logs = {r: [RankRecord(rank=r, event="end", micro=4, status="ok", time_per_step=None if r else 0.5,
+                           time_note="" if r == 0 else note)] for r in (0, 1)}
+    (t,) = classify(cfg, [Entry(4, Mode.MEASURE)], logs, LaunchEnd(rc=0))
+    assert t.status == "ok" and t.time_per_step_s is None and t.samples_per_s is None
+    assert t.reason == f"rank 1: {note}"
 
 
 def test_no_loss_scale_without_fp16(tmp_path):

@@ -78,6 +78,8 @@ def test_gpu_trial_env_selects_cuda_and_nccl(tmp_path):
 
     env = trial_env(gpu_cfg())
     assert env["DS_ACCELERATOR"] == "cuda" and "MALLOC_MMAP_THRESHOLD_" not in env
+    # torch's default (3): the watchdog ends a failed rank without ncclCommAbort, which can hang
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env
     code = ("from deepspeed.accelerator import get_accelerator as g; a = g(); import json; "
             "print(json.dumps([a.device_name(), a.communication_backend_name(), a.export_envs(), "
             "a.visible_devices_envs()]))")
@@ -102,13 +104,16 @@ def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, 
     from zero_bench import worker
     from zero_bench.records import TrialSpec
 
-    calls = {}
-    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: None)
+    calls, order = {}, []
+    monkeypatch.setattr(worker, "baseline", lambda local_rank: order.append(("baseline", local_rank)))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: order.append("init_distributed"))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 3)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("device", d))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: types.SimpleNamespace(total_memory=total_gb * 2**30, name="fake"))
+    # CUDA's view of the device: nothing used yet (the fraction is then cap / CUDA's total)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (total_gb * 2**30, total_gb * 2**30))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda f, d=None: calls.setdefault("fraction", (f, d)))
 
@@ -121,6 +126,8 @@ def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, 
     with pytest.raises(_Stop):
         worker.start(spec)
     assert calls["device"] == 1
+    # other processes' memory is read before this process's first CUDA call
+    assert order == [("baseline", 1), "init_distributed"]
     if fraction is None:
         assert "fraction" not in calls
     else:
@@ -236,3 +243,91 @@ def test_doctor_names_fixes_for_a_multinode_config(tmp_path, monkeypatch):
     bench = dataclasses.replace(bench, hardware=dataclasses.replace(bench.hardware, launcher="pdsh"))
     checks = {c.name: c for c in check_launchers(bench)}
     assert checks["launcher pdsh"].status == FIX and "ci_provision.sh" in checks["launcher pdsh"].fix
+
+
+# -- nvcc against torch's CUDA, and the optimizer a GPU run then uses ------------------------------
+
+@pytest.fixture
+def toolkit(monkeypatch):
+    """DeepSpeed's own installed_cuda_version (the builder's nvcc -V) and torch.version.cuda, set
+    per test; FusedAdam neither prebuilt nor JIT-cached."""
+    import deepspeed.git_version_info as info
+    from deepspeed.ops.op_builder import builder
+
+    from zero_bench import toolkit as tk
+
+    def install(nvcc, torch_cuda):
+        def version(name=""):
+            if isinstance(nvcc, Exception):
+                raise nvcc
+            return nvcc
+        monkeypatch.setattr(builder, "installed_cuda_version", version)
+        monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+        tk.fused_adam_fallback.cache_clear()
+    monkeypatch.setattr(info, "installed_ops", {})
+    monkeypatch.setattr(tk, "jit_cached", lambda op: None)
+    yield install
+    tk.fused_adam_fallback.cache_clear()
+
+
+def _gpu_bench(offload=False):
+    import dataclasses
+
+    return dataclasses.replace(gpu_cfg(), zero=2, offload=offload)
+
+
+def test_doctor_reports_nvcc_torch_mismatch_and_offers_torch_adamw(toolkit):
+    from zero_bench import doctor, ds_config
+
+    toolkit((12, 4), "13.0")
+    checks = {c.name: c for c in doctor.check_gpu_optimizer(_gpu_bench())}
+    kit, opt = checks["CUDA toolkit"], checks["optimizer"]
+    assert "nvcc 12.4" in kit.detail and "CUDA 13.0" in kit.detail and "major" in kit.detail and kit.fix
+    assert "torch's fused AdamW" in opt.detail and opt.status == doctor.OK  # the run can run
+    assert doctor.needed_ops(_gpu_bench()) == {}  # nothing left to build before the first trial
+    said = []
+    assert doctor.prebuild_ops(_gpu_bench(), say=said.append) == [] and "torch's fused AdamW" in said[0]
+    params = ds_config.build(_gpu_bench())["optimizer"]["params"]
+    assert params["torch_adam"] is True and params["fused"] is True
+    # optimizer offload builds cpu_adam with the host compiler: no nvcc needed, no fallback
+    assert "torch_adam" not in ds_config.build(_gpu_bench(offload=True))["optimizer"]["params"]
+    assert "optimizer" not in {c.name for c in doctor.check_gpu_optimizer(_gpu_bench(offload=True))}
+
+
+def test_doctor_without_nvcc_offers_torch_adamw(toolkit):
+    from deepspeed.ops.op_builder.builder import MissingCUDAException
+
+    from zero_bench import doctor
+
+    toolkit(MissingCUDAException("CUDA_HOME does not exist, unable to compile CUDA op(s)"), "12.8")
+    checks = {c.name: c for c in doctor.check_gpu_optimizer(_gpu_bench())}
+    assert "nvcc missing" in checks["CUDA toolkit"].detail and "CUDA_HOME does not exist" in checks["CUDA toolkit"].detail
+    assert "torch's fused AdamW" in checks["optimizer"].detail
+
+
+def test_a_minor_cuda_difference_builds_fused_adam(toolkit):
+    from zero_bench import doctor, ds_config
+
+    toolkit((13, 1), "13.0")
+    checks = {c.name: c for c in doctor.check_gpu_optimizer(_gpu_bench())}
+    assert checks["CUDA toolkit"].status == doctor.OK and "minor versions differ" in checks["CUDA toolkit"].detail
+    assert "optimizer" not in checks and not checks["CUDA toolkit"].fix
+    assert "fused_adam" in doctor.needed_ops(_gpu_bench())
+    assert "torch_adam" not in ds_config.build(_gpu_bench())["optimizer"]["params"]
+
+
+def test_a_timeout_whose_killed_rank_took_its_peer_along_is_a_timeout():
+    """At timeout_s the runner kills the ranks; a peer that saw its partner go first records 'Connection
+    closed by peer'. That is our kill's consequence, not an OOM kill and not a bug of the trial."""
+    from zero_bench.outcome import LaunchEnd, classify
+    from zero_bench.records import Entry, RankRecord
+
+    cfg = gpu_cfg()
+    logs = {0: [RankRecord(event="begin", micro=2, rank=0),
+                RankRecord(event="end", micro=2, rank=0, status="error",
+                           error="RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")],
+            1: [RankRecord(event="begin", micro=2, rank=1)]}
+    (res,) = classify(cfg, [Entry(2)], logs, LaunchEnd(rc=-9, timed_out=True))
+    assert res.status == "timeout"
+    (res,) = classify(cfg, [Entry(2)], logs, LaunchEnd(rc=-9, timed_out=False))
+    assert res.status == "oom"  # without our timeout: the kernel killed rank 1

@@ -13,18 +13,13 @@ from zero_bench.capacity import memory_fraction
 from zero_bench.config import BenchConfig, ConfigError, HardwareConfig, ParallelConfig
 from zero_bench.gpu import DEVICES_ENV, RankGpu, select_devices
 from zero_bench.launch import LaunchOptions, _Launch, trial_env
-from zero_bench.records import Entry
 from zero_bench.outcome import gpu_devices
-from zero_bench.records import RankRecord, Status, TrialResult
+from zero_bench.records import Entry, RankRecord, Status, TrialResult
 from zero_bench.report.tables import _memory, emulation_note
 from zero_bench.sampler import Sampler
 
 from conftest import model
-from test_nvml import A100, fake_pynvml
-
-GiB, MiB = 2**30, 2**20
-EIGHT = [("NVIDIA A100-SXM4-80GB", f"GPU-{i:08x}-0000-1111-2222-333344445555", (0, 0x10 + i, 0), 80 * GiB,
-          (i + 1) * GiB) for i in range(8)]
+from gpu_fakes import A100, EIGHT, FakeCuda, GiB, MiB, fake_pynvml
 
 
 def gpu_cfg(dp=2, **hw) -> BenchConfig:
@@ -34,8 +29,8 @@ def gpu_cfg(dp=2, **hw) -> BenchConfig:
 
 @pytest.fixture
 def fake(monkeypatch):
-    def install(devices=EIGHT, mig=None):
-        nv = fake_pynvml(devices, mig=mig)
+    def install(devices=EIGHT, mig=None, **kw):
+        nv = fake_pynvml(devices, mig=mig, **kw)
         monkeypatch.setattr(nvml, "nvml_module", lambda: nv)
         return nv
     for k in ("CUDA_VISIBLE_DEVICES", DEVICES_ENV, "CUDA_DEVICE_ORDER"):
@@ -43,34 +38,9 @@ def fake(monkeypatch):
     return install
 
 
-class FakeCuda:
-    """torch.cuda as a rank sees it: its devices are CUDA_VISIBLE_DEVICES' entries, in order."""
-
-    def __init__(self, devices, reserved=0):
-        self.devices, self.reserved, self.calls = devices, reserved, {}
-
-    def _visible(self):
-        env = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return [int(x) for x in env.split(",")] if env else list(range(len(self.devices)))
-
-    def set_device(self, i):
-        self.calls["device"] = i
-
-    def get_device_properties(self, i):
-        d = self.devices[self._visible()[i]]
-        return types.SimpleNamespace(uuid=d[1][4:], pci_domain_id=d[2][0], pci_bus_id=d[2][1], pci_device_id=d[2][2],
-                                     total_memory=d[3], name=d[0])
-
-    def memory_reserved(self, i=None):
-        return self.reserved
-
-    def set_per_process_memory_fraction(self, f, i=None):
-        self.calls["fraction"] = (f, i)
-
-
-def rank_gpu(monkeypatch, devices, local_rank, cap=None, reserved=0):
-    cuda = FakeCuda(devices, reserved)
-    return RankGpu(types.SimpleNamespace(cuda=cuda), local_rank, cap, interval=0), cuda
+def rank_gpu(monkeypatch, devices, local_rank, cap=None, reserved=0, driver=0, base=None, mig=None):
+    cuda = FakeCuda(devices, reserved, driver=driver, mig=mig)
+    return RankGpu(types.SimpleNamespace(cuda=cuda), local_rank, cap, base=base, interval=0), cuda
 
 
 def test_cuda_visible_devices_4_5_is_what_runs_is_sampled_and_is_reported(fake, monkeypatch, tmp_path):
@@ -126,9 +96,7 @@ def test_mig_slice_reports_its_own_memory(fake, monkeypatch):
     fake(A100 + [slice_], mig={mig: len(A100)})
     monkeypatch.setenv(DEVICES_ENV, mig)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig)
-    cuda = FakeCuda(A100)
-    cuda.get_device_properties = lambda i: types.SimpleNamespace(total_memory=10 * GiB, name="MIG")
-    gpu = RankGpu(types.SimpleNamespace(cuda=cuda), 0, None, interval=0)
+    gpu, _ = rank_gpu(monkeypatch, A100, 0, mig={mig: slice_})
     rec = gpu.record()
     assert rec["gpu_uuid"] == mig and rec["nvml_total_bytes"] == 10 * GiB and rec["gpu_card_bytes"] == 10 * GiB
     assert rec["nvml_used_bytes"] == 3 * GiB  # not the parent's 1 GiB of 40
@@ -138,10 +106,11 @@ def test_emulated_a100_40gb_caps_the_allocator_and_reports_against_40537_mib(fak
     fake()
     cap = 40537 * MiB
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    gpu, cuda = rank_gpu(monkeypatch, EIGHT, 0, cap=cap, reserved=0)  # NVML: 1 GiB used (context)
+    gpu, cuda = rank_gpu(monkeypatch, EIGHT, 0, cap=cap, reserved=0)  # 1 GiB used outside torch (context)
     gpu.emulate()
     f, dev = cuda.calls["fraction"]
     assert dev == 0 and f == pytest.approx((cap - 1 * GiB) / (80 * GiB))  # allocator + context <= 40537 MiB
+    assert type(f) is float
     rec = RankRecord(rank=0, event="end", **{**gpu.record(), "nvml_peak_bytes": 30000 * MiB})
     t = TrialResult(search_key="k", trial_key="t", label="l", micro=1, global_batch=1, status=Status.OK,
                     ranks=[rec], devices=gpu_devices([rec], [], cap))
@@ -154,6 +123,8 @@ def test_memory_fraction():
     assert memory_fraction(None, 80 * GiB, 0) is None
     assert memory_fraction(90 * GiB, 80 * GiB, 0) is None  # not smaller than the card: no emulation
     assert memory_fraction(40 * GiB, 80 * GiB, 2 * GiB) == pytest.approx(38 / 80)
+    assert type(memory_fraction(40 * GiB, 80 * GiB, 0)) is float  # torch refuses an int
+    assert 0 < memory_fraction(40 * GiB, 80 * GiB, 50 * GiB) < 1e-9  # outside alone passes the cap
 
 
 def test_memory_mib_and_the_a100_preset():
@@ -167,6 +138,86 @@ def test_memory_mib_and_the_a100_preset():
     # the reference's setup: fp16, full recompute, the Megatron-DeepSpeed ds_config, A100-40GB
     assert (c.hardware.memory_mib, c.precision, c.recompute, c.ds_preset) == (
         40537, "fp16", "full", "megatron_deepspeed")
+
+
+# -- GPUs named by UUID reach DeepSpeed as integers (its CUDA accelerator int()s them) --------------
+
+def test_uuid_devices_reach_deepspeed_as_indices(fake, monkeypatch):
+    """DeepSpeed's CUDA_Accelerator.available_memory (ZeRO-1/2 call it in DeepSpeedZeroOptimizer's
+    __init__) maps torch's index through int() of each CUDA_VISIBLE_DEVICES entry."""
+    from deepspeed.accelerator import cuda_accelerator
+
+    nv = fake()
+    env = {DEVICES_ENV: f"{EIGHT[4][1]},{EIGHT[5][1]}", "CUDA_VISIBLE_DEVICES": "0,1"}  # launcher's "0,1"
+    assert select_devices(env) == f"{EIGHT[4][1]},{EIGHT[5][1]}"  # the user's spelling is kept for the rank
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert nv.state["init"] == 0  # select_devices released NVML again
+
+    # DeepSpeed's own accelerator (its nvmlInit fails here, which leaves its module global None)
+    acc = cuda_accelerator.CUDA_Accelerator()
+    nv.nvmlInit()  # as the accelerator's own _init_pynvml does on a machine with a driver
+    monkeypatch.setattr(cuda_accelerator, "pynvml", nv)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"])
+    assert acc.available_memory(1) == EIGHT[5][3] - EIGHT[5][4]  # NVML device 5's free
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", EIGHT[4][1])  # what the user's spelling would have done
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        acc.available_memory(0)
+
+
+@pytest.mark.parametrize("devices, expect", [("4,5", "4,5"), ("GPU-00000004,5", "4,5"),
+                                             ("MIG-aaaa,MIG-bbbb", "MIG-aaaa,MIG-bbbb"),
+                                             ("GPU-ffffffff", "GPU-ffffffff")])  # unknown: CUDA decides
+def test_select_devices_rewrites_only_what_needs_it(fake, devices, expect):
+    fake()
+    env = {DEVICES_ENV: devices}
+    select_devices(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == expect
+    assert ("CUDA_DEVICE_ORDER" in env) == (expect != devices)
+
+
+def test_without_nvml_uuids_stay(monkeypatch):
+    def missing():
+        raise ImportError("No module named 'pynvml'")
+    monkeypatch.setattr(nvml, "nvml_module", missing)
+    env = {DEVICES_ENV: EIGHT[4][1]}
+    select_devices(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == EIGHT[4][1] and "CUDA_DEVICE_ORDER" not in env
+
+
+def test_mig_available_memory_answers_from_cuda(fake, monkeypatch):
+    """A MIG slice keeps its UUID in CUDA_VISIBLE_DEVICES: DeepSpeed's int() would fail there, so
+    the rank answers available_memory itself, from CUDA's view of its slice (and the emulated cap)."""
+    from deepspeed.accelerator import cuda_accelerator
+
+    mig = "MIG-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
+    slice_ = ("NVIDIA A100-SXM4-80GB MIG 3g.40gb", mig, (0, 0x10, 0), 40 * GiB, 1 * GiB)
+    nv = fake(EIGHT + [slice_], mig={mig: len(EIGHT)})
+    monkeypatch.setenv(DEVICES_ENV, mig)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig)
+    gpu, cuda = rank_gpu(monkeypatch, EIGHT, 0, cap=20 * GiB, reserved=6 * GiB, mig={mig: slice_})
+    cuda.allocated = 4 * GiB  # 2 GiB of torch's 6 are cached, free for reuse
+    acc = cuda_accelerator.CUDA_Accelerator()
+    nv.nvmlInit()
+    monkeypatch.setattr(cuda_accelerator, "pynvml", nv)
+    with pytest.raises(ValueError):
+        acc.available_memory(0)  # DeepSpeed's own: int("MIG-...")
+    gpu.serve_deepspeed(acc)
+    free = 40 * GiB - 1 * GiB - 6 * GiB
+    assert acc.available_memory() == free + 2 * GiB  # no emulation yet: the slice's free + the cache
+    gpu.emulate()
+    f = cuda.calls["fraction"][0]
+    assert f == pytest.approx((20 * GiB - 1 * GiB) / (40 * GiB))
+    assert acc.available_memory() == min(free + 2 * GiB, int(f * 40 * GiB) - 4 * GiB)  # the emulated card's
+    assert gpu.record()["gpu_card_bytes"] == 40 * GiB
+
+
+def test_deepspeed_cpu_accelerator_is_left_alone(fake, monkeypatch):
+    fake()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    gpu, _ = rank_gpu(monkeypatch, EIGHT, 0)
+    acc = types.SimpleNamespace(_name="cpu", available_memory=lambda device_index=None: 7)
+    gpu.serve_deepspeed(acc)
+    assert acc.available_memory() == 7
 
 
 @pytest.mark.parametrize("text", ["NCCL WARN Failed to CUDA calloc 6291456 bytes",
@@ -190,16 +241,17 @@ def test_gpu_ops_are_built_once_before_any_trial(monkeypatch, offload, op):
         load=lambda: built.append(cls)))
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: fake_acc)
     monkeypatch.setattr(info, "installed_ops", {})
-    monkeypatch.setattr(doctor, "_jit_cached", lambda name: None)
+    monkeypatch.setattr(doctor, "jit_cached", lambda name: None)
+    monkeypatch.setattr(doctor, "fused_adam_fallback", lambda: None)  # an nvcc of torch's CUDA is here
     cfg = gpu_cfg()
     cfg = BenchConfig(**{**cfg.__dict__, "zero": 2, "offload": offload})
     assert doctor.prebuild_ops(cfg, say=lambda s: None) == [op] and built == [doctor.BUILDERS[op]]
-    monkeypatch.setattr(doctor, "_jit_cached", lambda name: "/cache/x.so")
+    monkeypatch.setattr(doctor, "jit_cached", lambda name: "/cache/x.so")
     assert doctor.prebuild_ops(cfg, say=lambda s: None) == []
 
     def broken():
         raise RuntimeError("nvcc not found")
     fake_acc.create_op_builder = lambda cls: types.SimpleNamespace(load=broken)
-    monkeypatch.setattr(doctor, "_jit_cached", lambda name: None)
+    monkeypatch.setattr(doctor, "jit_cached", lambda name: None)
     with pytest.raises(ConfigError, match=rf"DeepSpeed op {op} cannot be built here .*nvcc not found"):
         doctor.prebuild_ops(cfg, say=lambda s: None)

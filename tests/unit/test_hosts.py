@@ -96,7 +96,8 @@ def test_trial_env_carries_what_remote_ranks_need(tmp_path, monkeypatch):
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/lib")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     local = trial_env(tiny_cfg())
-    assert "PATH" not in local  # a local launch inherits this process's environment anyway
+    # every rank builds DeepSpeed's JIT ops with the venv's ninja (the system's would not read its log)
+    assert local["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
     env = trial_env(tiny_cfg(hostfile=str(tmp_path / "hf"), num_nodes=2))
     assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
     assert env["OMP_NUM_THREADS"] == "1" and env["DS_ACCELERATOR"] == "cpu"

@@ -56,3 +56,22 @@ def test_launch_buffers_removed_by_port():
     machine.remove_shm_buffers(65001)
     assert not f.exists()
     time.sleep(0)
+
+
+def test_a_killed_jit_builds_lock_is_removed_a_live_ones_is_kept(tmp_path):
+    """torch's JIT build leaves `lock` behind when killed; every later rank would wait for it forever."""
+    dead, live, fresh = (tmp_path / n for n in ("dead_op", "live_op", "fresh_op"))
+    for d in (dead, live, fresh):
+        d.mkdir()
+        (d / "lock").write_text("")
+    old = time.time() - 2 * machine.BUILD_LOCK_STALE_S
+    for d in (dead, live):
+        os.utime(d / "lock", (old, old))
+    builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], cwd=live)  # as ninja runs
+    try:
+        time.sleep(0.2)
+        assert machine.remove_stale_build_locks(tmp_path) == [dead / "lock"]
+    finally:
+        builder.kill()
+        builder.wait()
+    assert not (dead / "lock").exists() and (live / "lock").exists() and (fresh / "lock").exists()

@@ -1,8 +1,9 @@
 """NVML through the sampler's seam (`zero_bench.nvml.nvml_module`): a fake pynvml module object
-with pynvml's real function names and pynvml's own exception classes, so that what the code catches
-is what a real driver raises. Device mapping follows CUDA_VISIBLE_DEVICES (index, UUID, UUID prefix,
-MIG) and local rank, by UUID or PCI bus id where the rank knows them.
-"""
+with pynvml's real function names and pynvml's own exception classes (tests/gpu_fakes.py), so that
+what the code catches is what a real driver raises. Device mapping follows CUDA_VISIBLE_DEVICES
+(index, UUID, UUID prefix, MIG) and local rank, by UUID or PCI bus id where the rank knows them;
+memory is nvidia-smi's "used" (NVML v2), v1 where the driver has nothing newer. A rank's record
+of its GPU is RankGpu.record (with a fake torch.cuda)."""
 from __future__ import annotations
 
 import os
@@ -12,116 +13,13 @@ import pynvml
 import pytest
 
 from zero_bench import nvml
-from zero_bench.nvml import Nvml, norm_pci, torch_identity
+from zero_bench.gpu import DEVICES_ENV, RankGpu
+from zero_bench.nvml import Nvml, torch_identity
 from zero_bench.sampler import Sampler
 
-GiB = 2**30
+from gpu_fakes import A100, ERRORS, FAKE_NAMES, FakeCuda, fake_pynvml
 
-# name, uuid, (domain, bus, device), total, used
-A100 = [("NVIDIA A100-SXM4-40GB", "GPU-1a2b3c4d-0000-1111-2222-333344445555", (0, 0x07, 0), 40 * GiB, 1 * GiB),
-        ("NVIDIA A100-SXM4-40GB", "GPU-5e6f7a8b-0000-1111-2222-333344445555", (0, 0x0F, 0), 40 * GiB, 2 * GiB),
-        ("NVIDIA A100-SXM4-40GB", "GPU-9c0d1e2f-0000-1111-2222-333344445555", (0, 0x47, 0), 40 * GiB, 3 * GiB),
-        ("NVIDIA A100-SXM4-40GB", "GPU-1a2bffff-0000-1111-2222-333344445555", (0, 0x4E, 0), 40 * GiB, 4 * GiB)]
-
-FAKE_NAMES = ("nvmlInit", "nvmlShutdown", "nvmlSystemGetDriverVersion", "nvmlDeviceGetCount",
-              "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByPciBusId",
-              "nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo", "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo")
-ERRORS = ("NVMLError", "NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded", "NVMLError_Uninitialized",
-          "NVMLError_GpuIsLost", "NVMLError_NotFound", "NVMLError_InvalidArgument", "NVMLError_NoPermission")
-
-
-class FakeHandle:
-    def __init__(self, idx: int):
-        self.idx = idx
-
-
-def fake_pynvml(devices=A100, init_error: str | None = None, mig: dict | None = None) -> types.ModuleType:
-    """A module object shaped like pynvml: same function names, pynvml's exception classes and structs."""
-    nv = types.ModuleType("pynvml")
-    for name in ERRORS:
-        setattr(nv, name, getattr(pynvml, name))  # the real classes: code catching them sees the real thing
-    state = {"init": False, "lost": set(), "calls": []}
-    nv.state = state
-
-    def api(fn):
-        def wrapped(*a):
-            state["calls"].append(fn.__name__)
-            if fn.__name__ not in ("nvmlInit",) and not state["init"]:
-                raise pynvml.NVMLError_Uninitialized()
-            return fn(*a)
-        wrapped.__name__ = fn.__name__
-        setattr(nv, fn.__name__, wrapped)
-        return wrapped
-
-    def _dev(h):
-        if h.idx in state["lost"]:
-            raise pynvml.NVMLError_GpuIsLost()
-        return devices[h.idx]
-
-    @api
-    def nvmlInit():
-        if init_error:
-            raise getattr(pynvml, init_error)()
-        state["init"] = True
-
-    @api
-    def nvmlShutdown():
-        state["init"] = False
-
-    @api
-    def nvmlSystemGetDriverVersion():
-        return "550.54.15"
-
-    @api
-    def nvmlDeviceGetCount():
-        return len(devices)
-
-    @api
-    def nvmlDeviceGetHandleByIndex(i):
-        if not 0 <= i < len(devices):
-            raise pynvml.NVMLError_InvalidArgument()
-        return FakeHandle(i)
-
-    @api
-    def nvmlDeviceGetHandleByUUID(uuid):
-        for i, d in enumerate(devices):
-            if d[1] == uuid:
-                return FakeHandle(i)
-        if mig and uuid in mig:
-            return FakeHandle(mig[uuid])
-        raise pynvml.NVMLError_NotFound()
-
-    @api
-    def nvmlDeviceGetHandleByPciBusId(bus):
-        for i, d in enumerate(devices):
-            if norm_pci(bus) == "%04x:%02x:%02x.0" % d[2]:
-                return FakeHandle(i)
-        raise pynvml.NVMLError_NotFound()
-
-    @api
-    def nvmlDeviceGetUUID(h):
-        return _dev(h)[1]
-
-    @api
-    def nvmlDeviceGetName(h):
-        return _dev(h)[0]
-
-    @api
-    def nvmlDeviceGetPciInfo(h):
-        info = pynvml.nvmlPciInfo_t()
-        dom, bus, dev = _dev(h)[2]
-        info.domain, info.bus, info.device = dom, bus, dev
-        info.busId = b"%08X:%02X:%02X.0" % (dom, bus, dev)  # NVML's spelling: 8-digit domain, upper case
-        return info
-
-    @api
-    def nvmlDeviceGetMemoryInfo(h):
-        d = _dev(h)
-        m = pynvml.c_nvmlMemory_t()
-        m.total, m.used, m.free = d[3], d[4], d[3] - d[4]
-        return m
-
-    return nv
+GiB, MiB = 2**30, 2**20
 
 
 @pytest.fixture
@@ -129,9 +27,15 @@ def use_fake(monkeypatch):
     def install(nv):
         monkeypatch.setattr(nvml, "nvml_module", lambda: nv)
         return nv
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", DEVICES_ENV):
+        monkeypatch.delenv(k, raising=False)
     return install
+
+
+def rank_record(local_rank: int, devices=A100, reserved: int = 0) -> dict:
+    """What rank `local_rank` records about its GPU, through torch.cuda's fake."""
+    cuda = FakeCuda(devices, driver=reserved)
+    return RankGpu(types.SimpleNamespace(cuda=cuda), local_rank, None, interval=0).record()
 
 
 def test_fake_has_real_pynvml_names_and_classes():
@@ -143,6 +47,11 @@ def test_fake_has_real_pynvml_names_and_classes():
         assert getattr(nv, name) is getattr(pynvml, name)
         assert issubclass(getattr(nv, name), pynvml.NVMLError)
     assert pynvml.NVMLError_LibraryNotFound().value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND == 12
+    # the v2 struct and version the code asks for, as pynvml spells them
+    assert nv.nvmlMemory_v2 == pynvml.nvmlMemory_v2 == 0x02000028
+    assert [f[0] for f in pynvml.c_nvmlMemory_v2_t._fields_] == ["version", "total", "reserved", "free", "used"]
+    # what pynvml raises where the driver lacks a function: the class the fallback catches
+    assert isinstance(pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND), pynvml.NVMLError_FunctionNotFound)
 
 
 def test_device_calls_before_init_raise_uninitialized():
@@ -163,8 +72,10 @@ def test_real_pynvml_without_gpu_is_library_not_found():
     n = Nvml()
     assert n.nv is None and "NVMLError_LibraryNotFound" in n.error
     assert n.read() == [] and n.handles == {}
-    assert n.rank_record(0)["nvml_error"].startswith("memory not sampled by NVML")
     n.close()
+    rec = rank_record(0)
+    assert rec["nvml_error"].startswith("memory not sampled by NVML") and "nvml_used_bytes" not in rec
+    assert rec["cuda_total_bytes"] == A100[0][3]  # CUDA's own view still answers
 
 
 @pytest.mark.parametrize("err", ["NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded", "NVMLError_NoPermission"])
@@ -242,10 +153,17 @@ def test_rank_device_follows_local_rank_uuid_and_pci(use_fake, monkeypatch):
     assert n.for_rank(0, uuid="1a2bffff-0000-1111-2222-333344445555").nvml_index == 3
     assert n.for_rank(0, pci_bus_id="0000:0f:00.0").nvml_index == 1
     assert n.for_rank(0, pci_bus_id="00000000:47:00.0").nvml_index == 2
-    rec = n.rank_record(1)
-    assert rec == {"gpu_uuid": A100[3][1], "gpu_pci_bus_id": "0000:4e:00.0", "gpu_name": A100[3][0],
-                   "nvml_used_bytes": A100[3][4], "nvml_total_bytes": A100[3][3]}
-    assert "nvml_error" in n.rank_record(5)
+
+
+def test_rank_record_is_its_own_gpu(use_fake, monkeypatch):
+    """RankGpu.record, the one GPU record: rank 1 of a node given CUDA_VISIBLE_DEVICES=2,3."""
+    use_fake(fake_pynvml())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    rec = rank_record(1)
+    assert {k: rec[k] for k in ("gpu_uuid", "gpu_pci_bus_id", "gpu_name", "nvml_used_bytes", "nvml_total_bytes")} == {
+        "gpu_uuid": A100[3][1], "gpu_pci_bus_id": "0000:4e:00.0", "gpu_name": A100[3][0],
+        "nvml_used_bytes": A100[3][4], "nvml_total_bytes": A100[3][3]}
+    assert "nvml_error" not in rec
 
 
 def test_torch_identity_formats_like_nvml():
@@ -282,7 +200,7 @@ def test_gpu_lost_mid_run(use_fake):
     assert "GPU 1 lost" in s.error and "NVMLError_GpuIsLost" in s.error
     assert 1 not in s.nvml.handles
     s.stop()
-    assert nv.state["init"] is False  # shut down
+    assert nv.state["init"] == 0  # shut down
 
 
 def test_gpu_lost_before_enumeration(use_fake):
@@ -295,8 +213,53 @@ def test_gpu_lost_before_enumeration(use_fake):
 
 def test_rank_record_when_its_gpu_is_lost(use_fake):
     nv = use_fake(fake_pynvml())
-    n = Nvml()
+    cuda = FakeCuda(A100)
+    gpu = RankGpu(types.SimpleNamespace(cuda=cuda), 2, None, interval=0)
     nv.state["lost"].add(2)
-    rec = n.rank_record(2)
+    rec = gpu.record()
     assert rec["gpu_uuid"] == A100[2][1] and "NVMLError_GpuIsLost" in rec["nvml_error"]
     assert "nvml_used_bytes" not in rec
+
+
+def test_rank_without_an_nvml_device_says_so(use_fake, monkeypatch):
+    use_fake(fake_pynvml(A100[:1]))
+    cuda = FakeCuda(A100)
+    cuda.get_device_properties = lambda i: types.SimpleNamespace(name="not in NVML", total_memory=40 * GiB)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    rec = RankGpu(types.SimpleNamespace(cuda=cuda), 1, None, interval=0).record()
+    assert rec["nvml_error"] == "no NVML device for local rank 1" and "gpu_uuid" not in rec
+
+
+# -- memory as nvidia-smi shows it (NVML v2) --------------------------------------------------------
+
+def test_memory_uses_v2_used(use_fake):
+    """v2's used leaves the driver's reserve out (nvml.h: v1 used is "Sum of Reserved and Allocated")."""
+    use_fake(fake_pynvml(reserved=870 * MiB))
+    n = Nvml()
+    mem = n.memory(n.visible[1])
+    assert mem.used == A100[1][4] - 870 * MiB and mem.used_v1 == A100[1][4]
+    assert mem.reserved == 870 * MiB and mem.total == A100[1][3] and n.v2 is True
+    assert n.read()[1] == (1, A100[1][4] - 870 * MiB, A100[1][3])  # the sampler reads the same figure
+
+
+def test_memory_falls_back_to_v1(use_fake):
+    nv = use_fake(fake_pynvml(reserved=870 * MiB, v2=False))
+    n = Nvml()
+    mem = n.memory(n.visible[1])
+    assert (mem.used, mem.used_v1, mem.reserved) == (A100[1][4], A100[1][4], None) and n.v2 is False
+    assert n.error is None
+    calls = len(nv.state["calls"])
+    n.memory(n.visible[1])
+    assert nv.state["calls"][calls:] == ["nvmlDeviceGetMemoryInfo"]  # v2 is not asked again
+
+
+def test_record_says_v2_and_flags_other_processes(use_fake, monkeypatch):
+    nv = use_fake(fake_pynvml(reserved=870 * MiB))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    rec = rank_record(0, reserved=870 * MiB)
+    assert rec["nvml_v2"] is True and rec["nvml_used_v1_bytes"] == A100[1][4]
+    assert rec["nvml_reserved_bytes"] == 870 * MiB and rec["nvml_used_bytes"] == A100[1][4] - 870 * MiB
+    assert rec["gpu_shared"] is False and rec["gpu_processes"] == 0
+    nv.state["procs"][1] = [(4242, 600 * MiB), (os.getpid(), 900 * MiB)]
+    rec = rank_record(0, reserved=870 * MiB)
+    assert rec["gpu_processes"] == 2 and rec["gpu_shared"] is True

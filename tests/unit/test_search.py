@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import pytest
 
-from zero_bench.config import SearchConfig
+from zero_bench import capacity
+from zero_bench.capacity import compared_peak
+from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig, SearchConfig
+from zero_bench.estimate import estimate
 from zero_bench.records import RankRecord, SearchStatus, Status, TrialResult
-from zero_bench.search import Known, next_plan, predict, snap, verdict
+from zero_bench.search import Known, Search, next_plan, predict, snap, verdict
+from zero_bench.store import Store
 
-MiB = 2**20
+from conftest import model
+
+MiB, GiB = 2**20, 2**30
 
 
 def result(micro: int, status: Status, fresh: bool, mode: str = "probe", peak: int = 0) -> TrialResult:
@@ -173,3 +179,32 @@ def test_first_launch_probes_when_a_fresh_start_is_cheap(pool):
     sim = Sim(10, spec, leftover=20 * MiB, seed=9)
     assert answer(sim) == (SearchStatus.DONE, 10, 11)
     assert any(t.micro == 10 and t.fresh and t.mode == "measure" for t in sim.trials)
+
+
+def test_bare_gpu_search_predicts_with_the_card(monkeypatch, tmp_path):
+    """hardware=gpu without memory_mib: the card decides, and the search predicts with the same
+    capacity the estimate sizes against (CUDA's total, from NVML here; from the ranks once they
+    reported it), instead of falling back to doubling."""
+    cfg = BenchConfig(model=model("gpt-tiny"), parallel=ParallelConfig(tp=1, dp=2), precision="bf16",
+                      hardware=HardwareConfig(device="gpu"))
+    assert capacity.capacity_bytes(cfg) is None  # no launch cap: the card itself
+    monkeypatch.setattr(capacity, "card_totals", lambda c: [80 * GiB, 79 * GiB])
+    s = Search(cfg, SearchConfig(pool=False), Store(tmp_path / "s.sqlite"), tmp_path)
+    assert s.cap == 79 * GiB == estimate(cfg).capacity
+    known = Known()
+    known.add(2, True, True, 10 * GiB)
+    known.add(4, True, True, 20 * GiB)
+    assert predict(known, s.cap, SearchConfig()) == snap(4 + (79 * GiB - 20 * GiB) / (5 * GiB), SearchConfig())
+    # once the ranks reported CUDA's total, that is the capacity
+    s.trials = [result(1, Status.OK, True)]
+    s.trials[0].ranks = [RankRecord(rank=0, event="end", cuda_total_bytes=78 * GiB)]
+    s.update_cap()
+    assert s.cap == 78 * GiB
+
+
+def test_gpu_peak_compared_is_the_device_peak():
+    rec = RankRecord(rank=0, event="end", torch_peak_reserved=30 * MiB, device_peak_bytes=40 * MiB,
+                     peak_rss_bytes=5 * MiB)
+    assert compared_peak(rec, "gpu") == 40 * MiB and compared_peak(rec, "cpu") == 5 * MiB
+    old = RankRecord(rank=0, event="end", torch_peak_reserved=30 * MiB)  # a record from before device peaks
+    assert compared_peak(old, "gpu") == 30 * MiB

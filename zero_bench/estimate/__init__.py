@@ -30,7 +30,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from zero_bench.capacity import device_capacity, local_ranks
+from zero_bench.capacity import search_capacity
+from zero_bench.hosts import local_ranks
 from zero_bench.config import BenchConfig
 from zero_bench.estimate.activations import activation_bytes_per_sample
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
@@ -189,7 +190,7 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
         overhead=CPU_RANK_OVERHEAD if on_cpu else GPU_RANK_OVERHEAD, init_peak=init_peak(bench, P),
         grads_phase={k: int(v) for k, v in grads_phase.items()},
         local_ranks=local_ranks(bench),
-        capacity=capacity if capacity is not None else device_capacity(bench))
+        capacity=capacity if capacity is not None else search_capacity(bench))
 
 
 def seed_micro(bench: BenchConfig) -> Optional[int]:

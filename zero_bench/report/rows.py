@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from zero_bench.records import Mode, SearchResult, SearchStatus, Status, TrialResult
-from zero_bench.results import Store
+from zero_bench.store import Store
 
 
 def find_stores(runs: str | Path) -> list[Path]:
