@@ -43,7 +43,7 @@ def recompute_table(micros: tuple, tmp: Path) -> None:
         results = run_launch(cfg, [Entry(m) for m in micros], tmp / mode)
         assert all(r.status == "ok" for r in results), [r.reason for r in results]
         live, rss = slope(results, "peak_live_bytes", micros), slope(results, "peak_rss_bytes", micros)
-        formula = activation_bytes_per_sample(LAYERED, 1, "fp32", mode)["total"]
+        formula = activation_bytes_per_sample(LAYERED, 1, "fp32", mode, device="cpu")["total"]
         base = base or live
         print(f"{mode:10} {live / MiB:16.2f} {formula / MiB:19.2f} {rss / MiB:15.2f} {live / base:8.2f}")
 

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
+from zero_bench.models.description import key_fields
 
 __all__ = ["ConfigError", "BenchConfig", "EngineName", "ModelConfig", "ParallelConfig", "HardwareConfig",
            "BatchConfig", "StepsConfig", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
@@ -200,7 +201,7 @@ class BenchConfig:
     def search_key(self) -> str:
         """Stable id of everything but the batch, with the software that runs it: one search per key,
         so a resume never mixes trials of different torch / deepspeed / megatron-core versions."""
-        d = self._keyed()
+        d = self._key_dict()
         d["batch"] = {"grad_accum": self.batch.grad_accum}
         for k in ("steps", "timeout_s"):
             d.pop(k)
@@ -208,12 +209,14 @@ class BenchConfig:
         return _hash(d)
 
     def trial_key(self) -> str:
-        return _hash(self._keyed())
+        return _hash(self._key_dict())
 
-    def _keyed(self) -> dict:
-        """to_dict() without the keys whose default value predates them: stores written before
-        `engine` existed keep their keys, so their searches resume and their rows stay one row."""
+    def _key_dict(self) -> dict:
+        """to_dict() without the keys added later while they hold their defaults (the model's later
+        fields, engine=deepspeed): a configuration keeps the key it had before they existed, so old
+        stores resume and their rows stay one row."""
         d = self.to_dict()
+        d["model"] = key_fields(d["model"])
         if d["engine"] == EngineName.deepspeed:
             d.pop("engine")
         return d

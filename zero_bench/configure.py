@@ -12,6 +12,7 @@ from zero_bench.config import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig,
                                HardwareConfig, Precision, ReportConfig, SearchConfig, composition_error, structured)
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
+from zero_bench.models.hf import display_name, read_hf_config
 
 
 def compose(overrides: list[str]) -> Any:
@@ -35,13 +36,42 @@ def _plain(cfg: Any) -> dict:
     return cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
 
 
+MISSING_VALUE = "???"  # how OmegaConf.to_container writes a key no preset or override set
+
+
+def with_hf_model(plain: dict) -> dict:
+    """`plain` with model.hf_config's config.json read into the model's keys (models/hf.py); as it
+    was without one. seq_len, dropout, attention and name stay the user's; a shape key the user
+    also set differently is refused rather than silently replaced."""
+    model = dict(plain.get("model") or {})
+    path = model.get("hf_config")
+    if path in (None, MISSING_VALUE):
+        if path == MISSING_VALUE:
+            raise ConfigError("model.hf_config: missing; `model=hf` needs model.hf_config=PATH/config.json")
+        return plain
+    seq_len = model.get("seq_len")
+    if seq_len == MISSING_VALUE:
+        raise ConfigError("model.seq_len: missing; with model.hf_config give the length you train at "
+                          "(e.g. model.seq_len=4096)")
+    integer("model.seq_len", seq_len)
+    keys = read_hf_config(str(path), seq_len, model.get("dropout", 0.0))
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for k, v in keys.items():
+        given = model.get(k, MISSING_VALUE)
+        if given not in (MISSING_VALUE, defaults[k], v):
+            raise ConfigError(f"model.{k}={given}: model.hf_config={path} sets it to {v}; leave the override out")
+    if model.get("name") in (None, MISSING_VALUE):
+        model["name"] = display_name(str(path))
+    return {**plain, "model": {**model, **keys}}
+
+
 def from_cfg(cfg: Any, here: bool = True) -> BenchConfig:
     """A composed config (Hydra DictConfig or a plain dict) -> a checked, resolved BenchConfig.
 
     here: the trial runs on this machine (device=gpu needs a visible GPU). An estimate is for a
     machine one may not have: here=False keeps device=gpu and resolves "auto" as that device would.
     """
-    root = structured(Config, _plain(cfg))
+    root = structured(Config, with_hf_model(_plain(cfg)))
     check_bench(root)
     bench = BenchConfig(**{f.name: getattr(root, f.name) for f in dataclasses.fields(BenchConfig)})
     bench = resolve(bench, here)
@@ -67,7 +97,7 @@ def report_from_cfg(cfg: Any) -> ReportConfig:
 def check_all(cfg: Any) -> None:
     """Every section's ranges, whatever the sub-command uses (a bad value is refused by every
     command); cross-field checks are from_cfg's."""
-    root = structured(Config, _plain(cfg))
+    root = structured(Config, with_hf_model(_plain(cfg)))
     check_bench(root)
     check_search(root.search)
     check_report(root.report)
@@ -98,8 +128,23 @@ def number(key: str, value: Any, lo: float = 0.0) -> float:
 
 
 def check_model(m: ModelConfig) -> None:
+    """The description's ranges, one key per message; choices (activation, ...) are the schema's enums."""
     for k in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "pad_vocab_to"):
         integer(f"model.{k}", getattr(m, k))
+    for k in ("ffn_hidden_size", "num_query_groups"):
+        if getattr(m, k) is not None:
+            integer(f"model.{k}", getattr(m, k))
+    if m.num_heads % m.query_groups:
+        raise ConfigError(f"model.num_query_groups={m.query_groups}: must divide model.num_heads={m.num_heads}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout:g}: must be in [0, 1)")
+    number("model.rope_base", m.rope_base)
+    number("model.norm_eps", m.norm_eps)
+    if m.rope_scaling_factor is not None:
+        number("model.rope_scaling_factor", m.rope_scaling_factor)
+        if m.position_embedding != "rope":
+            raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor:g}: needs "
+                              "model.position_embedding=rope")
 
 
 def check_hardware(hw: HardwareConfig) -> None:
@@ -191,6 +236,13 @@ def validate_static(b: BenchConfig) -> None:
         raise ConfigError(f"parallel.tp={tp}: must divide model.num_heads={m.num_heads}")
     if m.hidden_size % tp:
         raise ConfigError(f"parallel.tp={tp}: must divide model.hidden_size={m.hidden_size}")
+    # megatron replicates K/V heads when g < tp (an all-gather inside attention), but then a rank's
+    # K/V memory and FLOPs are not g/tp of the model's: not modelled, so refused.
+    if m.query_groups % tp:
+        raise ConfigError(f"parallel.tp={tp}: must divide the query groups (model.num_query_groups="
+                          f"{m.query_groups})")
+    if m.ffn % tp:
+        raise ConfigError(f"parallel.tp={tp}: must divide model.ffn_hidden_size={m.ffn}")
     if b.recompute == "full" and m.num_layers % b.recompute_layers:
         raise ConfigError(f"recompute_layers={b.recompute_layers}: must divide model.num_layers={m.num_layers} "
                           "(megatron's uniform recompute)")

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from zero_bench.config import BenchConfig, ConfigError, EngineName
 from zero_bench.configure import from_cfg, validate_static
 from zero_bench.estimate import Estimate, estimate
+from zero_bench.models.description import summary
 from zero_bench.records import SearchStatus
 from zero_bench.store import Store
 from zero_bench.units import GiB, MiB
@@ -70,11 +71,12 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     if cfg.get("json", False):
         return as_json(bench, first, rows, [e for _, e in ests])
     m = bench.model
-    head = (f"zero_bench estimate: {m.name} ({m.num_params / 1e9:.3f}B params, "
-            f"{m.params_per_shard(bench.parallel.tp) / 1e9:.3f}B per TP shard) tp={bench.parallel.tp} "
+    head = (f"zero_bench estimate: {m.name} ({m.num_params:,} params, "
+            f"{m.params_per_shard(bench.parallel.tp):,} per TP shard) tp={bench.parallel.tp} "
             f"dp={bench.parallel.dp} on {bench.hardware.device} {bench.precision}, micro x grad_accum "
             f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank")
-    return "\n".join([head, fixed_line(first), format_table(rows), LEGEND])
+    return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first),
+                      format_table(rows), LEGEND])
 
 
 def fixed_line(e: Optional[Estimate]) -> str:
@@ -87,7 +89,8 @@ def fixed_line(e: Optional[Estimate]) -> str:
 
 
 def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], ests: list[Estimate]) -> str:
-    return json.dumps({"model": bench.model.name, "num_params": bench.model.num_params,
+    return json.dumps({"model": bench.model.name, "description": bench.to_dict()["model"],
+                       "num_params": bench.model.num_params,
                        "params_per_shard": bench.model.params_per_shard(bench.parallel.tp),
                        "tp": bench.parallel.tp, "dp": bench.parallel.dp, "device": bench.hardware.device,
                        "precision": bench.precision, "capacity_bytes": first.capacity if first else None,

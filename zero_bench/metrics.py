@@ -1,8 +1,9 @@
 """FLOPs, MFU/HFU and the peak FLOP/s they are measured against.
 
 One formula for every place that shows utilisation (the report's columns, its charts, the CLI):
-the MPT benchmark convention (llm-foundry scripts/train/benchmarking), so our figures can be
-compared with published tables. Normalisation, activations and residuals are left out.
+FLOPs come from the model's description (zero_bench/models/flops.py, the MPT benchmark convention of
+llm-foundry scripts/train/benchmarking, so our figures compare with published tables); this module
+divides them by the peak FLOP/s of the device.
 """
 from __future__ import annotations
 
@@ -13,16 +14,24 @@ import time
 from pathlib import Path
 from typing import Optional
 
-# Dense (no sparsity) peak FLOP/s per GPU. fp32 is the plain CUDA-core figure: PyTorch leaves TF32
-# matmuls off by default, so an fp32 run is held to what fp32 can reach.
-# H100/H200 bf16: 1979 TFLOP/s with sparsity / 2; MPT's tables divide by 989.5e12, so do we.
+from zero_bench.models import ModelConfig
+from zero_bench.models.flops import hardware_flops_per_seq, model_flops_per_seq
+
+# Dense (no sparsity) peak FLOP/s per GPU: NVIDIA's datasheet figures "with sparsity", halved. fp32 is
+# the plain CUDA-core figure: PyTorch leaves TF32 matmuls off by default, so an fp32 run is held to
+# what fp32 can reach. H100/H200 bf16: 1979 TFLOP/s with sparsity / 2; MPT's tables divide by
+# 989.5e12, so do we. fp8 (Transformer Engine; no zero_bench precision runs it yet, listed for
+# comparison) where sourced: the H100 datasheet (SXM 3,958, PCIe 3,026 TFLOP/s with sparsity, as
+# reproduced at archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html) and the H200's, which has the
+# H100 SXM's compute (itkb.uw.cz "NVIDIA H200 vs B300", dense FP8 ~1,979). H100 NVL and GH200 fp8:
+# not sourced here, left out. A100, V100: no fp8.
 # Order matters: the first key found in the device name wins (H100 PCIe before H100, GH200 before H200).
 PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
     ("GH200", {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12}),
-    ("H200", {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12}),
-    ("H100 PCIE", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
+    ("H200", {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12, "fp8": 1979e12}),
+    ("H100 PCIE", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12, "fp8": 1513e12}),
     ("H100 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
-    ("H100", {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12}),  # SXM
+    ("H100", {"bf16": 989.5e12, "fp16": 989.5e12, "fp32": 67e12, "fp8": 1979e12}),  # SXM
     ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
     ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
     ("A10G", {}),  # AWS part: NVIDIA publishes no peak; unknown rather than the A10 figure
@@ -32,21 +41,17 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
-def model_flops_per_seq(n_params: int, n_layers: int, d_model: int, seq_len: int, passes: int = 3) -> float:
-    """FLOPs to train on one sequence: `passes` = 3 (forward, backward, weight gradient), 4 with recompute."""
-    flops_per_seq = 2 * n_params * seq_len
-    attn_flops_per_seq = n_layers * 2 * 2 * d_model * seq_len ** 2
-    return passes * flops_per_seq + passes * attn_flops_per_seq
+def utilization(flops_per_seq: float, samples_per_sec: float, n_devices: int, peak_flops_per_device: float) -> float:
+    """FLOP/s achieved over FLOP/s available, as a fraction."""
+    return flops_per_seq * samples_per_sec / (n_devices * peak_flops_per_device)
 
 
-def mfu_hfu(n_params: int, n_layers: int, d_model: int, seq_len: int, samples_per_sec: float, n_gpus: int,
-            peak_flops_per_gpu: float, activation_checkpointing: bool = False) -> tuple[float, float]:
-    """(MFU, HFU) as fractions of the peak. HFU counts the forward pass that checkpointing recomputes."""
-    available = n_gpus * peak_flops_per_gpu
-    mfu = model_flops_per_seq(n_params, n_layers, d_model, seq_len, 3) * samples_per_sec / available
-    if not activation_checkpointing:
-        return mfu, mfu
-    hfu = model_flops_per_seq(n_params, n_layers, d_model, seq_len, 4) * samples_per_sec / available
+def mfu_hfu(model: ModelConfig, samples_per_sec: float, n_gpus: int, peak_flops_per_gpu: float,
+            recompute: str = "none") -> tuple[float, float]:
+    """(MFU, HFU) as fractions of the peak, FLOPs from the description (models/flops.py): HFU
+    counts what recompute re-runs (full: the whole forward; selective: the core attention)."""
+    mfu = utilization(model_flops_per_seq(model), samples_per_sec, n_gpus, peak_flops_per_gpu)
+    hfu = utilization(hardware_flops_per_seq(model, recompute), samples_per_sec, n_gpus, peak_flops_per_gpu)
     return mfu, hfu
 
 

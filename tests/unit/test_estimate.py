@@ -18,6 +18,8 @@ from zero_bench.configure import from_cfg
 from zero_bench.estimate import (GiB, MiB, activation_bytes_per_sample, deepspeed_buffers, estimate,
                                  model_states_bytes, param_numels, seed_micro)
 
+from conftest import model
+
 ROOT = Path(__file__).resolve().parents[2]
 P = 1_000_000
 
@@ -81,41 +83,75 @@ def test_offload():
     assert s["gpu"] == 4 * P and s["cpu"] == 4 * P
 
 
-# -- activations (Korthikanti et al.) ------------------------------------------------------------
+# -- activations (Korthikanti et al., as megatron-core keeps them) -----------------------------------
 def test_activation_formula_by_hand():
-    m = bench("gpt-mini").model  # L=4, h=256, a=4, s=256, V=8192; no dropout
-    a = activation_bytes_per_sample(m, 1, "bf16")
-    assert a["per_layer"] == 256 * 256 * (8 + 24 + 2 * 4 * 256 // 256)  # 2,621,440
-    assert a["logits"] == 256 * 8192 * (2 + 4)
-    assert a["embedding"] == 4 * 256 * 256
-    assert a["total"] == 4 * a["per_layer"] + a["embedding"] + a["logits"]
+    """gpt-mini (L=4, h=256, a=4, s=256, V=8192; GeLU 4h, LayerNorm, learned positions, no dropout,
+    unfused attention), bf16 on GPU. Per layer and token Korthikanti's 32h without dropout (norm and
+    QKV inputs 2h each, QKV output 6h, context 2h, fc1 input 2h, GeLU input and fc2 input 16h), +16
+    for the two norms' statistics, and 6 bytes per score where Korthikanti counts 2: megatron-core's
+    unfused softmax keeps its fp32 output and the bmm its bf16 copy."""
+    m = bench("gpt-mini").model
+    s, h, a, V = 256, 256, 4, 8192
+    x = activation_bytes_per_sample(m, 1, "bf16")
+    assert x["per_layer"] == s * (32 * h + 16 + 6 * a * s)  # 3,674,112
+    assert x["logits"] == s * (4 * V + 13) and x["logits_transient"] == s * 2 * V  # fp32 softmax; bf16 logits
+    assert x["embedding"] == s * (8 + (2 * h + 8) + 2 * h)  # token ids, final norm, output layer's input
+    assert x["scratch"] == s * 2 * a * s  # unfused attention's baddbmm buffer
+    assert x["saved"] == 4 * x["per_layer"] + x["embedding"] + x["logits"] + x["scratch"]
+    assert x["total"] == max(x["end_of_forward"], x["mlp_backward"], x["attention_backward"]) >= x["saved"]
     f = activation_bytes_per_sample(m, 1, "fp32")
-    assert f["per_layer"] == 2 * a["per_layer"] and f["logits"] == 256 * 8192 * 8
+    assert f["per_layer"] == s * (64 * h + 16 + 4 * a * s)  # fp32: no 16-bit copy of the scores
     t = activation_bytes_per_sample(m, 2, "bf16")
-    assert t["per_layer"] == 256 * 256 * (8 + 12 + 4)
+    assert t["per_layer"] == s * ((2 * h + 8) * 2 + 2 * 2 * h + (3 * h + h + 8 * h) + 6 * a * s // 2)
 
 
 def test_recompute_by_hand():
     m = bench("gpt-mini").model
+    s, h, a = 256, 256, 4
     none = activation_bytes_per_sample(m, 1, "bf16")
     sel = activation_bytes_per_sample(m, 1, "bf16", "selective")
-    attention = 2 * 4 * 256 * 256
-    assert sel["layers"] == 4 * 256 * 256 * 32 and sel["recomputed"] == attention
+    # selective drops the scores and re-runs the core attention from its inputs (the QKV output, kept)
+    assert sel["layers"] == 4 * s * (32 * h + 16) and sel["recomputed"] == s * (6 * h + 6 * a * s)
     full = activation_bytes_per_sample(m, 1, "bf16", "full")
-    assert full["layers"] == 4 * 2 * 256 * 256 and full["recomputed"] == none["per_layer"]
+    assert full["layers"] == 4 * 2 * h * s and full["recomputed"] == none["per_layer"] - 2 * h * s
     assert full["total"] < sel["total"] < none["total"]
     # partition_activations divides the kept inputs by tp; cpu_checkpointing moves them to the host
     t = activation_bytes_per_sample(m, 2, "bf16", "full", {"partition_activations": True})
-    assert t["layers"] == 4 * 256 * 256
-    h = activation_bytes_per_sample(m, 2, "bf16", "full", {"partition_activations": True, "cpu_checkpointing": True})
-    assert h["layers"] == 0 and h["host"] == 4 * 256 * 256 and h["total"] == t["total"] - t["layers"]
+    assert t["layers"] == 4 * h * s
+    hst = activation_bytes_per_sample(m, 2, "bf16", "full", {"partition_activations": True,
+                                                             "cpu_checkpointing": True})
+    assert hst["layers"] == 0 and hst["host"] == 4 * h * s and hst["total"] == t["total"] - t["layers"]
+
+
+def test_modern_terms_by_hand():
+    """llama-tiny (GQA 8 heads / 2 groups, SwiGLU f=704, RMSNorm, RoPE, untied, sdpa), bf16 on GPU:
+    SwiGLU keeps 5f, sdpa keeps Q, K, V (flash takes GQA's 2 groups) and the log-sum-exp, nothing s x s."""
+    m = model("llama-tiny")
+    s, h, q, kv, f, a = 256, 256, 256, 64, 704, 8
+    x = activation_bytes_per_sample(m, 1, "bf16")
+    norms, inputs = 2 * (2 * h + 8), 2 * 2 * h
+    assert x["per_layer"] == s * (norms + inputs + 2 * (q + 2 * kv) + 4 * a + 2 * q + 5 * f * 2)
+    assert x["scratch"] == 0
+    # fp32 on GPU runs the memory-efficient kernel, which takes no GQA: K and V expanded to 8 heads
+    fp32 = activation_bytes_per_sample(m, 1, "fp32")
+    assert fp32["per_layer"] == s * (2 * (4 * h + 8) + 2 * 4 * h + 4 * 3 * q + 4 * a + 4 * q + 5 * f * 4)
+    unfused = activation_bytes_per_sample(dataclasses.replace(m, attention="unfused"), 1, "bf16")
+    # unfused: Q and K, V repeated to 8 heads, the fp32 scores and their bf16 copy; the context a copy
+    assert unfused["per_layer"] == s * (norms + inputs + 2 * 3 * q + 6 * a * s + 2 * q + 5 * f * 2)
+    drop = activation_bytes_per_sample(dataclasses.replace(m, attention="unfused", dropout=0.1), 1, "bf16")
+    # dropout (GPU: 1-byte masks) on the scores and after attention and MLP; its output replaces the bf16 copy
+    assert drop["per_layer"] - unfused["per_layer"] == s * (1 * a * s + 2 * h * 1)
+    cpu = activation_bytes_per_sample(m, 1, "bf16", device="cpu")
+    # CPU's RMSNorm (torch's composite) keeps fp32 input and x*rsqrt: 8 bytes per element whatever the dtype
+    assert cpu["per_layer"] - x["per_layer"] == 2 * s * (8 * h - 2 * h)
 
 
 def test_vocab_padded_like_megatron():
     m = bench("gpt345m").model
     assert m.vocab_size == 50257 and m.padded_vocab(1) == 50304 and m.padded_vocab(8) == 51200
     assert sum(param_numels(m, 8)) == m.params_per_shard(8)
-    assert activation_bytes_per_sample(m, 8, "fp16")["logits"] == 1024 * 51200 // 8 * 6
+    act = activation_bytes_per_sample(m, 8, "fp16")
+    assert act["logits"] == 1024 * (51200 // 8 * 4 + 13) and act["logits_transient"] == 1024 * 51200 // 8 * 2
 
 
 def test_param_numels_match_config():
@@ -208,3 +244,26 @@ def test_preflight_gpu_cannot_initialize():
 
 
 # -- against real trials ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, count", [("Llama-3-8B", 8_030_261_248), ("Mistral-7B-v0.1", 7_241_732_096),
+                                         ("Qwen2.5-7B", 7_615_616_512)])
+def test_cli_estimates_a_hugging_face_config_with_its_published_count(tmp_path, name, count):
+    r = _cli("estimate", "model=hf", f"model.hf_config=tests/data/hf/{name}/config.json", "model.seq_len=4096",
+             "parallel=dp8", "hardware=h100_80gb", "--json", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout[r.stdout.index("{"):])
+    assert (doc["model"], doc["num_params"], doc["description"]["seq_len"]) == (name, count, 4096)
+    assert doc["capacity_bytes"] == 81559 * MiB  # nvidia-smi's total for an H100 80GB HBM3
+    assert len(doc["configs"]) == 7 and all(c["act_per_sample"] > 0 for c in doc["configs"])
+
+
+def test_cli_refuses_an_unsupported_model_type_in_one_line(tmp_path):
+    path = tmp_path / "gemma" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"model_type": "gemma2", "hidden_size": 2304, "num_attention_heads": 8}))
+    r = _cli("estimate", "model=hf", f"model.hf_config={path}", "model.seq_len=4096", f"hydra.run.dir={tmp_path}")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and r.stdout.strip() == ""
+    assert lines == ["zero_bench: error: model.hf_config: model_type=gemma2: zero_bench reads llama, mistral, qwen2 "
+                     "config.json files (other families are not modelled)"], r.stderr

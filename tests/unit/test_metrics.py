@@ -4,7 +4,10 @@ import json
 import pytest
 
 from zero_bench import metrics
-from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, matmul_flops, mfu_hfu
+from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, matmul_flops, mfu_hfu, utilization
+from zero_bench.models.flops import convention_flops_per_seq, model_flops_per_seq
+
+from conftest import model
 
 A100, H100 = 312e12, 989.5e12
 
@@ -28,18 +31,39 @@ MPT_ROWS = [
 
 @pytest.mark.parametrize("row", MPT_ROWS, ids=[r[0] for r in MPT_ROWS])
 def test_mfu_hfu_reproduces_published_mpt_rows(row):
+    """The convention models/flops.py applies to every description, on MPT's own numbers."""
     _, n_params, layers, d_model, seq, tokens_s, gpus, peak, ckpt, mfu_pct, hfu_pct = row
-    mfu, hfu = mfu_hfu(n_params, layers, d_model, seq, tokens_s / seq, gpus, peak, activation_checkpointing=ckpt)
+    mfu = utilization(convention_flops_per_seq(n_params, layers, d_model, seq, 3), tokens_s / seq, gpus, peak)
+    hfu = utilization(convention_flops_per_seq(n_params, layers, d_model, seq, 4 if ckpt else 3), tokens_s / seq,
+                      gpus, peak)
     assert round(mfu * 100, 2) == pytest.approx(mfu_pct, abs=0.005)
     assert round(hfu * 100, 2) == pytest.approx(hfu_pct, abs=0.005)
 
 
 def test_hfu_counts_the_recomputed_forward():
-    args = (125_000_000, 12, 768, 1024, 100.0, 8, A100)
+    m = model("gpt-small")
+    args = (m, 100.0, 8, A100)
     mfu, hfu = mfu_hfu(*args)
     assert hfu == mfu
-    mfu_c, hfu_c = mfu_hfu(*args, activation_checkpointing=True)
+    mfu_c, hfu_c = mfu_hfu(*args, recompute="full")
     assert mfu_c == mfu and hfu_c == pytest.approx(mfu * 4 / 3)
+    # selective re-runs the core attention only: between the two
+    assert mfu < mfu_hfu(*args, recompute="selective")[1] < hfu_c
+
+
+@pytest.mark.parametrize("name", ["gpt-mini", "gpt345m", "gpt8.3b"])
+def test_gpt_flops_are_the_convention_on_num_params(name):
+    """Tied GPT presets: N is num_params, as metrics.py computed it before the description did."""
+    m = model(name)
+    assert model_flops_per_seq(m) == convention_flops_per_seq(m.num_params, m.num_layers, m.hidden_size, m.seq_len)
+
+
+def test_llama_flops_count_the_output_layer_once():
+    """Untied: the input embedding is a lookup; SwiGLU's three matrices and GQA's K/V come in through N."""
+    m = model("llama3-8b")
+    n = m.num_params - m.padded_vocab(1) * m.hidden_size
+    assert model_flops_per_seq(m) == convention_flops_per_seq(n, 32, 4096, 8192)
+    assert model_flops_per_seq(m) / 8192 == pytest.approx(6 * n + 12 * 32 * 4096 * 8192)
 
 
 @pytest.mark.parametrize("name, precision, peak", [
@@ -47,6 +71,10 @@ def test_hfu_counts_the_recomputed_forward():
     ("NVIDIA A100-PCIE-40GB", "fp16", 312e12),
     ("NVIDIA A100-SXM4-40GB", "fp32", 19.5e12),
     ("NVIDIA H100 80GB HBM3", "bf16", 989.5e12),
+    ("NVIDIA H100 80GB HBM3", "fp8", 1979e12),
+    ("NVIDIA H100 PCIe", "fp8", 1513e12),
+    ("NVIDIA H200", "fp8", 1979e12),
+    ("NVIDIA A100-SXM4-80GB", "fp8", None),  # no fp8 on Ampere
     ("NVIDIA H100 PCIe", "bf16", 756e12),
     ("NVIDIA H200", "bf16", 989.5e12),
     ("NVIDIA GH200 480GB", "bf16", 989.5e12),

@@ -1,42 +1,198 @@
 """The one model description: the parameter list the estimate counts is the list of the model
-megatron-core builds from it, for every preset (built on the meta device: shapes, no memory)."""
+megatron-core builds from it, for every preset at tp 1, 2 and 8 (built on the meta device: shapes,
+no memory), the published counts, the Hugging Face import, and one-line refusals."""
 from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from zero_bench.config import BenchConfig, CONF_DIR, HardwareConfig
-from zero_bench.models import param_numels
+from zero_bench.config import BenchConfig, CONF_DIR, HardwareConfig, ParallelConfig
+from zero_bench.configure import compose, from_cfg
+from zero_bench.errors import ConfigError
+from zero_bench.models import ModelConfig, param_numels
+from zero_bench.models.description import from_stored
 from zero_bench.models.megatron import build_gpt, transformer_config
 
 from conftest import model
 
-PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "hf")
+HF_DIR = Path(__file__).resolve().parents[1] / "data" / "hf"
+# Parameter counts as published (model cards; Qwen2.5-0.5B: tied embeddings).
+PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,
+             "mistral-7b": 7_241_732_096, "qwen2.5-7b": 7_615_616_512}
+HF_PUBLISHED = {"Llama-3-8B": (8_030_261_248, "llama3-8b"), "Llama-3.1-70B": (70_553_706_496, "llama3.1-70b"),
+                "Llama-3.1-405B": (405_853_388_800, "llama3.1-405b"),
+                "Mistral-7B-v0.1": (7_241_732_096, "mistral-7b"), "Qwen2.5-7B": (7_615_616_512, "qwen2.5-7b"),
+                "Qwen2.5-0.5B": (494_032_768, None)}
 
 
-@pytest.fixture(scope="module")
-def megatron_tp1(tmp_path_factory):
-    """megatron's parallel state on a real one-rank gloo group (tensor-parallel degree 1)."""
-    from megatron.core import parallel_state
+@pytest.fixture
+def fake_tp():
+    """Rank 0 of 8 fake ranks (torch's "fake" backend: collectives are no-ops), so one process builds
+    a tp-sharded GPTModel on the meta device. No gloo side groups: the fake backend cannot make them."""
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    store = tmp_path_factory.mktemp("pg") / "store"
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
+    def init(tp: int) -> None:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+
+    yield init
+    ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", PRESETS)
-def test_param_list_is_the_live_models(name, megatron_tp1):
-    cfg = BenchConfig(model=model(name), hardware=HardwareConfig(device="cpu"), precision="bf16")
+def live_numels(m: ModelConfig, tp: int) -> list[int]:
+    cfg = BenchConfig(model=m, parallel=ParallelConfig(tp=tp, dp=1), hardware=HardwareConfig(device="cpu"),
+                      precision="bf16")
     with torch.device("meta"):
-        gpt = build_gpt(cfg, transformer_config(cfg, on_cpu=True), on_cpu=True)
-    assert [p.numel() for p in gpt.parameters()] == param_numels(cfg.model, 1)
-    assert sum(p.numel() for p in gpt.parameters()) == cfg.model.num_params
+        gpt = build_gpt(cfg, transformer_config(cfg, on_cpu=True, initialize=False), on_cpu=True)
+    return [p.numel() for p in gpt.parameters()]
 
 
-def test_published_sizes():
-    """Megatron-LM's GPT-2 sizes as their names say (vocabulary padded to 50304 rows)."""
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_param_list_is_the_live_models(tp, fake_tp):
+    """Element for element and in order, every preset the tp divides (405B included: meta device)."""
+    fake_tp(tp)
+    built = 0
+    for name in PRESETS:
+        m = model(name)
+        if m.num_heads % tp or m.query_groups % tp:
+            continue
+        assert live_numels(m, tp) == param_numels(m, tp), name
+        built += 1
+    assert built == {1: 15, 2: 15, 8: 9}[tp]
+
+
+def test_published_counts():
+    for name, count in PUBLISHED.items():
+        assert model(name).num_params == count, name
+    assert model("llama3-8b").params_per_shard(8) == 1_004_015_616  # the live model's at tp 8
+    # Megatron-LM's GPT-2 sizes as their names say (vocabulary padded to 50304 rows)
     for name, billions in (("gpt345m", 0.355), ("gpt1.3b", 1.3), ("gpt2.5b", 2.5), ("gpt5.8b", 5.8), ("gpt8.3b", 8.3)):
         assert model(name).num_params == pytest.approx(billions * 1e9, rel=0.04), name
+
+
+@pytest.mark.parametrize("name", [p for p in PRESETS if p.startswith("gpt")])
+def test_gpt_presets_keep_their_counts(name):
+    """The GPT formula zero_bench had before the description grew: 12h^2 + 13h per layer, V h, S h, 2h;
+    per tp shard the column/row splits with replicated norms, row biases and positions."""
+    m = model(name)
+    h, L, V, S = m.hidden_size, m.num_layers, m.padded_vocab(1), m.seq_len
+    assert m.num_params == L * (12 * h * h + 13 * h) + V * h + S * h + 2 * h
+    for tp in (2, 4):
+        if m.num_heads % tp == 0:
+            split = L * (12 * h * h + 7 * h) + m.padded_vocab(tp) * h
+            assert m.params_per_shard(tp) == split // tp + L * 6 * h + S * h + 2 * h
+
+
+def test_reference_table_presets_carry_their_time_s_defaults():
+    for name in ("gpt345m", "gpt1.3b", "gpt2.5b", "gpt5.8b", "gpt8.3b"):
+        m = model(name)
+        assert (m.dropout, m.attention) == (0.1, "unfused"), name
+    for name in ("gpt-tiny", "gpt-mini", "gpt-small", "gpt-zero-demo", "llama-tiny"):
+        assert model(name).dropout == 0.0, name
+
+
+def test_stored_records_keep_their_meaning_and_key():
+    """A record written before the description grew (shape keys only) is the same GPT, with the
+    same search key, as today's description of it."""
+    old = {"name": "GPT-mini", "num_layers": 4, "hidden_size": 256, "num_heads": 4, "seq_len": 256,
+           "vocab_size": 8192, "pad_vocab_to": 128}
+    assert from_stored(old) == model("gpt-mini")
+    assert from_stored({**old, "num_layers": "???"}) is None
+    a = BenchConfig.from_dict({"model": old})
+    b = BenchConfig(model=model("gpt-mini"))
+    assert a.search_key() == b.search_key() and a.trial_key() == b.trial_key()
+    assert BenchConfig(model=dataclasses.replace(model("gpt-mini"), dropout=0.1)).search_key() != b.search_key()
+
+
+# -- Hugging Face config.json --------------------------------------------------------------------
+
+def hf_bench(path, *extra: str) -> BenchConfig:
+    return from_cfg(compose(["model=hf", f"model.hf_config={path}", "model.seq_len=4096", *extra]), here=False)
+
+
+@pytest.mark.parametrize("name", sorted(HF_PUBLISHED))
+def test_hf_config_gives_the_published_count_and_the_preset(name):
+    count, preset = HF_PUBLISHED[name]
+    m = hf_bench(HF_DIR / name).model
+    assert m.num_params == count and m.name == name
+    if preset:
+        p = dataclasses.replace(model(preset), name=name, seq_len=4096)
+        assert dataclasses.replace(m, hf_config=None) == p
+
+
+def refusals(base: dict) -> list[tuple[str, dict]]:
+    """(the field the one line must name, an altered Llama-3-8B config.json)."""
+    def alter(**kw):
+        return {**copy.deepcopy(base), **kw}
+
+    return [
+        ("model_type=gemma2", alter(model_type="gemma2")),
+        ("hidden_act=gelu_pytorch_tanh", alter(hidden_act="gelu_pytorch_tanh")),
+        ("head_dim=256", alter(head_dim=256)),
+        ("attention_bias=true", alter(attention_bias=True)),
+        ("mlp_bias=true", alter(mlp_bias=True)),
+        ("rope_scaling.rope_type=yarn", alter(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+        ("rope_scaling.original_max_position_embeddings=4096",
+         alter(rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 4096})),
+        ("sliding_window=2048", alter(model_type="mistral", sliding_window=2048)),
+        ("attention_dropout=0.1", alter(attention_dropout=0.1)),
+    ]
+
+
+def test_hf_refuses_what_it_cannot_honour_in_one_line(tmp_path):
+    base = json.loads((HF_DIR / "Llama-3-8B" / "config.json").read_text())
+    for i, (field, cfg) in enumerate(refusals(base)):
+        path = tmp_path / f"c{i}" / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(cfg))
+        with pytest.raises(ConfigError) as e:
+            hf_bench(path)
+        assert field in str(e.value) and "\n" not in str(e.value), (field, str(e.value))
+
+
+def test_hf_keeps_the_users_keys_and_refuses_conflicting_ones():
+    b = hf_bench(HF_DIR / "Mistral-7B-v0.1", "model.attention=unfused", "model.dropout=0.1", "model.name=mine",
+                 "parallel.tp=8")
+    assert (b.model.attention, b.model.dropout, b.model.name, b.model.seq_len) == ("unfused", 0.1, "mine", 4096)
+    with pytest.raises(ConfigError, match=r"model.num_layers=2: model.hf_config=.* sets it to 32"):
+        hf_bench(HF_DIR / "Mistral-7B-v0.1", "model.num_layers=2")
+    with pytest.raises(ConfigError, match=r"model.seq_len: missing"):
+        from_cfg(compose(["model=hf", f"model.hf_config={HF_DIR / 'Llama-3-8B'}"]), here=False)
+    with pytest.raises(ConfigError, match=r"model.hf_config=.*nope.json: cannot read"):
+        hf_bench(HF_DIR / "nope.json")
+    with pytest.raises(ConfigError, match=r"parallel.tp=16: must divide the query groups"):
+        hf_bench(HF_DIR / "Llama-3-8B", "parallel.tp=16")  # 32 heads, 8 query groups
+
+
+# -- one line per bad key ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_query_groups=3"], "model.num_query_groups=3: must divide model.num_heads=8"),
+    (["model.num_query_groups=0"], "model.num_query_groups=0: must be an integer >= 1"),
+    (["model.ffn_hidden_size=0"], "model.ffn_hidden_size=0: must be an integer >= 1"),
+    (["model.activation=relu"], "model.activation=relu: allowed values are gelu, swiglu"),
+    (["model.attention=flash"], "model.attention=flash: allowed values are unfused, sdpa"),
+    (["model.dropout=1.0"], "model.dropout=1: must be in [0, 1)"),
+    (["model.rope_base=0"], "model.rope_base=0: must be a number > 0"),
+    (["model.position_embedding=learned", "model.rope_scaling_factor=8"],
+     "model.rope_scaling_factor=8: needs model.position_embedding=rope"),
+    (["parallel.tp=4", "parallel.dp=1"], "parallel.tp=4: must divide the query groups (model.num_query_groups=2)"),
+    (["parallel.tp=2", "parallel.dp=1", "model.ffn_hidden_size=705"],
+     "parallel.tp=2: must divide model.ffn_hidden_size=705"),
+])
+def test_bad_model_keys_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        from_cfg(compose(["model=llama-tiny", *overrides]), here=False)
+    assert str(e.value) == message

@@ -64,8 +64,7 @@ def test_gpu_rows_get_mfu_from_the_datasheet_peak(synthetic):
     m = GPT345.model
     sps = 512 / 3.330348869
     assert row["throughput (samples/s)"] == pytest.approx(sps)
-    assert row["MFU"] == pytest.approx(mfu_hfu(m.num_params, m.num_layers, m.hidden_size, m.seq_len, sps, 8,
-                                               312e12)[0])
+    assert row["MFU"] == pytest.approx(mfu_hfu(m, sps, 8, 312e12)[0])
     assert row["model TFLOP/s per GPU"] == pytest.approx(row["MFU"] * 312)
     assert [row[f"Dev{i} used MiB"] for i in range(8)] == [35786] + [36074] * 6 + [35786]
     assert row["Dev7 total MiB"] == 40537

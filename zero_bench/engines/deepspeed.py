@@ -11,7 +11,7 @@ import torch
 
 from zero_bench.config import BenchConfig
 from zero_bench.models.megatron import MpuAdapter, build_gpt, init_parallel, transformer_config
-from zero_bench.models.shims import torch_checkpoint_for_selective
+from zero_bench.models.shims import install_cpu_checkpoint
 from zero_bench.records import TrialSpec
 
 
@@ -98,14 +98,14 @@ def model_state_bytes(engine) -> dict:
 
 
 def install_checkpointing(cfg: BenchConfig, mpu: MpuAdapter, ds_config: dict) -> None:
-    """The checkpoint function megatron-core calls for `recompute`."""
+    """The checkpoint function megatron-core calls for `recompute` (selective on GPU: megatron's own)."""
     if cfg.recompute == "full":
-        use_deepspeed_checkpointing(mpu, ds_config)
+        use_deepspeed_checkpointing(mpu, ds_config, cfg.seed)
     elif cfg.recompute == "selective" and cfg.hardware.device == "cpu":
-        torch_checkpoint_for_selective()
+        install_cpu_checkpoint()  # megatron's saves CUDA's RNG state; this one the CPU tracker's
 
 
-def use_deepspeed_checkpointing(mpu: MpuAdapter, ds_config: dict) -> None:
+def use_deepspeed_checkpointing(mpu: MpuAdapter, ds_config: dict, seed: int) -> None:
     """recompute=full as Megatron-DeepSpeed runs it: DeepSpeed's checkpoint function replaces
     megatron's, so ds_config's activation_checkpointing (partition_activations, cpu_checkpointing,
     contiguous_memory_optimization) applies. Megatron-DeepSpeed sets mpu.checkpoint the same way;
@@ -113,6 +113,7 @@ def use_deepspeed_checkpointing(mpu: MpuAdapter, ds_config: dict) -> None:
     from megatron.core import tensor_parallel
 
     deepspeed.checkpointing.configure(mpu, deepspeed_config=ds_config)
+    use_deepspeed_rng_tracker(seed)
 
     def checkpoint(function, distribute_saved_activations, *args):
         # distribute_saved_activations is megatron's own partitioning; DeepSpeed's config decides.
@@ -130,6 +131,20 @@ def use_deepspeed_checkpointing(mpu: MpuAdapter, ds_config: dict) -> None:
         return deepspeed.checkpointing.checkpoint(run, *(args[i] for i in where))
 
     tensor_parallel.checkpoint = checkpoint
+
+
+def use_deepspeed_rng_tracker(seed: int) -> None:
+    """Attention dropout draws from megatron's RNG tracker, but DeepSpeed's checkpoint restores *its
+    own* tracker's streams for the recompute, not megatron's: with dropout the recomputed masks would
+    differ from the forward's (33 % wrong gradients measured, on GPU as on CPU). Megatron's modules
+    look tensor_parallel.get_cuda_rng_tracker up at each forward, so pointing it at DeepSpeed's
+    tracker, seeded with DeepSpeed's model_parallel_cuda_manual_seed (megatron's offsets: seed +
+    2718 + tp rank), makes full recompute bit-identical to none. That seeding also seeds the
+    default generator with `seed`, as init_parallel did: the weights drawn next are unchanged."""
+    from megatron.core import tensor_parallel
+
+    deepspeed.checkpointing.model_parallel_cuda_manual_seed(seed)
+    tensor_parallel.get_cuda_rng_tracker = deepspeed.checkpointing.get_cuda_rng_tracker
 
 
 def gathered(init):

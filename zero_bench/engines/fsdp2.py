@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from zero_bench.config import BenchConfig, Precision
 from zero_bench.ds_config import load_template
 from zero_bench.models.megatron import build_gpt, init_parallel, transformer_config
-from zero_bench.models.shims import torch_checkpoint_for_selective
+from zero_bench.models.shims import install_cpu_checkpoint
 from zero_bench.records import TrialSpec
 
 
@@ -59,8 +59,9 @@ class Fsdp2Engine:
         if cfg.recompute != "none":
             # megatron's CheckpointFunction is reentrant (it hides the layer's forward from FSDP2's
             # backward hooks) and saves CUDA's RNG state; torch's non-reentrant checkpoint recomputes
-            # the same function and composes with fully_shard. Dropout is off: no RNG state matters.
-            torch_checkpoint_for_selective()
+            # the same function and composes with fully_shard, and cpu_checkpoint puts megatron's
+            # tracker streams back for the recompute, so dropout masks equal the forward's.
+            install_cpu_checkpoint()
         model = build_gpt(cfg, compute_config(cfg, on_cpu), on_cpu)
         self.tp_split = tp_split_names(model)
         shard(model, dp_mesh(on_cpu), cfg, on_cpu)

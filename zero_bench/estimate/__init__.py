@@ -10,8 +10,9 @@ Sources
   fp32 training follows what DeepSpeed allocates (checked against the worker's exact counts):
   stage 0: 16P, stage 1: 8P + 12P/dp, stage 2: 4P + 16P/dp, stage 3: 20P/dp (see model_states_bytes).
 - Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models", without dropout (zero_bench's GPT has none), for recompute none / selective / full:
-  see activation_bytes_per_sample.
+  Models", generalised to what megatron-core keeps for the description (SwiGLU, GQA, RMSNorm, RoPE,
+  dropout, sdpa vs unfused attention) on this device, for recompute none / selective / full: see
+  activations.py.
 - Buffers: DeepSpeed's own, sized from the ds_config a trial runs with (zero_bench.ds_config.build).
 One module each: states.py, activations.py, buffers.py; this one adds them up (Estimate).
 engine=fsdp2 has its own states and phases (fsdp2.py: PyTorch FSDP2's memory model); it fills the
@@ -51,11 +52,11 @@ __all__ = ["BYTES", "Estimate", "GiB", "MiB", "activation_bytes_per_sample", "de
 # the named terms of estimate/gpu.py (the CUDA context, NCCL's buffers), each with its source.
 CPU_RANK_OVERHEAD = 410 * MiB
 
-# Per-sample activation memory of a CPU rank's RSS relative to the formula (whose live tensor bytes
-# it matches within 4 %), fitted on model=gpt-mini (2 ranks, fp32, ZeRO-2 micro 2/4/8: 31.7 MiB/sample
-# of RSS vs 36.5 by the formula). gpt-small ZeRO-3 micro 1->2 gave 75 MiB/sample vs 70.8 (1.06):
+# Per-sample activation memory of a CPU rank's RSS relative to the formula's peak (which matches live
+# tensor bytes within 5 %), fitted on model=gpt-mini (2 ranks, fp32, ZeRO-2 micro 2/4/8: 31.7 MiB/sample
+# of RSS vs 29.8 by the formula). gpt-small ZeRO-3 micro 1->2 gave 75 MiB/sample vs 63.9 (1.17):
 # glibc's arenas reuse freed blocks unevenly, so the factor is a CPU fit, not a law.
-CPU_ACTIVATION_FACTOR = 0.87
+CPU_ACTIVATION_FACTOR = 1.065
 GPU_ACTIVATION_FACTOR = 1.0
 
 
@@ -211,14 +212,14 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     states = model_states_bytes(P, bench.zero, dp, 1, bench.precision,
                                 bench.offload, bench.offload_param and bench.zero == 3)
     checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
-    act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing)
+    act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing, bench.hardware.device)
     factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
     per_sample = act["total"] + (act["host"] if on_cpu else 0)  # on CPU the host is the device
     b = BYTES[bench.precision]
     grads = states["grads"]
     if not on_cpu and bench.offload:  # the host part of the gradients is not on the device
         grads = 0 if bench.zero >= 2 else b * P
-    first = b * max(param_numels(m, tp))  # ZeRO-0/1: the tied embedding's gradient comes first
+    first = b * max(param_numels(m, tp))  # ZeRO-0/1: the (output) embedding's gradient comes first
     grads_phase = {"act": first if bench.zero <= 1 else grads, "bwd_end": grads,
                    "step": 0 if bench.zero == 1 and not bench.offload else grads}
     return Estimate(**common, states=states, buffers=deepspeed_buffers(bench, ds), activations=act,

@@ -1,53 +1,223 @@
-"""Activation bytes one sample adds to a rank's peak: Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", for recompute none / selective / full."""
+"""Activation bytes one sample adds to a rank: what megatron's local-spec GPTModel keeps for
+backward, tensor by tensor, for recompute none / selective / full, tensor parallel t (no sequence
+parallelism), dropout on or off, unfused or sdpa attention, on CPU or GPU, from the one description.
+
+It generalises Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", eq. 2: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit with dropout) by counting the
+storages megatron-core 0.16.1 + torch 2.13 actually keep, so the terms follow the code. Per layer,
+per token, B bytes per element (fp32 4, bf16 2), q = a*d/t, kv = g*d/t, f = ffn/t, A = a*s/t
+(attention-score elements per token), m = dropout-mask bytes per element:
+  input norm      its input B*h + statistics (RMSNorm on CPU: torch's composite keeps an fp32 copy 4h
+                  and the normalised fp32 x 4h, whatever the dtype)
+  QKV projection  its input B*h
+  Q, K, V         unfused: GQA (a > g): Q + K, V repeated to a/t heads = 3q*B; MHA: the QKV output
+                  (q + 2kv)*B, plus with RoPE the rotated Q and K (V's view pins the QKV output);
+                  sdpa: q + 2kv (K/V expanded to q where the kernel takes no GQA)
+  core attention  unfused: the softmax output kept in fp32, 4A (attention_softmax_in_fp32, no
+                  fused softmax kernel in megatron-core's wheel), in 16-bit plus its 16-bit copy B*A
+                  (6 bytes per score where Korthikanti counts 2); dropout: mask m*A + output B*A.
+                  sdpa flash kernels: the log-sum-exp, 4*a/t, nothing s x s; CPU with dropout:
+                  torch's math fallback: softmax, dropout mask, dropped probabilities, 3*4A
+  context         q*B (unfused: the permuted copy; sdpa: the kernel's output, the same tensor)
+  dropout         m*h after attention and after the MLP
+  pre-MLP norm    as the input norm; fc1 input B*h
+  MLP             GeLU: 2f*B (GeLU input, fc2 input); SwiGLU (megatron's unfused glu, mlp.py): fc1
+                  output 2f, SiLU output f, `x_linear + glu_linear_offset` f (a copy even at offset
+                  0), fc2 input f = 5f*B (a fused SwiGLU would keep 3f)
+m is 1 byte on GPU (native_dropout's bool mask) and B on CPU (torch's CPU dropout keeps a scaled
+noise tensor of the input's dtype). selective (megatron's core_attn): the core attention's inputs
+stay alive in the checkpoint (with RoPE: the rotated Q, K and the whole QKV output V is a view of),
+its internals are recomputed in backward. full: each layer keeps its input B*h.
+Outside the layers: token ids, embedding dropout mask, the final norm, the output layer's input
+B*h, the logits' fp32 softmax 4V/t (the vocab-parallel cross entropy works on an fp32 copy; in
+fp32 on the logits themselves) and 13 bytes of loss bookkeeping; unfused attention also keeps one
+B*A scratch buffer (GlobalMemoryBuffer "mpu"), sized by the largest micro-batch seen.
+Measured against live tensors on CPU (benchmarks/activation_memory.py, README "Models"): the saved
+bytes to 0.1 %, the step's peak within 5 %. The GPU-only terms (fused RMSNorm, 1-byte dropout
+masks, flash kernels) are read from the code, not measured here.
+"""
 from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from zero_bench.units import BYTES
 from zero_bench.models import ModelConfig
+from zero_bench.units import BYTES
+
+
+def _dims(m: ModelConfig, tp: int) -> dict:
+    d = m.kv_channels
+    return {"h": m.hidden_size, "q": m.num_heads * d // tp, "kv": m.query_groups * d // tp, "f": m.ffn // tp,
+            "A": m.num_heads * m.seq_len // tp, "heads": m.num_heads // tp, "rep": m.num_heads // m.query_groups}
+
+
+def _mask_bytes(B: int, device: str) -> int:
+    return B if device == "cpu" else 1
+
+
+def sdpa_kernel(m: ModelConfig, device: str) -> str:
+    """Which kernel scaled_dot_product_attention runs: flash (CPU flash, CUDA flash or
+    memory-efficient: nothing s x s) or math (CPU with dropout: torch's CPU flash has no dropout)."""
+    return "math" if device == "cpu" and m.dropout > 0 else "flash"
+
+
+def _native_gqa(precision: str, device: str) -> bool:
+    # models/sdpa.py native_gqa: CPU flash and CUDA flash (16-bit) take fewer K/V heads.
+    return device == "cpu" or precision in ("bf16", "fp16")
+
+
+def norm_bytes(m: ModelConfig, precision: str, device: str) -> float:
+    """Bytes per token one norm keeps: its input (+ what the implementation adds)."""
+    B, h = BYTES[precision], m.hidden_size
+    if m.normalization == "rmsnorm" and device == "cpu":
+        # torch 2.13 on CPU: _fused_rms_norm falls back to the composite, which saves the input
+        # upcast to fp32 (the input itself in fp32), rsqrt, and x * rsqrt in fp32.
+        return 4 * h + 4 * h + 8
+    return B * h + 8  # input + mean/rstd (LayerNorm) or rstd (fused RMSNorm)
+
+
+def attention_inputs_bytes(m: ModelConfig, tp: int, precision: str) -> float:
+    """What the core attention's inputs pin (selective recompute keeps exactly these): with RoPE
+    the rotated Q and K plus the QKV output that V is a view of; learned positions: the QKV output."""
+    B, x = BYTES[precision], _dims(m, tp)
+    qkv_out = x["q"] + 2 * x["kv"]
+    return B * (qkv_out + (x["q"] + x["kv"] if m.position_embedding == "rope" else 0))
+
+
+def core_attention_terms(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
+    """Bytes per token of the core attention: {"qkv": Q/K/V storages it saves, "internal": what
+    selective recompute drops besides them, "context": its output as linear_proj keeps it}."""
+    B, x = BYTES[precision], _dims(m, tp)
+    q, kv, A, p = x["q"], x["kv"], x["A"], m.dropout > 0
+    if m.attention == "unfused":
+        qkv = 3 * q * B if x["rep"] > 1 else attention_inputs_bytes(m, tp, precision)
+        internal = 4 * A  # softmax output, fp32 (attention_softmax_in_fp32)
+        if B != 4 and not p:
+            internal += B * A  # its 16-bit copy, what bmm keeps
+        if p:
+            internal += _mask_bytes(B, device) * A + B * A  # dropout mask + dropped probabilities
+        return {"qkv": qkv, "internal": internal, "context": q * B}
+    if sdpa_kernel(m, device) == "math":
+        # torch's math kernel (float intermediates): Q, K and V expanded to a/t heads, softmax,
+        # dropout mask, dropped probabilities; its [b, n, s, d] output is copied to [s, b, h].
+        return {"qkv": 3 * q * 4, "internal": 3 * A * 4, "context": q * B}
+    kv_kept = kv if (_native_gqa(precision, device) or x["rep"] == 1) else q
+    return {"qkv": (q + 2 * kv_kept) * B, "internal": 4 * x["heads"], "context": q * B}
+
+
+def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu") -> dict:
+    """Bytes per token one layer keeps for backward without recompute, by term."""
+    B, x = BYTES[precision], _dims(m, tp)
+    h, f = x["h"], x["f"]
+    mb = _mask_bytes(B, device) if m.dropout > 0 else 0
+    core = core_attention_terms(m, tp, precision, device)
+    return {
+        "input_norm": norm_bytes(m, precision, device),
+        "qkv_input": B * h,
+        "attention_qkv": core["qkv"],
+        "attention_internal": core["internal"],
+        "attention_context": core["context"],
+        "attention_dropout_mask": mb * h,
+        "pre_mlp_norm": norm_bytes(m, precision, device),
+        "fc1_input": B * h,
+        "mlp": (5 if m.gated else 2) * f * B,
+        "mlp_dropout_mask": mb * h,
+    }
+
+
+def head_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu") -> dict:
+    """Bytes per token outside the layers (embedding, final norm, output layer, loss)."""
+    B, h, V = BYTES[precision], m.hidden_size, m.padded_vocab(tp)
+    return {
+        "token_ids": 8 + (1 if tp > 1 else 0),
+        "embedding_dropout_mask": (_mask_bytes(B, device) * h) if m.dropout > 0 else 0,
+        "final_norm": norm_bytes(m, precision, device),
+        "output_layer_input": B * h,
+        "logits_softmax_fp32": 4 * V // tp,
+        "loss_bookkeeping": 13,  # target mask (bool), masked target (int64), per-token loss (fp32)
+    }
+
+
+def backward_transients(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
+    """Bytes per token a layer's backward allocates beyond what it had saved, at its worst moment.
+
+    mlp: SwiGLU's backward holds the gradients of both halves (2f; fc2's gradient replaces fc2's
+    freed input), GeLU's one (f). attention, s x s kernels: in fp32 (unfused, and torch's math
+    kernel) four fp32 A-sized tensors when the masked softmax is differentiated (the incoming
+    gradient and three temporaries of autograd's CopySlices: megatron's masked_fill_ works in place
+    on a view of the baddbmm output), by which time the layer's softmax / dropout tensors are freed.
+    In 16-bit the mask is applied to an fp32 copy: the probabilities' 16-bit gradient and its fp32
+    cast. flash kernels: dq, dk, dv."""
+    B, x = BYTES[precision], _dims(m, tp)
+    core = core_attention_terms(m, tp, precision, device)
+    if m.attention == "sdpa" and sdpa_kernel(m, device) == "math":
+        attention = 4 * 4 * x["A"] - core["internal"]  # float intermediates whatever the dtype
+    elif m.attention == "unfused":
+        attention = 4 * 4 * x["A"] - core["internal"] if B == 4 else (4 + B) * x["A"]
+    else:
+        attention = core["qkv"]
+    return {"mlp": (2 if m.gated else 1) * x["f"] * B, "attention": attention}
+
+
+def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping, terms: dict) -> tuple:
+    """(bytes the L layers keep, bytes one layer rebuilds in backward, bytes on the host) per token."""
+    B, h, L = BYTES[precision], m.hidden_size, m.num_layers
+    per_layer = sum(terms.values())
+    if recompute == "full":
+        kept = B * h / (tp if ck.get("partition_activations") else 1)
+        if ck.get("partition_activations") and ck.get("cpu_checkpointing"):
+            return 0.0, per_layer - kept, L * kept
+        return L * kept, per_layer - kept, 0.0
+    if recompute == "selective":
+        recomputed = terms["attention_qkv"] + terms["attention_internal"]
+        return L * (per_layer - recomputed + attention_inputs_bytes(m, tp, precision)), recomputed, 0.0
+    return L * per_layer, 0.0, 0.0
 
 
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
-                                checkpointing: Optional[Mapping] = None) -> dict:
-    """Activation bytes one sample (sequence) adds to a rank's peak.
+                                checkpointing: Optional[Mapping] = None, device: str = "gpu") -> dict:
+    """Activation bytes one sample (sequence) adds to a rank.
 
-    Per transformer layer, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-    Transformer Models", eq. 2, tensor parallel t, no sequence parallelism), 16-bit:
-    s*h*(10 + 24/t + 5*a*s/(h*t)), of which the dropout masks (2 s*h, a*s^2) and dropout's output
-    (2 a*s^2) exist only with dropout. zero_bench's GPT runs without dropout, so:
-        none:      s*h*(8 + 24/t + 2*a*s/(h*t))  per layer (2*a*s^2: the softmax output)
-        selective: s*h*(8 + 24/t)                per layer, + one layer's attention while recomputed
-        full:      2*s*h per layer (its input, kept), /t with partition_activations, in host memory
-                   with cpu_checkpointing, + one layer's activations while it is recomputed
-    Embedding and output: the final LayerNorm's and the output projection's inputs: 4*s*h. Logits
-    (megatron's vocab-parallel cross entropy): the projection's output in the training dtype plus
-    its fp32 softmax: s*V/t*(bytes + 4), V padded. fp32 doubles every 16-bit term.
-    Measured live tensor bytes per sample on CPU (8 layers, h 128, s 256, fp32; README): none,
-    selective and full within 4 % of this.
-    checkpointing: the ds_config's activation_checkpointing section (recompute=full only).
-    Returns bytes: per_layer, layers (what L layers keep), recomputed (one layer, in backward),
-    embedding, logits, host (on the host: cpu_checkpointing), total (the rank's device).
+    saved: what the forward leaves for backward (layers + embedding + logits + scratch); measured
+    on CPU as the net bytes the forward allocates, it matches this to 0.1 %.
+    total: the step's peak, the largest of three moments:
+      end_of_forward      saved + the 16-bit logits before their fp32 copy (or the incoming gradient)
+      mlp_backward        the last layer's MLP backward: the output layer, final norm and logits are
+                          freed by then; full recompute has rebuilt the layer; + the incoming
+                          gradient B*h and the MLP's gradients
+      attention_backward  the last layer's attention backward: its MLP part is freed too; selective
+                          recompute has rebuilt the core attention; + the attention's gradients
+    checkpointing: ds_config's activation_checkpointing (recompute=full through DeepSpeed:
+    partition_activations keeps 1/t of each input, cpu_checkpointing moves them to the host).
+    device: "cpu" or "gpu" (torch keeps different tensors: RMSNorm, dropout masks, sdpa's kernel).
+    Returns bytes: per_layer (one layer, no recompute), layers (L layers through the forward),
+    recomputed (what one layer rebuilds in backward), embedding, logits, logits_transient, scratch
+    (unfused attention's buffer), host (cpu_checkpointing), saved, the three moments and total.
     """
-    s, h, a, L = model.seq_len, model.hidden_size, model.num_heads, model.num_layers
-    V = model.padded_vocab(tp)
-    b = BYTES[precision]
-    scale = b / 2
-    attention = 2 * a * s * s / tp * scale
-    layer = s * h * (8 + 24 / tp) * scale + attention
-    ck = checkpointing or {}
-    host = 0.0
-    if recompute == "full":
-        kept = 2 * s * h * scale / (tp if ck.get("partition_activations") else 1)
-        layers, recomputed = L * kept, layer
-        if ck.get("partition_activations") and ck.get("cpu_checkpointing"):
-            layers, host = 0.0, L * kept
-    elif recompute == "selective":
-        layers, recomputed = L * (layer - attention), attention
-    else:
-        layers, recomputed = L * layer, 0.0
-    embed = 4 * s * h * scale
-    logits = s * V / tp * (b + 4)
-    out = {"per_layer": layer, "layers": layers, "recomputed": recomputed, "embedding": embed,
-           "logits": logits, "host": host, "total": layers + recomputed + embed + logits}
-    return {k: int(v) for k, v in out.items()}
+    m, s, B, h = model, model.seq_len, BYTES[precision], model.hidden_size
+    terms = layer_terms(m, tp, precision, device)
+    layers, recomputed, host = _layers(m, tp, precision, recompute, checkpointing or {}, terms)
+    head = head_terms(m, tp, precision, device)
+    logits = head.pop("logits_softmax_fp32") + head.pop("loss_bookkeeping")
+    embedding = sum(head.values())
+    transient = (B * m.padded_vocab(tp) // tp) if B != 4 else 0
+    scratch = B * _dims(m, tp)["A"] if m.attention == "unfused" else 0
+    saved = layers + embedding + logits + scratch
+    # The last layer's backward: the output side (logits, final norm, output-layer input) is gone.
+    released = logits + head["final_norm"] + head["output_layer_input"]
+    grads = backward_transients(m, tp, precision, device)
+    mlp_part = terms["pre_mlp_norm"] + terms["fc1_input"] + terms["mlp"] + terms["mlp_dropout_mask"]
+    # linear_proj's input is freed after its backward, unless the flash kernel saved the same tensor.
+    flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash"
+    context = 0 if (flash and recompute != "selective") else terms["attention_context"]
+    rebuilt_mlp = recomputed if recompute == "full" else 0.0
+    incoming = B * h  # the gradient of the layer's output, flowing into its backward
+    moments = {
+        "end_of_forward": saved + max(transient, incoming),
+        "mlp_backward": saved - released + rebuilt_mlp + incoming + grads["mlp"],
+        "attention_backward": (saved - released - mlp_part - terms["attention_dropout_mask"] - context
+                               + recomputed + incoming + grads["attention"]),
+    }
+    out = {"per_layer": sum(terms.values()), "layers": layers, "recomputed": recomputed, "embedding": embedding,
+           "logits": logits, "logits_transient": transient, "scratch": scratch, "host": host, "saved": saved,
+           **moments, "total": max(moments.values())}
+    return {k: int(round(v * s)) for k, v in out.items()}

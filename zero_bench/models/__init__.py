@@ -1,10 +1,17 @@
-"""What the model is (one description) and how megatron-core builds it.
+"""What the model is (one description) and how megatron-core builds it. A new model family
+touches this package only; everything downstream reads the description.
 
-description.py: ModelConfig, the one description a preset or a Hugging Face config.json becomes,
-and the parameter list of one tensor-parallel rank derived from it (param_numels), so the estimate
-counts exactly what the built model holds. megatron.py: that description -> megatron-core's
-GPTModel (local layer spec), the CPU shims it needs, recompute.
+description.py  ModelConfig: the one description a preset or a Hugging Face config.json becomes
+params.py       its parameter list per tensor-parallel rank (GPTModel.parameters() order)
+flops.py        training FLOPs per sequence (MFU / HFU numerators; zero_bench.metrics divides)
+hf.py           a local config.json (llama, mistral, qwen2) -> the description's keys
+megatron.py     the description -> megatron-core's TransformerConfig and GPTModel (local spec)
+sdpa.py         torch's scaled_dot_product_attention as megatron's core attention
+shims.py        what megatron-core needs on CPU (buffers, RoPE, causal mask, RNG streams, recompute)
+The activation bytes per sample, which also depend on precision, recompute and device, are
+zero_bench/estimate/activations.py's, from the same description.
 """
-from zero_bench.models.description import ModelConfig, param_numels
+from zero_bench.models.description import (Activation, Attention, ModelConfig, Normalization, PositionEmbedding,
+                                           param_numels)
 
-__all__ = ["ModelConfig", "param_numels"]
+__all__ = ["Activation", "Attention", "ModelConfig", "Normalization", "PositionEmbedding", "param_numels"]

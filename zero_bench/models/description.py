@@ -1,57 +1,199 @@
 """The model under test, described once: every count zero_bench derives (parameters per
 tensor-parallel rank, FLOPs, activation bytes) comes from this description, and megatron.py builds
-the live model from the same one, so the estimate cannot drift from what runs."""
+the live model from the same one, so the estimate cannot drift from what runs.
+
+The defaults describe the GPT-2-era models zero_bench ran first (learned positions, LayerNorm, GeLU
+4h MLP, multi-head attention, tied embeddings, linear biases, no dropout, megatron's unfused
+attention): a conf/model/gpt*.yaml or a stored record that names only the shape keys keeps its
+meaning and its parameter count. Ranges and choices are checked in zero_bench.configure.check_model.
+"""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
 
+class Activation(StrEnum):
+    gelu = "gelu"  # fc1 (h -> f), GeLU, fc2 (f -> h)
+    swiglu = "swiglu"  # fc1 (h -> 2f: gate and up), SiLU(gate) * up, fc2 (f -> h)
+
+
+class Normalization(StrEnum):
+    layernorm = "layernorm"  # weight and bias
+    rmsnorm = "rmsnorm"  # weight only
+
+
+class PositionEmbedding(StrEnum):
+    learned = "learned"  # a seq_len x h table added to the token embeddings
+    rope = "rope"  # rotary embeddings on queries and keys, no parameters
+
+
+class Attention(StrEnum):
+    unfused = "unfused"  # megatron's DotProductAttention: keeps a x s x s score tensors
+    sdpa = "sdpa"  # torch's scaled_dot_product_attention, is_causal: flash kernels, nothing s x s
+
+
+ENUMS = {"activation": Activation, "normalization": Normalization, "position_embedding": PositionEmbedding,
+         "attention": Attention}
+FLOATS = ("rope_base", "rope_scaling_factor", "dropout", "norm_eps")
+
+
 @dataclass
 class ModelConfig:
-    """A decoder-only transformer (conf/model/*.yaml); megatron-core's GPTModel with the local spec."""
+    """A decoder-only transformer (conf/model/*.yaml, or a Hugging Face config.json through
+    hf_config); megatron-core's GPTModel with the local layer spec."""
     name: str = MISSING
     """Display name, as the report's Model column shows it."""
     num_layers: int = MISSING
-    """Transformer layers."""
+    """Transformer layers L."""
     hidden_size: int = MISSING
     """Width h of the residual stream; divisible by num_heads and by tp."""
     num_heads: int = MISSING
-    """Attention heads a; divisible by tp."""
+    """Query heads a; divisible by tp. Each head is hidden_size / num_heads wide."""
     seq_len: int = MISSING
-    """Sequence length s of every sample (and of the learned position table)."""
+    """Sequence length s of every sample: the length you train at, not a checkpoint's
+    max_position_embeddings (with learned positions also the size of the position table)."""
     vocab_size: int = MISSING
-    """Vocabulary V of the tokenizer (GPT-2: 50257); tokens are drawn from it."""
+    """Vocabulary V of the tokenizer (GPT-2: 50257, Llama 3: 128256); tokens are drawn from it."""
     pad_vocab_to: int = 1
     """The embedding / output layer has padded_vocab(tp) rows: V rounded up to a multiple of
-    pad_vocab_to x tp, as Megatron's --make-vocab-size-divisible-by (128: 50304 at tp 1, 51200 at tp 8)."""
+    pad_vocab_to x tp, as Megatron's --make-vocab-size-divisible-by (128: 50304 at tp 1, 51200 at
+    tp 8); 1 keeps a published vocabulary as published."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP intermediate width f (SwiGLU: the width of each of the gate and up projections); null: 4h."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads g (grouped-query attention; 1 = multi-query); must divide num_heads, and tp
+    must divide it; null: num_heads (multi-head attention)."""
+    activation: Activation = Activation.gelu
+    """gelu: fc1 (h -> f), GeLU, fc2 (f -> h). swiglu: fc1 (h -> 2f, gate and up), SiLU(gate) * up, fc2."""
+    normalization: Normalization = Normalization.layernorm
+    """layernorm (weight and bias) or rmsnorm (weight only): before attention, before the MLP and
+    after the last layer."""
+    position_embedding: PositionEmbedding = PositionEmbedding.learned
+    """learned: a seq_len x h position table; rope: rotary embeddings on queries and keys (no parameters)."""
+    rope_base: float = 10000.0
+    """RoPE's base period theta (Llama 3: 500000); unused with learned positions."""
+    rope_scaling_factor: Optional[float] = None
+    """Llama 3.1's RoPE frequency scaling ("rope_type": "llama3"; low/high frequency factors 1/4,
+    original context 8192, as megatron's RotaryEmbedding implements it): changes values, never
+    shapes or memory. null: no scaling."""
+    tie_embeddings: bool = True
+    """The output layer reuses the word-embedding matrix (GPT-2); false gives it its own V x h."""
+    add_bias: bool = True
+    """Biases on every linear layer (QKV, attention output, fc1, fc2), as GPT-2."""
+    qkv_bias: bool = False
+    """A bias on the QKV projection only (Qwen2); implied by add_bias."""
+    dropout: float = 0.0
+    """Dropout probability after the embedding, on the attention probabilities and after the
+    attention and MLP blocks (Megatron's --hidden-dropout and --attention-dropout together). 0 keeps
+    fp32 losses equal across ZeRO stages."""
+    attention: Attention = Attention.unfused
+    """unfused: megatron's DotProductAttention (softmax(QK^T)V; keeps a x s x s tensors per layer).
+    sdpa: torch's scaled_dot_product_attention with is_causal (flash / memory-efficient kernels on
+    GPU, the flash kernel on CPU; no s x s tensor). With sdpa, recompute=selective saves nothing
+    (flash keeps no s x s tensors to drop) and costs a little: README, "Models"."""
+    norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm."""
+    hf_config: Optional[str] = None
+    """A local Hugging Face config.json (or its directory; model_type llama, mistral or qwen2): its
+    shape keys replace the ones above (configure.py reads it; no weights, no network). seq_len,
+    dropout and attention stay yours (`model=hf model.hf_config=PATH model.seq_len=4096`)."""
 
+    def __post_init__(self) -> None:
+        # Plain values (a YAML read directly, a stored record) become the types the schema has, so
+        # a description compares and hashes the same whichever way it was built.
+        for key, kind in ENUMS.items():
+            setattr(self, key, kind(getattr(self, key)))
+        for key in FLOATS:
+            value = getattr(self, key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, key, float(value))
+
+    # -- derived shapes -------------------------------------------------------------------------
     def padded_vocab(self, tp: int = 1) -> int:
+        """Rows of the embedding (and of an untied output layer) over all tp ranks together."""
         step = self.pad_vocab_to * tp
         return -(-self.vocab_size // step) * step
 
+    @property
+    def ffn(self) -> int:
+        """MLP intermediate width f."""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads g."""
+        return self.num_query_groups if self.num_query_groups is not None else self.num_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Width d of one head."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def gated(self) -> bool:
+        """fc1 produces two f-wide halves (SwiGLU)."""
+        return self.activation == Activation.swiglu
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.add_bias or self.qkv_bias
+
+    # -- counts (models/params.py) --------------------------------------------------------------
     @property
     def num_params(self) -> int:
         """Parameters of the whole model (one tensor-parallel rank at tp 1)."""
         return sum(param_numels(self, 1))
 
     def params_per_shard(self, tp: int) -> int:
-        """Parameters one tensor-parallel rank holds."""
+        """Parameters one tensor-parallel rank holds (replicated norms and row biases included)."""
         return sum(param_numels(self, tp))
 
 
 def param_numels(model: ModelConfig, tp: int = 1) -> list[int]:
-    """Element count of every parameter one tensor-parallel rank holds, in the module order of
-    megatron's GPTModel (local spec, tied embeddings, learned positions). Column-parallel weights
-    and biases (QKV, fc1) and row-parallel weights (projection, fc2) are split by tp; LayerNorms,
-    row-parallel biases and the position table are replicated; the word embedding is split by rows.
-    Per layer at tp 1: 12h^2 + 13h."""
-    h, V, S = model.hidden_size, model.padded_vocab(tp), model.seq_len
-    layer = [h, h,                          # input LayerNorm
-             h * h // tp, h,                # projection (row parallel: bias replicated)
-             3 * h * h // tp, 3 * h // tp,  # QKV (megatron registers it after the projection)
-             h, h,                          # pre-MLP LayerNorm
-             4 * h * h // tp, 4 * h // tp,  # fc1
-             4 * h * h // tp, h]            # fc2
-    return [V // tp * h, S * h] + layer * model.num_layers + [h, h]
+    """Element count of every parameter one tensor-parallel rank holds, in GPTModel.parameters()
+    order (models/params.py)."""
+    from zero_bench.models.params import param_numels as numels
+
+    return numels(model, tp)
+
+
+def summary(m: ModelConfig) -> str:
+    """One line a user checks the description by (an imported config.json especially)."""
+    heads = f"{m.num_heads} heads" + (f" / {m.query_groups} query groups" if m.query_groups != m.num_heads else "")
+    biases = "biases" if m.add_bias else ("QKV bias" if m.qkv_bias else "no biases")
+    rope = f"RoPE base {m.rope_base:g}" + (f" scaled x{m.rope_scaling_factor:g}" if m.rope_scaling_factor else "")
+    return (f"{m.num_layers} layers, hidden {m.hidden_size}, {heads}, {m.activation} {m.ffn}, {m.normalization}, "
+            f"{rope if m.position_embedding == 'rope' else 'learned positions'}, "
+            f"{'tied' if m.tie_embeddings else 'untied'}, {biases}, {m.attention} attention, dropout {m.dropout:g}, "
+            f"seq {m.seq_len}, vocab {m.vocab_size} ({m.padded_vocab(1)} rows)")
+
+
+# Fields added after records were first stored: at their default they describe the GPT those
+# records ran, so they stay out of a configuration's key and old keys keep their value.
+LATER_FIELDS = ("ffn_hidden_size", "num_query_groups", "activation", "normalization", "position_embedding",
+                "rope_base", "rope_scaling_factor", "tie_embeddings", "add_bias", "qkv_bias", "dropout",
+                "attention", "norm_eps", "hf_config")
+
+
+def key_fields(model: dict) -> dict:
+    """The model's part of a configuration key (BenchConfig.search_key): a stored dict without the
+    later fields that are at their default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    return {k: v for k, v in model.items() if not (k in LATER_FIELDS and v == defaults[k])}
+
+
+def from_stored(model: dict[str, Any]) -> Optional[ModelConfig]:
+    """A stored model dict (any zero_bench version) -> ModelConfig; None when it cannot describe a
+    model (a raw grid entry with missing keys, an unknown value)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    try:
+        m = ModelConfig(**{k: v for k, v in model.items() if k in known})
+    except (TypeError, ValueError):
+        return None
+    required = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size")
+    return m if all(isinstance(getattr(m, k), int) for k in required) else None

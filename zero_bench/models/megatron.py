@@ -1,15 +1,21 @@
 """The model under test, built by megatron-core: GPTModel with the local layer spec (no Transformer
 Engine), from the one description in models/description.py.
 
-Tensor parallelism comes from megatron.core.parallel_state; data parallelism and sharding come from
-the engine (zero_bench.engines). On CPU, the shims in models/shims.py are installed first.
+Pure functions give TransformerConfig's and GPTModel's keyword arguments (tests compare them
+without building); build_gpt builds. Tensor parallelism comes from megatron.core.parallel_state;
+data parallelism and sharding come from the engine (zero_bench.engines). On CPU the shims in
+models/shims.py are installed first.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 
 from zero_bench.config import BenchConfig
-from zero_bench.models.shims import install_cpu_shims
+from zero_bench.models.description import ModelConfig
+from zero_bench.models.shims import install_cpu_shims, seed_cpu_rng
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,23 +45,25 @@ class MpuAdapter:
 
 
 def init_parallel(tp: int, seed: int, on_cpu: bool) -> MpuAdapter:
-    """Create megatron's TP/DP groups on top of the already initialised torch.distributed."""
+    """Create megatron's TP/DP groups on top of the already initialised torch.distributed, and seed
+    its RNG streams. use_cpu_initialization draws the weights from torch's default generator: it is
+    seeded here, or every run (and so every ZeRO stage compared) would start from other weights."""
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    # use_cpu_initialization draws from torch's default generator: seed it, or every run (and so
-    # every ZeRO stage compared) starts from different weights.
-    torch.manual_seed(seed)
-    # The default RNG tracker calls torch.cuda.get_rng_state; the inference tracker does not.
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=on_cpu)
     if on_cpu:
         install_cpu_shims()
+        seed_cpu_rng(seed)  # megatron's tracker calls torch.cuda's RNG; the CPU one keeps its streams
+    else:
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return MpuAdapter()
 
 
 def recompute_args(cfg: BenchConfig) -> dict:
     """megatron-core's names for `recompute`: selective recomputes core attention (its default
-    recompute_modules); full recomputes every layer from its input, recompute_layers at a time."""
+    recompute_modules); full recomputes every layer from its input, recompute_layers at a time.
+    Which checkpoint function runs is the engine's choice (engines/deepspeed.py install_checkpointing)."""
     if cfg.recompute == "selective":
         return {"recompute_granularity": "selective"}
     if cfg.recompute == "full":
@@ -64,26 +72,45 @@ def recompute_args(cfg: BenchConfig) -> dict:
     return {}
 
 
-def transformer_config(cfg: BenchConfig, on_cpu: bool):
-    """megatron's TransformerConfig for the description, precision, tp and recompute of `cfg`."""
+def model_args(m: ModelConfig) -> dict:
+    """TransformerConfig's keys for the description's layers."""
+    return dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_heads,
+        num_query_groups=m.query_groups,
+        kv_channels=m.kv_channels,
+        ffn_hidden_size=m.ffn,
+        normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
+        layernorm_epsilon=m.norm_eps,
+        gated_linear_unit=m.gated,
+        activation_func=F.silu if m.gated else F.gelu,
+        add_bias_linear=m.add_bias,
+        add_qkv_bias=m.qkv_bias,
+        hidden_dropout=m.dropout,
+        attention_dropout=m.dropout,
+    )
+
+
+def transformer_config(cfg: BenchConfig, on_cpu: bool, initialize: bool = True):
+    """megatron's TransformerConfig for the description, precision, tp and recompute of `cfg`.
+    initialize=False: shapes only (a meta-device build for counting parameters)."""
     from megatron.core.transformer import TransformerConfig
 
-    model, dtype = cfg.model, DTYPES[cfg.precision]
+    dtype = DTYPES[cfg.precision]
     return TransformerConfig(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_heads,
-        ffn_hidden_size=4 * model.hidden_size,
+        **model_args(cfg.model),
         tensor_model_parallel_size=cfg.parallel.tp,
-        # Dropout off: the loss is then identical across ZeRO stages and TP degrees (a check).
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         use_cpu_initialization=on_cpu,
+        perform_initialization=initialize,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
+        # Fusions off: the fused softmax / RoPE / LayerNorm need CUDA extensions (Apex, TE), and
+        # megatron's jit_fuser is torch.compile (megatron/core/jit.py), minutes of inductor on CPU.
         bias_dropout_fusion=False,
+        bias_activation_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -92,18 +119,41 @@ def transformer_config(cfg: BenchConfig, on_cpu: bool):
     )
 
 
-def build_gpt(cfg: BenchConfig, config, on_cpu: bool) -> torch.nn.Module:
-    """GPTModel of `cfg.model` with megatron `config` (transformer_config, possibly adjusted by the engine)."""
-    from megatron.core.models.gpt import GPTModel
+def layer_spec(m: ModelConfig):
+    """get_gpt_layer_local_spec with the description's norm and, for sdpa, models/sdpa.py's core
+    attention in place of megatron's DotProductAttention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    model = cfg.model
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=model.padded_vocab(cfg.parallel.tp),  # megatron pads it the same way (tokens stay < vocab_size)
-        max_sequence_length=model.seq_len,
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="learned_absolute",
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
+                                    qk_layernorm=False)
+    if m.attention == "sdpa":
+        from zero_bench.models.sdpa import SDPAttention
+
+        attn = spec.submodules.self_attention
+        attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPAttention)
+        layer_sub = dataclasses.replace(spec.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub))
+        spec = dataclasses.replace(spec, submodules=layer_sub)
+    return spec
+
+
+def gpt_model_args(m: ModelConfig, tp: int) -> dict:
+    """GPTModel(config, spec, **this)."""
+    return dict(
+        vocab_size=m.padded_vocab(tp),  # tokens stay < vocab_size; the padded rows are never drawn
+        max_sequence_length=m.seq_len,
+        share_embeddings_and_output_weights=m.tie_embeddings,
+        position_embedding_type="rope" if m.position_embedding == "rope" else "learned_absolute",
+        rotary_base=m.rope_base,
+        rope_scaling=m.rope_scaling_factor is not None,
+        rope_scaling_factor=m.rope_scaling_factor if m.rope_scaling_factor is not None else 8.0,
     )
+
+
+def build_gpt(cfg: BenchConfig, config, on_cpu: bool) -> torch.nn.Module:
+    """GPTModel of `cfg.model` with megatron `config` (transformer_config, possibly adjusted by the
+    engine). Under `with torch.device("meta")` only shapes are made (parameter counts of 405B models)."""
+    from megatron.core.models.gpt import GPTModel
+
+    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg.model),
+                   **gpt_model_args(cfg.model, cfg.parallel.tp))
     return gpt if on_cpu else gpt.cuda()

@@ -1,16 +1,41 @@
-"""Everything megatron-core needs to run without CUDA, in one place (DeepSpeed's CPU accelerator).
+"""Everything megatron-core 0.16.1 needs to train without CUDA, in one place (DeepSpeed's CPU
+accelerator). megatron-core assumes a GPU in a few spots that no flag turns off; each shim names the
+spot (paths relative to site-packages/megatron/core). install_cpu_shims() is idempotent and runs
+once per rank (models.megatron.init_parallel) before the model is built; seed_cpu_rng() replaces
+model_parallel_cuda_manual_seed on CPU; cpu_checkpoint is the tensor_parallel.checkpoint that
+recompute=selective calls on CPU (recompute=full goes through DeepSpeed's, engines/deepspeed.py).
 
-megatron-core assumes a GPU in a few spots that no flag turns off; each shim below names the spot.
-They are installed once per process (models.megatron.init_parallel), before the model is built.
+Not needed on CPU (checked by running them): torch.nn.RMSNorm (transformer/torch_norm.py picks it
+for normalization="RMSNorm"), the SwiGLU path (transformer/mlp.py glu(), bias_activation_fusion
+off), RoPE's application (models/common/embeddings/rope_utils.py, apply_rope_fusion off), the
+vocab-parallel cross entropy.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
 import torch
+
+_installed = False
 
 
 def install_cpu_shims() -> None:
-    """megatron's attention takes its scratch buffer from GlobalMemoryBuffer.get_tensor, which always
-    allocates on torch.cuda.current_device(); on CPU the buffer is allocated in host memory instead."""
+    """Patch the places where megatron-core's training path allocates on CUDA unconditionally."""
+    global _installed
+    if _installed:
+        return
+    _global_memory_buffer_on_cpu()
+    _rotary_embedding_stays_on_cpu()
+    _default_causal_mask_on_cpu()
+    _installed = True
+
+
+def _global_memory_buffer_on_cpu() -> None:
+    """utils.py GlobalMemoryBuffer.get_tensor allocates with device=torch.cuda.current_device();
+    unfused attention (transformer/dot_product_attention.py, the baddbmm input buffer "mpu") takes
+    its scratch buffer from it every forward. On CPU the buffer is allocated in host memory."""
     from megatron.core import utils
 
     def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
@@ -25,11 +50,122 @@ def install_cpu_shims() -> None:
     utils.GlobalMemoryBuffer.get_tensor = get_tensor
 
 
-def torch_checkpoint_for_selective() -> None:
-    """recompute=selective on CPU: megatron's CheckpointFunction saves torch.cuda's RNG state, which
-    fails without CUDA; torch's own checkpoint recomputes the same way (with dropout off no RNG
-    state matters). megatron-core's TransformerBlock looks tensor_parallel.checkpoint up at each call."""
-    from megatron.core import tensor_parallel
+def _rotary_embedding_stays_on_cpu() -> None:
+    """models/common/embeddings/rotary_pos_embedding.py RotaryEmbedding.get_emb (lines 160-162)
+    moves inv_freq to torch.cuda.current_device() at the first forward whenever it is on the CPU,
+    which use_cpu_initialization=True guarantees. The same method without the move."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+    RotaryEmbedding.get_emb = get_emb
+
+
+def _default_causal_mask_on_cpu() -> None:
+    """transformer/utils.py get_default_causal_mask builds the mask with device="cuda"; the unfused
+    softmax (fusions/fused_softmax.py forward_torch_softmax) calls it when attention_mask is None.
+    zero_bench's worker passes its own CPU mask, so this only makes None work (patched in both
+    modules: fused_softmax imported the name)."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    @functools.lru_cache(maxsize=8)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    utils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
+# -- RNG ---------------------------------------------------------------------------------------
+def _cpu_tracker_class() -> type:
+    from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME, CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        """megatron's tracker with torch's CPU generator in place of CUDA's.
+
+        tensor_parallel/random.py CudaRNGStatesTracker.add / fork call torch.cuda.get_rng_state /
+        _set_cuda_rng_state. megatron's inference tracker would avoid them by making fork() a no-op,
+        but then attention dropout draws the same masks on every tp rank (for different heads).
+        This keeps megatron's semantics: a separate per-tp-rank stream inside tensor-parallel regions."""
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise ValueError(f"seed {seed} already exists")
+            if name in self.states_:
+                raise ValueError(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def seed_cpu_rng(seed: int) -> None:
+    """model_parallel_cuda_manual_seed for CPU: the same three streams and seed offsets
+    (tensor_parallel/random.py), on torch's CPU generator. The default generator ends seeded with
+    `seed` (the weights drawn next are the same whatever the streams)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = _cpu_tracker_class()()
+    torch.manual_seed(seed)  # the data-parallel (default) stream: hidden and embedding dropout, weights
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + ps.get_tensor_model_parallel_rank())
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+# -- recompute ---------------------------------------------------------------------------------
+def cpu_checkpoint(function: Callable, distribute_saved_activations: bool, *args: Any) -> Any:
+    """tensor_parallel.checkpoint on CPU: torch's non-reentrant checkpoint.
+
+    megatron's CheckpointFunction (tensor_parallel/random.py) saves torch.cuda's RNG state in
+    forward. torch's checkpoint restores the CPU generator (hidden dropout) by itself; the tracker's
+    streams (attention dropout) are put back here, so the recomputed dropout masks equal the
+    forward's (plain torch checkpoint gave 30 % wrong gradients with dropout 0.1).
+    distribute_saved_activations (megatron's own partitioning) is not applied."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from torch.utils.checkpoint import checkpoint
 
-    tensor_parallel.checkpoint = lambda function, _distribute, *args: checkpoint(function, *args, use_reentrant=False)
+    tracker = get_cuda_rng_tracker()
+    at_forward = tracker.get_states()
+
+    @contextlib.contextmanager
+    def tracker_as_in_forward() -> Iterator[None]:
+        now = tracker.get_states()
+        tracker.set_states(at_forward)
+        try:
+            yield
+        finally:
+            tracker.set_states(now)
+
+    return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: (contextlib.nullcontext(), tracker_as_in_forward()))
+
+
+def install_cpu_checkpoint() -> None:
+    """Route megatron's recompute (Attention's selective core_attn, TransformerBlock's checkpointed
+    forward) through cpu_checkpoint; both look tensor_parallel.checkpoint up at each call."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.checkpoint = cpu_checkpoint

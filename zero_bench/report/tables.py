@@ -10,10 +10,12 @@ from typing import Optional
 import pandas as pd
 
 from zero_bench.config import EngineName
-from zero_bench.models import ModelConfig
 from zero_bench.estimate import model_states_bytes
 from zero_bench.estimate.fsdp2 import model_states as fsdp2_model_states
-from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu, model_flops_per_seq
+from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu
+from zero_bench.models import ModelConfig
+from zero_bench.models.description import from_stored
+from zero_bench.models.flops import model_flops_per_seq
 from zero_bench.records import DeviceMemStats, TrialResult
 from zero_bench.report.rows import Loaded, Row
 from zero_bench.units import MiB
@@ -58,11 +60,14 @@ class Setup:
         return self.tp * self.dp
 
     @property
+    def description(self) -> Optional[ModelConfig]:
+        """The stored model as the one description (keys of older versions take the GPT defaults)."""
+        return from_stored(self.model)
+
+    @property
     def num_params(self) -> Optional[int]:
-        try:
-            return ModelConfig(**self.model).num_params
-        except TypeError:
-            return None
+        d = self.description
+        return d.num_params if d is not None else None
 
 
 def setup_of(c: dict) -> Setup:
@@ -161,15 +166,14 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
 
 
 def _performance(t: TrialResult, s: Setup, peaks: Peaks) -> dict:
-    m, sps = s.model, t.samples_per_s
-    flops = model_flops_per_seq(s.num_params, m["num_layers"], m["hidden_size"], m["seq_len"]) * sps
+    m, sps = s.description, t.samples_per_s
+    flops = model_flops_per_seq(m) * sps if m is not None else float("nan")
     out = {"time/it (ms)": t.time_per_step_s * 1e3, "throughput (samples/s)": sps, "tokens/s": t.tokens_per_s,
            "tokens/s per GPU": t.tokens_per_s / s.world, "model TFLOP/s per GPU": flops / s.world / 1e12,
            "compile time (s)": t.compile_s, "loss scale": t.loss_scale, "skipped steps": t.skipped_steps}
     peak = peaks.get(s.device, s.precision)
-    if peak:
-        out["MFU"], out["HFU"] = mfu_hfu(s.num_params, m["num_layers"], m["hidden_size"], m["seq_len"], sps,
-                                         s.world, peak, activation_checkpointing=s.recompute == "full")
+    if peak and m is not None:
+        out["MFU"], out["HFU"] = mfu_hfu(m, sps, s.world, peak, s.recompute)
     return out
 
 

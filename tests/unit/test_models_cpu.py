@@ -1,0 +1,95 @@
+"""The model built from the description, run for real in this process (one gloo rank, tp 1, no
+DeepSpeed): sdpa equals megatron's unfused attention to fp32 rounding, and recompute with dropout
+recomputes the forward's dropout masks (the CPU RNG tracker + shims.cpu_checkpoint). The 2-rank
+trials of the same model (ZeRO 0-3, tp 2, recompute=full through DeepSpeed's checkpoint):
+tests/integration/test_models_trials.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from zero_bench.config import BenchConfig, HardwareConfig
+from zero_bench.models import ModelConfig
+from zero_bench.models.megatron import build_gpt, transformer_config
+from zero_bench.models.shims import cpu_checkpoint, install_cpu_shims, seed_cpu_rng
+
+from conftest import model
+
+# llama-tiny, shortened so that each build and step takes well under a second
+SMALL = dataclasses.replace(model("llama-tiny"), num_layers=2, seq_len=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_tp1(tmp_path_factory):
+    """megatron's parallel state on a real one-rank gloo group, with the CPU shims."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    install_cpu_shims()
+    before = tensor_parallel.checkpoint
+    tensor_parallel.checkpoint = cpu_checkpoint
+    yield
+    tensor_parallel.checkpoint = before
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def loss_and_grads(m: ModelConfig, recompute: str = "none", state: dict = None) -> tuple[float, list]:
+    """One forward and backward of `m` (fp32) from seeded weights (or `state`), on seeded tokens."""
+    seed_cpu_rng(1234)
+    cfg = BenchConfig(model=m, hardware=HardwareConfig(device="cpu"), precision="fp32", recompute=recompute)
+    gpt = build_gpt(cfg, transformer_config(cfg, on_cpu=True), on_cpu=True)
+    if state is not None:
+        gpt.load_state_dict(state)
+    tok = torch.randint(0, m.vocab_size, (2, m.seq_len + 1), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(m.seq_len).unsqueeze(0).expand(2, -1)
+    loss = gpt(tok[:, :-1], pos, None, labels=tok[:, 1:]).float().mean()
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in gpt.parameters()]
+
+
+def worst(a: list, b: list) -> float:
+    """Largest difference over all gradients, relative to each gradient's largest element."""
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
+
+
+def test_sdpa_equals_unfused_attention():
+    """Same weights, same tokens: loss and every gradient within fp32 rounding (GQA, RoPE, SwiGLU)."""
+    seed_cpu_rng(1234)
+    cfg = BenchConfig(model=dataclasses.replace(SMALL, attention="unfused"), hardware=HardwareConfig(device="cpu"),
+                      precision="fp32")
+    state = build_gpt(cfg, transformer_config(cfg, on_cpu=True), on_cpu=True).state_dict()
+    ref_loss, ref = loss_and_grads(cfg.model, state=state)
+    loss, grads = loss_and_grads(dataclasses.replace(SMALL, attention="sdpa"), state=state)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert worst(grads, ref) < 1e-5
+
+
+@pytest.mark.parametrize("attention", ["unfused", "sdpa"])
+def test_selective_recompute_with_dropout_recomputes_the_same_masks(attention):
+    """With dropout 0.1 (hidden and attention), recompute=selective gives recompute=none's gradients:
+    cpu_checkpoint puts megatron's tracker streams back for the recompute (plain torch checkpoint
+    gave 30 % wrong gradients)."""
+    m = dataclasses.replace(SMALL, attention=attention, dropout=0.1)
+    loss0, g0 = loss_and_grads(m)
+    loss, g = loss_and_grads(m, "selective")
+    assert loss == loss0 and worst(g, g0) < 1e-6
+
+
+def test_attention_dropout_draws_from_the_tensor_parallel_stream():
+    """The CPU tracker keeps a stream of its own for dropout inside tensor-parallel regions (per tp
+    rank, as on GPU), apart from torch's default generator."""
+    from megatron.core import tensor_parallel
+
+    seed_cpu_rng(1234)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    default_before = torch.get_rng_state()
+    with tracker.fork():
+        inside = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), default_before)  # the default stream did not move
+    seed_cpu_rng(1234)
+    assert not torch.equal(torch.rand(4), inside)

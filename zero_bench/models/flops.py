@@ -1,0 +1,72 @@
+"""Training FLOPs from the description, for MFU and HFU (zero_bench.metrics divides them by the
+peak). The convention is MPT's (llm-foundry scripts/train/benchmarking), so figures compare with
+published tables: per sequence, passes x (2 x N x s + 4 x L x (a x d) x s^2), 3 passes (forward,
+input gradient, weight gradient) for MFU, and what recompute re-runs on top for HFU.
+
+N counts the weights a token is multiplied by: every parameter of the model with the vocabulary
+matrix once. Tied (GPT-2) that is num_params, so every GPT preset keeps the figure it had; untied,
+the input embedding is a lookup (no FLOPs) and the output layer is the one counted. SwiGLU's three
+matrices (fc1 holds gate and up), GQA's smaller K/V projections and the output layer all come in
+through N. The attention term counts QK^T and attention x V over all a query heads whatever the
+number of K/V groups, over the full s x s square (MPT's convention; causal flash kernels skip about
+half of it, so their hardware FLOPs are lower than counted). Norms, biases, RoPE and softmax are
+inside N or left out, as the convention does.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zero_bench.models.description import ModelConfig
+
+
+def convention_flops_per_seq(n_params: float, n_layers: int, attn_width: int, seq_len: int,
+                             passes: float = 3) -> float:
+    """MPT's formula on plain numbers: `passes` x (2 N s + 4 L (a d) s^2). attn_width = a x d (the
+    model width for every model zero_bench builds)."""
+    return passes * (2 * n_params * seq_len + 4 * n_layers * attn_width * seq_len ** 2)
+
+
+def flop_params(m: ModelConfig) -> int:
+    """N: parameters that cost 2 FLOPs per token in the forward pass (the vocabulary matrix once)."""
+    untied_input_embedding = 0 if m.tie_embeddings else m.padded_vocab(1) * m.hidden_size
+    return m.num_params - untied_input_embedding
+
+
+def dense_flops_per_seq(m: ModelConfig) -> float:
+    """Forward FLOPs of the multiplications with weights, one sequence."""
+    return convention_flops_per_seq(flop_params(m), 0, 0, m.seq_len, 1)
+
+
+def attention_flops_per_seq(m: ModelConfig) -> float:
+    """Forward FLOPs of QK^T and attention x V, one sequence: 4 x L x (a x d) x s^2."""
+    return convention_flops_per_seq(0, m.num_layers, m.num_heads * m.kv_channels, m.seq_len, 1)
+
+
+def model_flops_per_seq(m: ModelConfig) -> float:
+    """MFU's numerator per sequence: forward + backward (3 passes), nothing recomputed counted."""
+    return 3 * (dense_flops_per_seq(m) + attention_flops_per_seq(m))
+
+
+def hardware_flops_per_seq(m: ModelConfig, recompute: str = "none") -> float:
+    """HFU's numerator: what the hardware computes, recompute included. full re-runs every layer's
+    forward (4 passes, as MPT counts activation checkpointing; the output layer is counted 4 times
+    too, as there); selective re-runs the core attention, the s^2 term, once more."""
+    dense, attn = dense_flops_per_seq(m), attention_flops_per_seq(m)
+    if recompute == "full":
+        return 4 * (dense + attn)
+    if recompute == "selective":
+        return 3 * dense + 4 * attn
+    return 3 * (dense + attn)
+
+
+def breakdown_per_token(m: ModelConfig) -> dict:
+    """Forward FLOPs per token by part (tp 1), for reading the totals."""
+    h, d, f, L = m.hidden_size, m.kv_channels, m.ffn, m.num_layers
+    return {
+        "qkv": 2 * L * h * (m.num_heads + 2 * m.query_groups) * d,
+        "attention_proj": 2 * L * m.num_heads * d * h,
+        "mlp": 2 * L * h * f * (3 if m.gated else 2),
+        "output_layer": 2 * m.padded_vocab(1) * h,
+        "attention_scores": attention_flops_per_seq(m) / m.seq_len,
+    }

@@ -1,0 +1,52 @@
+"""Parameter counts of megatron's GPTModel (local spec) from the description, per tensor-parallel rank.
+
+The list follows GPTModel.parameters() order exactly (tests/unit/test_models.py compares it with
+the live model built on the meta device, element for element, for every preset at tp 1, 2 and 8),
+so DeepSpeed's buffer arithmetic (largest parameter, persistence threshold) sees the tensors the
+engine will.
+
+megatron's order: the word embedding, the position table (learned positions), then per layer the
+input norm, the attention output projection (Attention.__init__ builds it before SelfAttention adds
+the QKV projection), the QKV projection, the pre-MLP norm, fc1, fc2; then the final norm and, untied,
+the output layer. Column-parallel weights and biases (QKV, fc1, the vocabulary) are split over tp;
+row-parallel biases (projection, fc2), norms and the position table are replicated.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zero_bench.models.description import ModelConfig
+
+
+def _norm(m: ModelConfig) -> list[int]:
+    """LayerNorm has a weight and a bias; RMSNorm a weight only."""
+    h = m.hidden_size
+    return [h, h] if m.normalization == "layernorm" else [h]
+
+
+def layer_numels(m: ModelConfig, tp: int = 1) -> list[int]:
+    """One transformer layer's parameters on one tp rank, in module order."""
+    h, d, f = m.hidden_size, m.kv_channels, m.ffn
+    qkv_out = (m.num_heads + 2 * m.query_groups) * d // tp  # the a query heads, g key and g value heads
+    fc1_out = (2 * f if m.gated else f) // tp
+    out = _norm(m)
+    out += [h * (m.num_heads * d // tp)] + ([h] if m.add_bias else [])  # linear_proj (row parallel)
+    out += [qkv_out * h] + ([qkv_out] if m.has_qkv_bias else [])  # linear_qkv (column parallel)
+    out += _norm(m)
+    out += [fc1_out * h] + ([fc1_out] if m.add_bias else [])  # linear_fc1 (column parallel)
+    out += [h * (f // tp)] + ([h] if m.add_bias else [])  # linear_fc2 (row parallel)
+    return out
+
+
+def param_numels(m: ModelConfig, tp: int = 1) -> list[int]:
+    """Element count of every parameter one tensor-parallel rank holds, in GPTModel.parameters() order."""
+    h, V = m.hidden_size, m.padded_vocab(tp)
+    out = [V // tp * h]  # word embeddings (vocab parallel)
+    if m.position_embedding == "learned":
+        out.append(m.seq_len * h)  # position table (replicated)
+    out += layer_numels(m, tp) * m.num_layers
+    out += _norm(m)  # final norm
+    if not m.tie_embeddings:
+        out.append(V // tp * h)  # output layer (vocab parallel)
+    return out
