@@ -97,7 +97,8 @@ def test_measured_rows_carry_the_search_results(real):
 def test_sheets_are_formatted_for_a_reader(real):
     wb = openpyxl.load_workbook(real["paths"][0])
     # models differ here, so no "What each optimization buys" sheet
-    assert wb.sheetnames == ["Summary", "Details", "Memory breakdown", "Trials", "Charts", "Environment", "Scaling"]
+    assert wb.sheetnames == ["Summary", "Details", "Memory breakdown", "Predicted vs measured", "Trials", "Charts",
+                             "Environment", "Scaling"]
     ws = wb["Details"]
     header = [c.value for c in ws[1]]
     assert ws.freeze_panes == "B2" and ws.auto_filter.ref == ws.dimensions
@@ -222,3 +223,17 @@ def test_estimate_matches_the_counted_model_states(real):
         pytest.skip("zero_bench.estimate.model_states_bytes is not available")
     for res in (real["dp2"], real["dp1"]):
         assert abs(row_of(df, res.search_key)[report.ESTIMATE_COLUMNS[2]]) < 5
+
+
+@pytest.mark.slow
+def test_predicted_vs_measured_for_cpu_runs(real):
+    """Each measured CPU configuration at its max batch: the estimate's terms beside the ranks' own
+    figures; model states are exact, the runtime before the model is the process's measured RSS."""
+    df = pd.read_excel(real["paths"][0], sheet_name="Predicted vs measured")
+    assert set(df["term"]) == {"runtime before the model (RSS)", "model states (exact count after a step)",
+                               "tensors at the peak (live)", "peak RSS"}
+    states = df[df["term"] == "model states (exact count after a step)"]
+    assert (states["error (%)"].abs() < 0.01).all(), states
+    assert df["measured MiB"].notna().all() and (df["measured MiB"] > 0).all()
+    runtime = df[df["term"] == "runtime before the model (RSS)"]
+    assert ((runtime["measured MiB"] > 100) & (runtime["measured MiB"] < 1000)).all(), runtime
