@@ -73,10 +73,16 @@ def power_of_two_below(x: int) -> int:
     return 1 << (x.bit_length() - 1)
 
 
+def scored_as(pred: int, table: int) -> tuple[bool, bool]:
+    """(on the table's power of two, within one power of two)."""
+    return bool(pred) and power_of_two_below(pred) == table, bool(pred) and table // 2 <= pred < 4 * table
+
+
 def main() -> None:
     rows = parse(Path(sys.argv[1] if len(sys.argv) > 1 else TABLE).read_text())
-    same = within = cannot_ok = scored = cannot = 0
-    print(f"{'row':34} {'table':>6} {'pred':>6} {'ratio':>6}  {'table MiB':>9} {'pred MiB':>9} {'err %':>6}")
+    counts = {"high": [0, 0], "low": [0, 0]}
+    cannot_ok = scored = cannot = 0
+    print(f"{'row':34} {'table':>6} {'pred':>6} {'low':>6} {'ratio':>6}  {'table MiB':>9} {'pred MiB':>9} {'err %':>6}")
     for row in rows:
         if row.dp * row.mp != row.gpus:
             print(f"{row.name:34} not scored: dp x mp = {row.dp * row.mp} is not its {row.gpus} GPUs")
@@ -89,19 +95,18 @@ def main() -> None:
             print(f"{row.name:34} {'init':>6} {'init' if ok else str(e.max_micro() * row.dp):>6}")
             continue
         scored += 1
-        pred = (e.max_micro() or 0) * row.dp
-        if pred and power_of_two_below(pred) == row.batch:
-            same += 1
-        if pred and row.batch // 2 <= pred < 4 * row.batch:
-            within += 1
+        high, low = ((m or 0) * row.dp for m in e.max_micro_range())
+        for end, pred in (("high", high), ("low", low)):
+            counts[end] = [c + hit for c, hit in zip(counts[end], scored_as(pred, row.batch))]
         mem = ""
         if row.memory_mib:
             p = e.peak_bytes(row.batch // row.dp) / MiB
             mem = f"{row.memory_mib:9d} {p:9.0f} {(p - row.memory_mib) / row.memory_mib * 100:6.1f}"
-        ratio = f"{pred / row.batch:6.2f}" if pred else "     -"
-        print(f"{row.name:34} {row.batch:6d} {pred if pred else 'init':>6} {ratio}  {mem}")
-    print(f"seed table: {same}/{scored} rows on the same power of two, {within}/{scored} within one power of two, "
-          f"{cannot_ok}/{cannot} cannot-initialize rows predicted")
+        ratio = f"{high / row.batch:6.2f}" if high else "     -"
+        print(f"{row.name:34} {row.batch:6d} {high if high else 'init':>6} {low if low else 'init':>6} {ratio}  {mem}")
+    for end, (same, within) in counts.items():
+        print(f"seed table ({end} end of the GPU terms): {same}/{scored} rows on the same power of two, "
+              f"{within}/{scored} within one power of two, {cannot_ok}/{cannot} cannot-initialize rows predicted")
 
 
 if __name__ == "__main__":
