@@ -229,7 +229,12 @@ def test_estimate_matches_the_counted_model_states(real):
 def test_predicted_vs_measured_for_cpu_runs(real):
     """Each measured CPU configuration at its max batch: the estimate's terms beside the ranks' own
     figures; model states are exact, the runtime before the model is the process's measured RSS."""
-    df = pd.read_excel(real["paths"][0], sheet_name="Predicted vs measured")
+    sheet = pd.read_excel(real["paths"][0], sheet_name="Predicted vs measured")
+    cpu = {real["dp2"].label, real["dp1"].label}
+    df = sheet[sheet["config"].isin(cpu)]
+    assert set(df["config"]) == cpu
+    # the synthetic GPU rows measured (GPT-345M) get the GPU terms instead, CPU rows never do
+    assert "allocator peak (torch max allocated)" in set(sheet[~sheet["config"].isin(cpu)]["term"])
     assert set(df["term"]) == {"runtime before the model (RSS)", "model states (exact count after a step)",
                                "tensors at the peak (live)", "peak RSS"}
     states = df[df["term"] == "model states (exact count after a step)"]
