@@ -25,7 +25,6 @@ from zero_bench.search import SearchOptions, run_search
 from conftest import cpu_cfg, worker_processes
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 QUIET = SearchOptions(progress=lambda s: None)
 
 
@@ -66,7 +65,7 @@ def _cli(store: Path, run_dir: Path, cfg) -> subprocess.Popen:
     args = ["maxbatch", "model=gpt-mini", "zero=2", "precision=fp32", "hardware=cpu",
             f"hardware.memory_gb={cfg.hardware.memory_gb!r}", "steps.warmup=1", "steps.timed=2", "search.max=64",
             f"store={store}", f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen([sys.executable, "-m", "zero_bench", *args], cwd=ROOT, start_new_session=True,
+    return subprocess.Popen([sys.executable, "-m", "zero_bench", *args], start_new_session=True,
                             stdout=open(run_dir.parent / f"{run_dir.name}.log", "a"), stderr=subprocess.STDOUT)
 
 
