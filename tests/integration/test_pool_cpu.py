@@ -15,11 +15,12 @@ from conftest import cpu_cfg, worker_processes
 pytestmark = pytest.mark.slow
 
 
-def test_forked_child_peak_equals_a_fresh_launch(tmp_path):
-    """Same trial (gpt-mini ZeRO-2, micro 6) in a launch of its own and as the pool's second child:
-    peak RSS per rank within 1 %, live tensors within 0.1 %, model states and losses identical."""
-    cfg = cpu_cfg("gpt-mini", zero=2).with_micro(6)
-    (fresh,) = run_launch(cfg, [Entry(6)], tmp_path / "fresh")
+def test_forked_child_peak_equals_a_fresh_launch(tmp_path, gpt_mini_fresh):
+    """Same trial (gpt-mini ZeRO-2, micro 6) in a launch of its own (the session's, shared with the
+    search test's calibration) and as the pool's second child: peak RSS per rank within 1 %, live
+    tensors within 0.1 %, model states and losses identical."""
+    base, fresh_runs = gpt_mini_fresh
+    cfg, fresh = base.with_micro(6), fresh_runs[6]
     with PoolSlot(tmp_path / "pool") as pools:
         (first,) = run_launch(cfg.with_micro(1), [Entry(1)], tmp_path / "first", LaunchOptions(pools=pools))
         (forked,) = run_launch(cfg, [Entry(6)], tmp_path / "forked", LaunchOptions(pools=pools))
