@@ -133,8 +133,13 @@ def test_cli_bad_input_is_exit_2_one_line_naming_the_key_and_nothing_launched(
 
 
 def test_world_size_beyond_devices():
-    with pytest.raises(ConfigError, match=r"world size tp\*dp=64 exceeds"):
-        validate_machine(bench("parallel.dp=64"))
+    """CPU ranks are processes: up to two per core, whatever this host's core count."""
+    from zero_bench.preflight import available_devices
+
+    limit = 2 * available_devices("cpu")
+    validate_machine(bench(f"parallel.dp={limit}"))
+    with pytest.raises(ConfigError, match=rf"world size tp\*dp={limit + 2} exceeds"):
+        validate_machine(bench(f"parallel.dp={limit + 2}"))
 
 
 def test_cli_errors_are_one_line_without_traceback():
