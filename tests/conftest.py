@@ -1,7 +1,21 @@
-"""Shared helpers: tiny real configurations and a check that trials leave no process behind."""
+"""Shared helpers: tiny real configurations, a check that trials leave no process or /dev/shm
+buffer behind, and the session's isolation from the machine it runs on:
+
+- The machine lock (zero_bench.machine) is the real one: another zero_bench (a demo) running trials
+  makes the suite wait for it, at most ZERO_BENCH_LOCK_WAIT_S seconds in all (default 1200; the
+  `python -m zero_bench` the tests start inherit it), then skip what needs the machine, naming the
+  holder. It never fails a test.
+- The session runs in a temporary working directory (PYTHONPATH leads with this checkout, so
+  `python -m zero_bench` runs this code) with its own ZERO_BENCH_CACHE: default paths
+  (results/zero_bench.sqlite, runs/, ~/.cache/zero_bench) are never written by a test.
+"""
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -10,8 +24,119 @@ import yaml
 
 from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig, StepsConfig
 from zero_bench.configure import resolve
+from zero_bench.errors import MachineBusy
+from zero_bench.machine import machine_lock
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+# The whole session waits at most this long for another zero_bench's trials, then skips instead.
+LOCK_WAIT_S = float(os.environ.get("ZERO_BENCH_LOCK_WAIT_S") or 1200)
+os.environ["ZERO_BENCH_LOCK_WAIT_S"] = str(LOCK_WAIT_S)
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+BUSY = "another zero_bench is running trials on this machine"  # MachineBusy's message, also on a CLI's stderr
+_waited = [0.0]  # seconds this session has waited for the lock
+
+
+def ours(pid: int) -> bool:
+    """This test process, or a live process it started (a `python -m zero_bench` of the test)."""
+    if pid == os.getpid():
+        return True
+    try:
+        return any(p.pid == os.getpid() for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
+
+
+def busy_reason(exc: BaseException) -> str | None:
+    """The MachineBusy message in an exception, in its text or in a failed command's output, when
+    the holder it names is another zero_bench: one the test itself holds the lock with is a bug."""
+    texts = [str(exc)] + [v if isinstance(v, str) else (v or b"").decode(errors="replace")
+                          for v in (getattr(exc, "stdout", None), getattr(exc, "stderr", None))]
+    for text in texts:
+        line = next((ln.strip() for ln in text.splitlines() if BUSY in ln), None)
+        if line is not None:
+            holder = re.search(r"\(pid (\d+):", line)
+            return None if holder and ours(int(holder.group(1))) else line
+    return None
+
+
+def _skip_if_busy(exc: BaseException) -> None:
+    reason = busy_reason(exc)
+    if reason is not None:
+        _waited[0] = LOCK_WAIT_S  # the wait is spent: later tests skip at once while the holder runs
+        os.environ["ZERO_BENCH_LOCK_WAIT_S"] = "0"
+        pytest.skip(f"machine busy, not tested: {reason}")
+
+
+# Only tests that launch on the machine (marked slow) are skipped for a busy machine: a unit test of
+# the lock itself (its own lock file) that ends in MachineBusy has failed.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    try:
+        return (yield)
+    except Exception as exc:  # noqa: BLE001 - a fixture's launch found the machine taken
+        if item.get_closest_marker("slow") is not None:
+            _skip_if_busy(exc)
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    except Exception as exc:  # noqa: BLE001 - a launch, or a zero_bench command it ran, found the machine taken
+        if item.get_closest_marker("slow") is not None:
+            _skip_if_busy(exc)
+        raise
+
+
+@pytest.fixture(autouse=True)
+def machine_free(request):
+    """Before each test that launches (marked slow): wait for another zero_bench's lock to be free,
+    with what is left of the session's wait, or skip naming the holder. The lock is released at
+    once: the test's own launches take it again (in this process or in `python -m zero_bench`)."""
+    if request.node.get_closest_marker("slow") is None:
+        yield
+        return
+    os.environ["ZERO_BENCH_LOCK_WAIT_S"] = str(max(0.0, LOCK_WAIT_S - _waited[0]))
+    t0 = time.time()
+    try:
+        with machine_lock():
+            pass
+    except MachineBusy as exc:
+        _skip_if_busy(exc)
+    finally:
+        _waited[0] += time.time() - t0
+        os.environ["ZERO_BENCH_LOCK_WAIT_S"] = str(max(0.0, LOCK_WAIT_S - _waited[0]))
+    yield
+
+
+def _written(root: Path) -> dict:
+    out = {}
+    for name in ("results", "runs", "reports"):
+        for f in (root / name).rglob("*") if (root / name).is_dir() else ():
+            out[str(f)] = f.stat().st_mtime if f.exists() else None
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def away_from_the_checkout(tmp_path_factory):
+    """The session's working directory and ZERO_BENCH_CACHE are temporary folders; fails at the end
+    if a test wrote into the checkout's results/, runs/ or reports/ anyway."""
+    before, cwd, cache = _written(ROOT), os.getcwd(), os.environ.get("ZERO_BENCH_CACHE")
+    os.environ["ZERO_BENCH_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        if cache is None:
+            os.environ.pop("ZERO_BENCH_CACHE", None)
+        else:
+            os.environ["ZERO_BENCH_CACHE"] = cache
+    after = _written(ROOT)
+    changed = sorted(f for f in after if before.get(f) != after[f])
+    assert not changed, f"tests wrote into the checkout: {changed[:10]}"
 
 
 def model(name: str) -> ModelConfig:
@@ -27,6 +152,39 @@ def cpu_cfg(name: str = "gpt-tiny", **kw) -> BenchConfig:
     return resolve(dataclasses.replace(base, **kw), here=False)
 
 
+FRESH_MICROS = (6, 7)
+
+
+@pytest.fixture(scope="session")
+def gpt_mini_fresh(tmp_path_factory):
+    """gpt-mini ZeRO-2 fp32 on 2 CPU ranks, one fresh launch (no pool, no budget) at each of
+    FRESH_MICROS: the pool test's reference for a forked child, and the search test's calibration
+    (its budget lies midway between the two measured peaks). (cfg, {micro: TrialResult})."""
+    from zero_bench.launch import run_launch
+    from zero_bench.records import Entry
+
+    tmp = tmp_path_factory.mktemp("gpt_mini_fresh")
+    cfg = cpu_cfg("gpt-mini", zero=2)
+    out = {}
+    for m in FRESH_MICROS:
+        (out[m],) = run_launch(cfg.with_micro(m), [Entry(m)], tmp / f"micro{m}")
+        assert out[m].status == "ok", out[m].reason
+    return cfg, out
+
+
+def wait_until(predicate, timeout: float, what: str):
+    """Poll `predicate` until it returns something true, at most `timeout` seconds (a loaded machine
+    takes longer than a quiet one: poll instead of sleeping a fixed time and asserting)."""
+    deadline = time.time() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.time() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.05)
+
+
 def worker_processes(marker: str = "") -> list[psutil.Process]:
     """Launcher and rank processes (whose command line holds `marker`, e.g. the test's tmp dir)."""
     out = []
@@ -37,12 +195,32 @@ def worker_processes(marker: str = "") -> list[psutil.Process]:
     return out
 
 
+def launch_ports(root: Path) -> set[int]:
+    """Master ports of the launches (and pools) whose run folders are under `root`: each writes its
+    command line to cmd.txt (--master_port N, or MASTER_PORT=N for a pool's trial)."""
+    ports = set()
+    for f in root.rglob("cmd.txt"):
+        ports.update(int(p) for p in re.findall(r"(?:--master_port |MASTER_PORT=)(\d+)", f.read_text()))
+    return ports
+
+
+def shm_buffers(ports: set[int]) -> set[Path]:
+    """DeepSpeed's /dev/shm buffers of those ports (named deepspeed_*_<port>_<rank>,
+    zero_bench.machine.remove_shm_buffers)."""
+    return {f for f in Path("/dev/shm").glob("deepspeed_*")
+            if any(f"_{port}_" in f.name for port in ports)}
+
+
 @pytest.fixture
 def no_leftovers(tmp_path):
     """Fails the test if any rank or launcher process of its trials (under tmp_path) outlives it,
-    or if a launch left DeepSpeed's shared-memory buffers in /dev/shm (RAM, 66 MiB per rank)."""
+    or if one of its launches left DeepSpeed's shared-memory buffers in /dev/shm (RAM, 66 MiB per
+    rank). Only this test's launches count (their master ports, from their run folders' cmd.txt):
+    another DeepSpeed run on the machine has buffers of its own."""
     shm_before = set(Path("/dev/shm").glob("deepspeed_*"))
     yield tmp_path
-    assert not set(Path("/dev/shm").glob("deepspeed_*")) - shm_before, "shm buffers left in /dev/shm"
+    ports = launch_ports(tmp_path)
+    left = shm_buffers(ports) - shm_before
+    assert not left, f"shm buffers left in /dev/shm by this test's launches: {sorted(map(str, left))}"
     left = [p for p in worker_processes(str(tmp_path)) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left behind: {[' '.join(p.cmdline()) for p in left]}"

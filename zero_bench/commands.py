@@ -103,16 +103,16 @@ def maxbatch(cfg: DictConfig, inv: Invocation) -> int:
 
 def _maxbatch(cfg: DictConfig, inv: Invocation) -> SearchResult:
     spec = search_from_cfg(cfg)
-    store = Store(store_path(cfg, inv))
     try:
         bench = with_cpu_budget(bench_here(cfg, inv.out), spec.cpu_budget_gb)
     except ConfigError as exc:  # inside a grid, a bad combination is recorded, never fatal
         if inv.sweep is None:
-            raise
+            raise  # bad input alone: one line, nothing written
         res = skipped_search(OmegaConf.to_container(cfg, resolve=True), str(exc))
-        store.put_search(res)
+        Store(store_path(cfg, inv)).put_search(res)
         print(f"zero_bench maxbatch: skipped {res.label}: {exc}", file=sys.stderr)
         return res
+    store = Store(store_path(cfg, inv))
     refused = preflight(bench, force=cfg.force, micro=spec.min)
     if refused:
         res = SearchResult(search_key=bench.search_key(), label=bench.label(), status=SearchStatus.ESTIMATED_OOM,

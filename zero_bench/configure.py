@@ -6,6 +6,7 @@ keys are validate_static's; "auto" and None become concrete in `resolve`, the on
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 from zero_bench.config import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
@@ -36,6 +37,7 @@ def _plain(cfg: Any) -> dict:
     return cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
 
 
+SEED_MAX = 2**32 - 1  # the seeds numpy and every framework accept (torch's generator takes seed + step)
 MISSING_VALUE = "???"  # how OmegaConf.to_container writes a key no preset or override set
 
 
@@ -120,10 +122,12 @@ def integer(key: str, value: Any, lo: int = 1, hi: Optional[int] = None) -> int:
 
 
 def number(key: str, value: Any, lo: float = 0.0) -> float:
-    """A number strictly greater than `lo`."""
+    """A finite number strictly greater than `lo` (inf is no memory size, timeout or budget)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > lo:
         shown = f"{value:g}" if isinstance(value, float) else value
         raise ConfigError(f"{key}={shown}: must be a number > {lo:g}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}={value:g}: must be a finite number")
     return float(value)
 
 
@@ -172,7 +176,7 @@ def check_bench(b: BenchConfig) -> None:
     integer("steps.timed", b.steps.timed)
     integer("steps.probe", b.steps.probe)
     number("timeout_s", b.timeout_s)
-    integer("seed", b.seed, lo=0)
+    integer("seed", b.seed, lo=0, hi=SEED_MAX)
 
 
 def check_search(s: SearchConfig) -> None:

@@ -150,8 +150,16 @@ class RankGpu:
         self.outside_at_emulate = 0
         self.peak = 0
         self._stop = threading.Event()
+        self.sampler: Optional[threading.Thread] = None
         if self.gpu is not None and interval:
-            threading.Thread(target=self._sample, daemon=True, name="zero_bench-gpu-peak").start()
+            self.sampler = threading.Thread(target=self._sample, daemon=True, name="zero_bench-gpu-peak")
+            self.sampler.start()
+
+    def close(self) -> None:
+        """Stop the NVML sampling thread (a rank process ends with it anyway)."""
+        self._stop.set()
+        if self.sampler is not None:
+            self.sampler.join(timeout=5)
 
     # -- CUDA's view ----------------------------------------------------------------------------
     def outside_now(self) -> int:

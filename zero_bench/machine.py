@@ -37,7 +37,7 @@ def lock_path() -> Path:
 def machine_lock(wait: bool = False) -> Iterator[None]:
     """Hold the machine's trial lock for the block. Another process has it: MachineBusy naming the
     holder, or with `wait` (jobs of one sweep on one machine, e.g. Hydra's submitit_local), wait
-    for it. Within the holding process it is re-entrant: a command holds it for its whole run and
+    for it; ZERO_BENCH_LOCK_WAIT_S bounds the wait either way (`lock_wait_s`). Within the holding process it is re-entrant: a command holds it for its whole run and
     every launch inside takes it again for free (the lock file names its holder: no state here)."""
     if held_by_me():
         yield
@@ -71,24 +71,44 @@ def held_by_me() -> bool:
         os.close(fd)
 
 
+def lock_wait_s(wait: bool) -> float:
+    """How long a taker waits for another holder: ZERO_BENCH_LOCK_WAIT_S seconds when set (the test
+    suite sets it, so that its launches and the `python -m zero_bench` it starts wait for an unrelated
+    run, bounded); else not at all, or with `wait` as long as it takes."""
+    env = os.environ.get("ZERO_BENCH_LOCK_WAIT_S", "").strip()
+    if env:
+        try:
+            return max(0.0, float(env))
+        except ValueError:
+            raise MachineBusy(f"ZERO_BENCH_LOCK_WAIT_S={env}: must be a number of seconds") from None
+    return float("inf") if wait else 0.0
+
+
+def holder_of(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
+
+
 def _acquire(wait: bool) -> int:
     path = lock_path()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    said = 0.0
+    start, said, limit = time.time(), 0.0, lock_wait_s(wait)
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
-            if not wait:
+            holder = holder_of(fd)
+            waited = time.time() - start
+            if waited >= limit:
                 os.close(fd)
-                raise MachineBusy(f"another zero_bench is running trials on this machine ({holder}; lock {path}): "
-                                  "DeepSpeed's cleanup would kill each other's trials; wait for it to finish") from None
+                after = f"; waited {waited:.0f} s" if limit else ""
+                raise MachineBusy(f"another zero_bench is running trials on this machine ({holder}; lock {path}"
+                                  f"{after}): DeepSpeed's cleanup would kill each other's trials; wait for it to "
+                                  "finish") from None
             if time.time() - said > 60:
-                print(f"zero_bench: waiting for the machine: {holder} holds {path}", flush=True)
+                print(f"zero_bench: waiting for the machine: {holder} holds {path}", file=sys.stderr, flush=True)
                 said = time.time()
-            time.sleep(2)
+            time.sleep(min(0.5, max(0.0, limit - waited)))
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}".encode(), 0)
     remove_stale_shm()
@@ -96,29 +116,32 @@ def _acquire(wait: bool) -> int:
     return fd
 
 
-def remove_shm_buffers(port: int) -> None:
+def remove_shm_buffers(port: int, root: Path = SHM) -> None:
     """Unlink one launch's /dev/shm buffers (DeepSpeed names them after the master port)."""
-    for f in SHM.glob(f"deepspeed_*_{port}_*"):
+    for f in root.glob(f"deepspeed_*_{port}_*"):
         with contextlib.suppress(OSError):
             f.unlink()
 
 
-def mapped_shm() -> set[str]:
-    """/dev/shm files some live process maps (or holds open)."""
+def mapped_shm(root: Path = SHM) -> set[str]:
+    """Files under `root` (/dev/shm) some live process maps (or holds open)."""
+    prefix = f"{root}/"
     used: set[str] = set()
     for pid_dir in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
             used.update(line.split(None, 5)[-1] for line in (pid_dir / "maps").read_text().splitlines()
-                        if "/dev/shm/" in line)
+                        if prefix in line)
         with contextlib.suppress(OSError):
             used.update(str(os.readlink(fd)) for fd in (pid_dir / "fd").iterdir()
-                        if str(os.readlink(fd)).startswith("/dev/shm/"))
+                        if str(os.readlink(fd)).startswith(prefix))
     return used
 
 
-def remove_stale_shm() -> list[Path]:
-    """Unlink DeepSpeed buffers no live process uses (left by a runner killed with SIGKILL)."""
-    stale = [f for f in SHM.glob("deepspeed_*") if str(f) not in mapped_shm()]
+def remove_stale_shm(root: Path = SHM) -> list[Path]:
+    """Unlink DeepSpeed buffers no live process uses (left by a runner killed with SIGKILL). Called
+    with the machine lock held: no other zero_bench is between creating a buffer and mapping it."""
+    used = mapped_shm(root)
+    stale = [f for f in root.glob("deepspeed_*") if str(f) not in used]
     for f in stale:
         with contextlib.suppress(OSError):
             f.unlink()

@@ -39,6 +39,9 @@ def check_devices(b: BenchConfig) -> None:
 def validate_machine(b: BenchConfig) -> None:
     """Checks against this machine: device count, bf16 support, hostfile, DeepSpeed's view of `ds`
     (engine=deepspeed)."""
+    if b.hardware.num_nodes > 1 and not b.hardware.hostfile:
+        raise ConfigError(f"hardware.num_nodes={b.hardware.num_nodes}: needs hardware.hostfile (the nodes' hosts; "
+                          "hardware.hostfile=slurm inside a Slurm allocation)")
     check_devices(b)
     if b.engine == EngineName.deepspeed:  # fsdp2 reads no DeepSpeed config (configure refuses ds.* with it)
         check_with_deepspeed(b)

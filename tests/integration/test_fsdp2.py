@@ -23,7 +23,6 @@ from zero_bench.store import Store
 from conftest import cpu_cfg
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 FSDP2 = {
     "zero3": dict(zero=3),
@@ -135,7 +134,7 @@ def test_sweep_over_engines_searches_each_and_reports_one_row_per_engine(tmp_pat
     cmd = [sys.executable, "-m", "zero_bench", "maxbatch", "-m", "model=gpt-mini", "engine=deepspeed,fsdp2",
            "zero=3", "precision=fp32", "hardware=cpu", f"hardware.memory_gb={budget_gb:.4f}", "steps.warmup=1",
            "steps.timed=2", "search.max=32", f"store={db}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     searches = {s.config["engine"]: s for s in Store(db).searches()}
     assert set(searches) == {"deepspeed", "fsdp2"}
@@ -147,7 +146,7 @@ def test_sweep_over_engines_searches_each_and_reports_one_row_per_engine(tmp_pat
     assert [d.name for d in (tmp_path / "sweep" / "pool").iterdir()] == ["pool01"]
 
     subprocess.run([sys.executable, "-m", "zero_bench", "report", f"store={db}", f"report.out={out}",
-                    f"hydra.run.dir={tmp_path / 'rep'}"], cwd=ROOT, check=True, capture_output=True)
+                    f"hydra.run.dir={tmp_path / 'rep'}"], check=True, capture_output=True)
     details = pd.read_excel(out, sheet_name="Details")
     assert sorted(details["engine"]) == ["deepspeed", "fsdp2"] and len(details) == 2
     summary = pd.read_excel(out, sheet_name="Summary", header=None).astype(str)

@@ -47,12 +47,20 @@ def test_rss_bounds_live_tensors_and_live_grows_with_batch(trial):
 
 
 @pytest.mark.slow
-def test_sampled_peak_never_exceeds_the_true_peak(trial):
-    """The 50 ms sampler can miss a short spike but cannot see more than ru_maxrss."""
+def test_sampled_peak_lies_between_what_the_rank_holds_throughout_and_its_true_peak(trial):
+    """The 50 ms sampler can miss a short spike but cannot see more than ru_maxrss (1 %: the two
+    are read at different moments, the sampler's in whole pages of /proc); and every sample of the
+    entry's window saw at least what the rank holds all along: its RSS before the model was built
+    plus the model states it keeps through the steps (parameters, fp32 master copy, optimizer
+    states: exact bytes, recorded by the rank)."""
     res, _ = trial
-    last = res[-1]
-    for rank in last.ranks:
-        (sampled,) = [d.peak_bytes for d in last.devices if d.key == ("rank", rank.rank)]
-        assert sampled <= rank.peak_rss_bytes * 1.01
+    for entry in res:
+        for rank in entry.ranks:
+            (sampled,) = [d.peak_bytes for d in entry.devices if d.key == ("rank", rank.rank)]
+            states = rank.model_states
+            held = rank.runtime_bytes + states["params"] + states.get("master", 0) + states["optimizer"]
+            assert held > rank.runtime_bytes  # the states were recorded: the bound says something
+            assert held <= sampled <= rank.peak_rss_bytes * 1.01, (entry.micro, rank.rank, held, sampled,
+                                                                    rank.peak_rss_bytes, states)
 
 

@@ -17,15 +17,15 @@ import pytest
 from zero_bench.config import HardwareConfig, SearchConfig
 from zero_bench.estimate import seed_micro
 from zero_bench.launch import run_launch
+from zero_bench.pool import PoolSlot
 from zero_bench.records import Entry
 from zero_bench.records import Fault, SearchStatus, Status
 from zero_bench.store import Store
 from zero_bench.search import SearchOptions, run_search
 
-from conftest import cpu_cfg, worker_processes
+from conftest import FRESH_MICROS, cpu_cfg, worker_processes
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 QUIET = SearchOptions(progress=lambda s: None)
 
 
@@ -35,25 +35,34 @@ def budget_cfg(gb: float, **kw):
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
-    """A budget midway between micro 8 and 9 on the line through two fresh trials (micro 2 and 6),
-    and one uninterrupted default search against it."""
+def pools(tmp_path_factory):
+    """One pool for the module's searches (as a sweep's jobs share one): each search would start
+    its own. A test that runs `python -m zero_bench` closes it first (it holds the machine lock)."""
+    with PoolSlot(tmp_path_factory.mktemp("pools")) as slot:
+        yield slot
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, gpt_mini_fresh, pools):
+    """A budget midway between the measured peaks of two fresh trials at micro 6 and 7 (the
+    session's, conftest.gpt_mini_fresh): half a sample's growth from either, whatever the machine
+    (a budget on a line extrapolated from smaller micros lands wherever the line misses); and one
+    uninterrupted default search against it."""
     tmp = tmp_path_factory.mktemp("calibrated")
-    peaks = {}
-    for m in (2, 6):
-        (t,) = run_launch(budget_cfg(100.0), [Entry(m)], tmp / f"calibrate{m}")
-        peaks[m] = max(r.peak_rss_bytes for r in t.ranks)
-    slope = (peaks[6] - peaks[2]) / 4
-    cfg = budget_cfg((peaks[6] + 2.5 * slope) / 2**30)
+    _, fresh = gpt_mini_fresh
+    lo, hi = (max(r.peak_rss_bytes for r in fresh[m].ranks) for m in FRESH_MICROS)
+    assert hi > lo, f"micro {FRESH_MICROS[1]} peaked no higher than {FRESH_MICROS[0]}: no budget between them"
+    cfg = budget_cfg((lo + hi) / 2 / 2**30)
     res = run_search(cfg, SearchConfig(max=64), Store(tmp / "s.sqlite"), tmp / "search",
-                     SearchOptions(seed=seed_micro(cfg), progress=lambda s: None))
+                     SearchOptions(seed=seed_micro(cfg), progress=lambda s: None, pools=pools))
     return cfg, res, tmp
 
 
 def test_real_search_boundary_holds_in_independent_trials(calibrated, no_leftovers):
-    """The search's b fits and b + 1 fails, each re-run as its own fresh trial."""
+    """The search's b fits and b + 1 fails, each re-run as its own fresh trial (no pool)."""
     cfg, res, _ = calibrated
     assert res.status == "done" and res.max_micro and res.first_fail_micro == res.max_micro + 1
+    assert res.max_micro == FRESH_MICROS[0]  # the budget lies between the fresh peaks of 6 and 7
     assert res.max_global_batch == res.max_micro * 2
     assert res.measure and res.measure.time_per_step_s > 0 and res.measure.fresh
     b = res.max_micro
@@ -66,7 +75,7 @@ def _cli(store: Path, run_dir: Path, cfg) -> subprocess.Popen:
     args = ["maxbatch", "model=gpt-mini", "zero=2", "precision=fp32", "hardware=cpu",
             f"hardware.memory_gb={cfg.hardware.memory_gb!r}", "steps.warmup=1", "steps.timed=2", "search.max=64",
             f"store={store}", f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen([sys.executable, "-m", "zero_bench", *args], cwd=ROOT, start_new_session=True,
+    return subprocess.Popen([sys.executable, "-m", "zero_bench", *args], start_new_session=True,
                             stdout=open(run_dir.parent / f"{run_dir.name}.log", "a"), stderr=subprocess.STDOUT)
 
 
@@ -78,8 +87,9 @@ def _trials(db: Path) -> int:
         return 0
 
 
-def test_same_answer_resumed_after_sigkill_and_one_size_per_launch(calibrated, tmp_path):
+def test_same_answer_resumed_after_sigkill_and_one_size_per_launch(calibrated, pools, tmp_path):
     cfg, uninterrupted, _ = calibrated
+    pools.close()  # its lock would refuse the command's own; later searches start a new pool
     db = tmp_path / "resumed.sqlite"
     proc = _cli(db, tmp_path / "first", cfg)
     deadline = time.time() + 300
@@ -96,43 +106,44 @@ def test_same_answer_resumed_after_sigkill_and_one_size_per_launch(calibrated, t
     assert proc.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
     (resumed,) = Store(db).searches()
     single = run_search(cfg, SearchConfig(max=64, multi=False), Store(tmp_path / "single.sqlite"),
-                        tmp_path / "single", SearchOptions(seed=seed_micro(cfg), progress=lambda s: None))
+                        tmp_path / "single", SearchOptions(seed=seed_micro(cfg), progress=lambda s: None, pools=pools))
     answers = [(r.status, r.max_micro, r.first_fail_micro) for r in (uninterrupted, resumed, single)]
     assert answers == [(SearchStatus.DONE, uninterrupted.max_micro, uninterrupted.max_micro + 1)] * 3, answers
     assert all(t.fresh for t in Store(tmp_path / "single.sqlite").trials() if t.status != Status.NOT_RUN)
 
 
-def test_cannot_initialize_is_reported(tmp_path, no_leftovers):
+def test_cannot_initialize_is_reported(tmp_path, no_leftovers, pools):
     cfg = budget_cfg(0.25)  # less than a rank needs for torch + deepspeed + the model
-    res = run_search(cfg, SearchConfig(max=8), Store(tmp_path / "s.sqlite"), tmp_path / "search")
+    res = run_search(cfg, SearchConfig(max=8), Store(tmp_path / "s.sqlite"), tmp_path / "search",
+                     SearchOptions(pools=pools))
     assert res.status == "cannot_initialize" and res.max_global_batch is None
     assert "cannot even initialize" in res.note
 
 
-def test_killed_rank_is_oom_and_the_search_goes_on(tmp_path, no_leftovers):
+def test_killed_rank_is_oom_and_the_search_goes_on(tmp_path, no_leftovers, pools):
     """Rank 1 is SIGKILLed (as by the kernel's OOM killer) from micro 5 on: boundary 4."""
     cfg = cpu_cfg(hardware=HardwareConfig(device="cpu", memory_gb=4.0))
     store = Store(tmp_path / "s.sqlite")
     res = run_search(cfg, SearchConfig(max=16, strategy="doubling"), store, tmp_path / "search",
-                     SearchOptions(fault=Fault(kind="kill", rank=1, min_micro=5)))
+                     SearchOptions(fault=Fault(kind="kill", rank=1, min_micro=5), pools=pools))
     assert (res.status, res.max_micro, res.first_fail_micro) == ("done", 4, 5)
     statuses = {t.micro: t.status for t in store.trials(cfg.search_key()) if t.status != "not_run"}
     assert statuses[5] == "oom" and statuses[4] == "ok"
 
 
-def test_rank_error_stops_the_search_with_its_message(tmp_path, no_leftovers):
+def test_rank_error_stops_the_search_with_its_message(tmp_path, no_leftovers, pools):
     cfg = cpu_cfg(hardware=HardwareConfig(device="cpu", memory_gb=4.0))
     res = run_search(cfg, SearchConfig(max=16, strategy="doubling"), Store(tmp_path / "s.sqlite"),
-                     tmp_path / "search", SearchOptions(fault=Fault(kind="raise", rank=1, min_micro=4)))
+                     tmp_path / "search", SearchOptions(fault=Fault(kind="raise", rank=1, min_micro=4), pools=pools))
     assert res.status == "error" and "injected fault on rank 1" in res.note
     # the bracket found before the error is kept, and said to be unconfirmed
     assert res.max_micro == 2 and "before it, micro 2 fitted (not confirmed fresh)" in res.note
 
 
-def test_finished_search_is_not_repeated(tmp_path):
+def test_finished_search_is_not_repeated(tmp_path, pools):
     cfg = cpu_cfg(hardware=HardwareConfig(device="cpu", memory_gb=4.0))
     store = Store(tmp_path / "s.sqlite")
-    first = run_search(cfg, SearchConfig(max=2), store, tmp_path / "a")
+    first = run_search(cfg, SearchConfig(max=2), store, tmp_path / "a", SearchOptions(pools=pools))
     n = len(store.trials(cfg.search_key()))
-    again = run_search(cfg, SearchConfig(max=2), store, tmp_path / "b")
+    again = run_search(cfg, SearchConfig(max=2), store, tmp_path / "b", SearchOptions(pools=pools))
     assert again.max_micro == first.max_micro == 2 and len(store.trials(cfg.search_key())) == n

@@ -15,56 +15,86 @@ import pandas as pd
 import psutil
 import pytest
 
+from zero_bench.machine import lock_path
 from zero_bench.store import Store
 from zero_bench.sweeps import JOB_STORE, sweep_status
 
 from conftest import worker_processes
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 GRID = ["model=gpt-tiny", "zero=1,2", "hardware.memory_gb=4", "search.max=8", "steps.timed=2",
         "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=30"]
 
 
-def sweep(tmp: Path, env: dict) -> subprocess.Popen:
+def sweep(tmp: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "zero_bench", "maxbatch", "-m", *GRID, f"hydra.sweep.dir={tmp / 'sweep'}"]
-    return subprocess.Popen(cmd, stdout=open(tmp / "sweep.log", "a"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True, cwd=ROOT)
+    return subprocess.Popen(cmd, stdout=open(tmp / "sweep.log", "a"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def trials(db: Path) -> list:
-    try:
-        with sqlite3.connect(db) as c:
-            return c.execute("SELECT id, search_key, micro, mode, status FROM trials").fetchall()
-    except sqlite3.OperationalError:
+    """The store's trials; [] before the job created it (any other error fails: a check of "nothing
+    lost" must not pass on an unreadable store)."""
+    if not db.exists():
         return []
+    for attempt in range(50):
+        try:
+            with sqlite3.connect(db, timeout=10) as c:
+                return c.execute("SELECT id, search_key, micro, mode, status FROM trials").fetchall()
+        except sqlite3.OperationalError as exc:
+            if "no such table" not in str(exc) and "locked" not in str(exc) or attempt == 49:
+                raise
+            time.sleep(0.2)  # the job is creating its tables, or writing
+    raise AssertionError("unreachable")
 
 
-def lock_holder(lock: Path) -> int | None:
+def lock_holder() -> int | None:
+    """The pid holding the machine's (real) lock, from the text the holder writes into it."""
     try:
-        text = lock.read_text()
+        text = lock_path().read_text()
     except OSError:
         return None
     return int(text.split(":")[0].split()[1]) if text.startswith("pid ") else None
 
 
+def descends_from(pid: int, root: int) -> bool:
+    try:
+        return any(p.pid == root for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
+
+
+def skip_if_another_holds_the_machine(proc: subprocess.Popen, log: Path) -> None:
+    """The sweep ended early because a zero_bench outside this test held the machine past the
+    session's wait (the jobs exit 5): that is no failure of the product; skip naming the holder."""
+    holder = lock_holder()
+    if holder and psutil.pid_exists(holder) and not descends_from(holder, proc.pid):
+        pytest.skip(f"machine busy, not tested: {lock_path().read_text()} held the lock; sweep: {log.read_text()[-300:]}")
+
+
 def test_killed_job_resumes_and_the_merged_report_has_every_configuration(tmp_path):
-    lock = tmp_path / "machine.lock"
-    env = {**os.environ, "ZERO_BENCH_LOCK": str(lock)}
+    """On the machine's real lock (as a user's sweep runs): the jobs wait for each other, and for any
+    other zero_bench, at most the session's wait (tests/conftest.py)."""
     stores = [tmp_path / "sweep" / str(n) / JOB_STORE for n in (0, 1)]
-    proc = sweep(tmp_path, env)
-    # both jobs start at once; they take the machine in turn. Kill the one running trials once it has one.
+    log = tmp_path / "sweep.log"
+    proc = sweep(tmp_path)
+    # both jobs start at once; they take the machine in turn. Kill the one running trials once it has
+    # one: the holder of the lock, a job of this sweep (not another zero_bench on the machine).
     deadline, victim = time.time() + 600, None
     while time.time() < deadline and victim is None:
-        holder = lock_holder(lock)
-        if holder and any(len(trials(s)) >= 1 for s in stores) and psutil.pid_exists(holder):
+        holder = lock_holder()
+        if (holder and descends_from(holder, proc.pid) and any(len(trials(s)) >= 1 for s in stores)
+                and psutil.pid_exists(holder)):
             victim = holder
-        assert proc.poll() is None, (tmp_path / "sweep.log").read_text()[-3000:]
+        if proc.poll() is not None:
+            skip_if_another_holds_the_machine(proc, log)
+            pytest.fail(log.read_text()[-3000:])
         time.sleep(0.3)
     assert victim, "no job ran a trial"
     killed = next(s for s in stores if trials(s))
     os.kill(victim, signal.SIGKILL)
     before = {s: trials(s) for s in stores}
+    assert before[killed], "the killed job's store has no trial: nothing to lose, nothing checked"
     # the sweep ends with an error for the killed job; the other job has finished or, if submitit
     # ended it with the sweep, is left part-way: either way nothing is done twice on the re-run
     proc.wait(timeout=900)
@@ -77,8 +107,10 @@ def test_killed_job_resumes_and_the_merged_report_has_every_configuration(tmp_pa
         time.sleep(0.5)
     assert not worker_processes(mine), "ranks outlived the killed job"
 
-    proc = sweep(tmp_path, env)  # the same sweep again: finished job skipped, killed job resumed
-    assert proc.wait(timeout=900) == 0, (tmp_path / "sweep.log").read_text()[-3000:]
+    proc = sweep(tmp_path)  # the same sweep again: finished job skipped, killed job resumed
+    if proc.wait(timeout=900) != 0:
+        skip_if_another_holds_the_machine(proc, log)
+        pytest.fail(log.read_text()[-3000:])
     assert {r.state for r in sweep_status(tmp_path / "sweep")} == {"done"}
     for s in stores:
         assert set(before[s]) <= set(trials(s)), f"a finished trial of {s} was lost"
@@ -88,7 +120,6 @@ def test_killed_job_resumes_and_the_merged_report_has_every_configuration(tmp_pa
 
     out = tmp_path / "report.xlsx"
     subprocess.run([sys.executable, "-m", "zero_bench", "report", f"report.runs={tmp_path / 'sweep'}",
-                    f"report.out={out}", f"hydra.run.dir={tmp_path / 'rep'}"], check=True, capture_output=True,
-                   cwd=ROOT)
+                    f"report.out={out}", f"hydra.run.dir={tmp_path / 'rep'}"], check=True, capture_output=True)
     summary = pd.read_excel(out, sheet_name="Details")
     assert sorted(summary["ZeRO stage"]) == [1, 2] and summary["Max Global BSZ"].notna().all()

@@ -11,7 +11,6 @@ from zero_bench.config import ConfigError
 from zero_bench.configure import compose, from_cfg, search_from_cfg
 from zero_bench.preflight import validate_machine
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def composed(*overrides: str):
@@ -75,7 +74,7 @@ def test_offload_true_moves_params_too_only_with_zero3():
     (["precision=auto", "hardware.device=tpu"], "hardware.device=tpu: allowed values are auto, cpu, gpu"),
     (["hardware.memory_gb=1", "hardware.memory_mib=1024"], "hardware.memory_mib=1024: give memory_gb or memory_mib"),
     (["steps.warmup=-1"], "steps.warmup=-1: must be an integer >= 0"),
-    (["seed=-3"], "seed=-3: must be an integer >= 0"),
+    (["seed=-3"], "seed=-3: must be an integer in [0, 4294967295]"),
     (["batch.grad_accum=0"], "batch.grad_accum=0: must be an integer >= 1"),
     (["hardware.num_nodes=0"], "hardware.num_nodes=0: must be an integer >= 1"),
     (["hardware.launcher=ssh"], "hardware.launcher=ssh: allowed values are pdsh, openmpi"),
@@ -85,12 +84,62 @@ def test_offload_true_moves_params_too_only_with_zero3():
 def test_bad_input_is_one_line_naming_key_and_allowed(overrides, message):
     with pytest.raises(ConfigError) as err:
         bench(*overrides)
-    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert message in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["+model.foo=1"], "model.foo: unknown key; allowed: name, num_layers"),
+    (["hardware.device=tpu"], "hardware.device=tpu: allowed values are auto, cpu, gpu"),
+    (["hardware.device=CPU"], "hardware.device=CPU: allowed values are auto, cpu, gpu"),
+    (["hardware.launcher=ssh"], "hardware.launcher=ssh: allowed values are pdsh, openmpi"),
+    (["hardware.num_nodes=0"], "hardware.num_nodes=0: must be an integer >= 1"),
+    (["hardware.num_nodes=two"], "hardware.num_nodes=two: must be an integer"),
+    (["hardware.num_nodes=2"], "hardware.num_nodes=2: needs hardware.hostfile"),  # a job's check, not precheck's
+    (["hardware.memory_gb=1", "hardware.memory_mib=1024"], "hardware.memory_mib=1024: give memory_gb or memory_mib"),
+    (["hardware.memory_gb=inf"], "hardware.memory_gb=inf: must be a finite number"),
+    (["batch.grad_accum=0"], "batch.grad_accum=0: must be an integer >= 1"),
+    (["batch.grad_accum=1.5"], "batch.grad_accum=1.5: must be an integer"),
+    (["steps.warmup=-1"], "steps.warmup=-1: must be an integer >= 0"),
+    (["steps.warmup=true"], "steps.warmup=true: must be an integer"),
+    (["seed=-3"], "seed=-3: must be an integer"),
+    (["seed=99999999999999999999"], "seed=99999999999999999999: must be an integer in [0, 4294967295]"),
+    (["search.min=0"], "search.min=0: must be an integer >= 1"),
+    (["search.min=x"], "search.min=x: must be an integer"),
+    (["search.min=16", "search.max=8"], "search.max=8: must be >= search.min=16"),
+    (["search.cpu_budget_gb=0"], "search.cpu_budget_gb=0: must be a number > 0"),
+    (["search.cpu_budget_gb=abc"], "search.cpu_budget_gb=abc: must be a number"),
+    (["search.cpu_budget_gb=inf"], "search.cpu_budget_gb=inf: must be a finite number"),
+])
+@pytest.mark.parametrize("command", ["run", "maxbatch"])
+def test_cli_bad_input_is_exit_2_one_line_naming_the_key_and_nothing_launched(
+        command, overrides, message, tmp_path, monkeypatch, capsys):
+    """The command line as a user types it (zero_bench.cli.main, in this process): exit code 2,
+    exactly one line on stderr naming the key, and no launch, no store, no run folder written."""
+    from zero_bench import cli, commands
+
+    launched = []
+    monkeypatch.setattr(commands, "run_launch", lambda *a, **k: launched.append(a) or pytest.fail("launched"))
+    monkeypatch.setattr(commands, "run_search", lambda *a, **k: launched.append(a) or pytest.fail("searched"))
+    monkeypatch.setattr(sys, "argv", ["zero_bench"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "hardware=cpu", "model=gpt-tiny", *overrides, f"store={tmp_path}/s.sqlite",
+                  f"hydra.run.dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert err.splitlines() == [f"zero_bench: error: {err.strip()[len('zero_bench: error: '):]}"], err
+    assert message in err and "Traceback" not in err, err
+    assert not launched and not (tmp_path / "s.sqlite").exists()
+    assert not list(tmp_path.rglob("cmd.txt")) and not list(tmp_path.rglob("*.json"))
 
 
 def test_world_size_beyond_devices():
-    with pytest.raises(ConfigError, match=r"world size tp\*dp=64 exceeds"):
-        validate_machine(bench("parallel.dp=64"))
+    """CPU ranks are processes: up to two per core, whatever this host's core count."""
+    from zero_bench.preflight import available_devices
+
+    limit = 2 * available_devices("cpu")
+    validate_machine(bench(f"parallel.dp={limit}"))
+    with pytest.raises(ConfigError, match=rf"world size tp\*dp={limit + 2} exceeds"):
+        validate_machine(bench(f"parallel.dp={limit + 2}"))
 
 
 def test_cli_errors_are_one_line_without_traceback():
@@ -102,7 +151,7 @@ def test_cli_errors_are_one_line_without_traceback():
                       (["repeats=0"], "repeats=0: must be an integer >= 1"),  # run does not use it: refused anyway
                       (["estimate", "search.max=0"], "search.max=0: must be an integer >= 1"),
                       (["report", "report.nope=1"], "report.nope: unknown key")):
-        p = subprocess.run([sys.executable, "-m", "zero_bench", *args], capture_output=True, text=True, cwd=ROOT)
+        p = subprocess.run([sys.executable, "-m", "zero_bench", *args], capture_output=True, text=True)
         assert p.returncode == 2, (args, p.stderr)
         assert key in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
@@ -182,13 +231,25 @@ def test_raw_ds_keys_are_checked_by_deepspeed_before_launch():
         validate_machine(bench("+ds.zero_optimization.stage=7"))
 
 
-def test_search_key_carries_software_versions(monkeypatch):
+def test_search_key_carries_software_versions(tmp_path, monkeypatch):
+    """Another installed torch (the distribution importlib.metadata finds first on sys.path, as a
+    venv switch or an upgrade changes it) is another search key: old measurements are not reused."""
     from zero_bench import config
 
     b = bench()
     key = b.search_key()
-    monkeypatch.setattr(config, "software_versions", lambda: (("torch", "0.0"),))
-    assert b.search_key() != key
+    info = tmp_path / "torch-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config.software_versions.cache_clear()
+    try:
+        assert dict(config.software_versions())["torch"] == "0.0"
+        assert b.search_key() != key
+    finally:
+        monkeypatch.undo()
+        config.software_versions.cache_clear()
+    assert b.search_key() == key
 
 
 def test_cli_exit_codes_and_one_line_errors(tmp_path):
@@ -206,13 +267,13 @@ def test_cli_exit_codes_and_one_line_errors(tmp_path):
               f"report.compare={tmp_path}/none: no store")]
     for args, code, text in cases:
         p = subprocess.run([sys.executable, "-m", "zero_bench", *args, f"hydra.run.dir={tmp_path}/run"],
-                           capture_output=True, text=True, cwd=ROOT)
+                           capture_output=True, text=True)
         assert p.returncode == code, (args, p.stderr)
         assert text in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_help_lists_exit_codes_presets_and_every_key():
-    p = subprocess.run([sys.executable, "-m", "zero_bench", "--help"], capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-m", "zero_bench", "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "Exit codes: 0 answered" in p.stdout and "5 another zero_bench" in p.stdout
     assert "model=gpt-mini|" in p.stdout and "  search.granularity=1  The boundary is confirmed" in p.stdout
     assert "  precision=auto (auto | fp32 | bf16 | fp16)" in p.stdout

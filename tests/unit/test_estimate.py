@@ -188,7 +188,7 @@ def test_seed_micro_and_monotone():
 # -- CLI ---------------------------------------------------------------------------------------------
 def _cli(*args, timeout=120):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "zero_bench", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "zero_bench", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -249,7 +249,7 @@ def test_preflight_gpu_cannot_initialize():
 @pytest.mark.parametrize("name, count", [("Llama-3-8B", 8_030_261_248), ("Mistral-7B-v0.1", 7_241_732_096),
                                          ("Qwen2.5-7B", 7_615_616_512)])
 def test_cli_estimates_a_hugging_face_config_with_its_published_count(tmp_path, name, count):
-    r = _cli("estimate", "model=hf", f"model.hf_config=tests/data/hf/{name}/config.json", "model.seq_len=4096",
+    r = _cli("estimate", "model=hf", f"model.hf_config={ROOT}/tests/data/hf/{name}/config.json", "model.seq_len=4096",
              "parallel=dp8", "hardware=h100_80gb", "--json", f"hydra.run.dir={tmp_path}")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout[r.stdout.index("{"):])

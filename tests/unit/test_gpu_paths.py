@@ -95,27 +95,36 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("cap_gb,total_gb,fraction", [(20, 80, 0.25), (100, 80, None), (None, 80, None)])
-def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, total_gb, fraction):
+@pytest.mark.parametrize("cap_gb,fraction", [(20, 0.25), (100, None), (None, None)])
+def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, fraction):
     """Capacity emulation: a rank on an 80 GB card told hardware.memory_gb=20 caps its allocator at 1/4
-    of its own device (the local rank's), so a bigger batch raises a real CUDA OOM."""
-    import deepspeed
-
-    from zero_bench import worker
+    of its own device (the local rank's), so a bigger batch raises a real CUDA OOM. The real worker,
+    baseline and RankGpu; fakes only at the seams: NVML (gpu_fakes.fake_pynvml), torch.cuda
+    (gpu_fakes.FakeCuda), and NCCL's process group (no GPU here to form it)."""
+    from zero_bench import gpu, nvml, worker
+    from zero_bench.engines import deepspeed as ds_engine
     from zero_bench.records import TrialSpec
 
-    calls, order = {}, []
-    monkeypatch.setattr(worker, "baseline", lambda local_rank: order.append(("baseline", local_rank)))
-    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: order.append("init_distributed"))
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 3)
+    from gpu_fakes import EIGHT, FakeCuda, fake_pynvml
+
+    nv, cuda = fake_pynvml(EIGHT), FakeCuda(EIGHT)
+    monkeypatch.setattr(nvml, "nvml_module", lambda: nv)
+    for k in ("CUDA_VISIBLE_DEVICES", gpu.DEVICES_ENV, "CUDA_DEVICE_ORDER"):
+        monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("device", d))
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d: types.SimpleNamespace(total_memory=total_gb * 2**30, name="fake"))
-    # CUDA's view of the device: nothing used yet (the fraction is then cap / CUDA's total)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (total_gb * 2**30, total_gb * 2**30))
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
-                        lambda f, d=None: calls.setdefault("fraction", (f, d)))
+    # this rank's torch: the fake CUDA, and the rank the (absent) NCCL group would give it
+    monkeypatch.setattr(worker, "torch", types.SimpleNamespace(
+        cuda=cuda, distributed=types.SimpleNamespace(get_rank=lambda *a, **k: 3)))
+    at_init = {}
+    monkeypatch.setattr(ds_engine.deepspeed, "init_distributed", lambda *a, **k: at_init.update(
+        nvml=list(nv.state["calls"]), cuda=dict(cuda.calls)))
+    made = []  # the real RankGpu, kept to stop its NVML sampling thread
+
+    class KeptRankGpu(gpu.RankGpu):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+    monkeypatch.setattr(worker, "RankGpu", KeptRankGpu)
 
     def stop(*a, **k):
         raise _Stop()
@@ -123,17 +132,24 @@ def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, 
     cfg = gpu_cfg(memory_gb=cap_gb)
     spec = TrialSpec(config=cfg, ds_config="", out_dir=str(tmp_path), plan=[],
                      capacity_bytes=int(cap_gb * 2**30) if cap_gb else None)
-    with pytest.raises(_Stop):
-        worker.start(spec)
-    assert calls["device"] == 1
-    # other processes' memory is read before this process's first CUDA call
-    assert order == [("baseline", 1), "init_distributed"]
+    try:
+        with pytest.raises(_Stop):
+            worker.start(spec)
+    finally:
+        for g in made:
+            g.close()
+    assert len(made) == 1 and not made[0].sampler.is_alive()
+    assert cuda.calls["device"] == 1
+    # other processes' memory on the rank's own card was read from NVML before this process's first
+    # CUDA call (NCCL's communicator, formed by init_distributed, would be counted as theirs)
+    assert "nvmlDeviceGetMemoryInfo" in " ".join(at_init["nvml"]) and at_init["cuda"] == {}
     if fraction is None:
-        assert "fraction" not in calls
+        assert "fraction" not in cuda.calls
     else:
-        assert calls["fraction"] == (pytest.approx(fraction), 1)
+        assert cuda.calls["fraction"] == (pytest.approx(fraction), 1)
     start = json.loads((tmp_path / "rank3.jsonl").read_text().splitlines()[0])
     assert start["event"] == "start" and start["local_rank"] == 1
+    assert start["gpu_uuid"] == EIGHT[1][1] and start["gpu_others_bytes"] == EIGHT[1][4]  # card 1, not 0
 
 
 def test_gpu_oom_record_classifies_as_oom():
@@ -248,7 +264,7 @@ def test_doctor_names_fixes_for_a_multinode_config(tmp_path, monkeypatch):
 # -- nvcc against torch's CUDA, and the optimizer a GPU run then uses ------------------------------
 
 @pytest.fixture
-def toolkit(monkeypatch):
+def toolkit(monkeypatch, tmp_path):
     """DeepSpeed's own installed_cuda_version (the builder's nvcc -V) and torch.version.cuda, set
     per test; FusedAdam neither prebuilt nor JIT-cached."""
     import deepspeed.git_version_info as info
@@ -265,7 +281,7 @@ def toolkit(monkeypatch):
         monkeypatch.setattr(torch.version, "cuda", torch_cuda)
         tk.fused_adam_fallback.cache_clear()
     monkeypatch.setattr(info, "installed_ops", {})
-    monkeypatch.setattr(tk, "jit_cached", lambda op: None)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty JIT cache: FusedAdam never built
     yield install
     tk.fused_adam_fallback.cache_clear()
 

@@ -27,7 +27,7 @@ from zero_bench.pool_rank import (PAGE, _wait, map_again, refused_path, release_
 from zero_bench.records import Entry, Event, RankRecord, RankStatus
 from zero_bench.sampler import Sampler
 
-from conftest import cpu_cfg
+from conftest import cpu_cfg, wait_until
 from gpu_fakes import fake_pynvml
 
 
@@ -55,13 +55,11 @@ def test_kill_file_ends_the_childs_whole_process_group(tmp_path):
         time.sleep(60)
 
     pid = _fork(body)
-    time.sleep(0.5)
-    grandchildren = psutil.Process(pid).children()
-    assert grandchildren
+    grandchildren = wait_until(lambda: psutil.Process(pid).children(), 30, "the child started its own")
     (tmp_path / "kill").write_text("")
     t0 = time.time()
     assert _wait(pid, tmp_path / "kill", tmp_path / "stop") == -signal.SIGKILL
-    assert time.time() - t0 < 2
+    assert time.time() - t0 < 30  # acted on the kill file, not waited out the child's 60 s
     gone, alive = psutil.wait_procs(grandchildren, timeout=5)
     assert not alive
 
@@ -103,7 +101,7 @@ def test_sampler_counts_the_forked_children_not_their_parents(forked, expected):
     proc = subprocess.Popen([sys.executable, "-c", WORKER, "zero_bench.rank", "--pool", "x"],
                             env={**os.environ, "RANK": "0"})
     try:
-        time.sleep(1.0)
+        wait_until(lambda: psutil.Process(proc.pid).children(), 30, "the worker forked its child")
         s = Sampler(os.getpid(), interval=0.01, forked=forked)
         s.sample_once()
         assert len([x for x in s.samples if x.kind == "rank"]) == expected

@@ -34,7 +34,7 @@ def store_with_a_2gpu_trial(tmp_path) -> Path:
 
 
 def shell(script: str) -> str:
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)  # its scripts
     assert out.returncode == 0, out.stderr
     return out.stdout
 

@@ -22,7 +22,6 @@ from zero_bench.sweeps import JOB_STORE, finished_elsewhere, format_status, swee
 
 from conftest import cpu_cfg
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def search(cfg, status=SearchStatus.DONE, micro=4, created=None) -> SearchResult:
@@ -77,7 +76,7 @@ def test_status_of_a_sweep_directory(tmp_path):
     assert "max global batch 8" in rows[0].detail
     assert format_status(rows).splitlines()[-1] == "1 done, 1 running, 1 failed, 1 not started"
     p = subprocess.run([sys.executable, "-m", "zero_bench", "status", str(sweep), f"hydra.run.dir={tmp_path}/r"],
-                       capture_output=True, text=True, cwd=ROOT)
+                       capture_output=True, text=True)
     assert p.returncode == 4 and "1 failed" in p.stdout, p.stderr  # a failed job: exit code 4
 
 
@@ -114,13 +113,14 @@ def test_submitit_slurm_command_writes_the_sbatch_a_user_would_submit(tmp_path):
             "hydra.launcher.partition=gpu", "hydra.launcher.gpus_per_node=8", "hydra.launcher.nodes=2",
             "hydra.launcher.timeout_min=240", "hardware.hostfile=slurm", "hardware.num_nodes=2",
             f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    proc = subprocess.Popen([sys.executable, "-m", "zero_bench", *args], cwd=ROOT, env=env, start_new_session=True,
+    proc = subprocess.Popen([sys.executable, "-m", "zero_bench", *args], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    submitted = tmp_path / "submitted.sh"
     try:
-        deadline = time.time() + 120
-        while not (tmp_path / "submitted.sh").exists() and time.time() < deadline and proc.poll() is None:
+        deadline = time.time() + 120  # until the fake sbatch has copied the whole script (its last line)
+        while time.time() < deadline and proc.poll() is None and not (
+                submitted.exists() and "srun" in submitted.read_text()):
             time.sleep(0.2)
-        time.sleep(0.5)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # it would now wait for Slurm to run the jobs
