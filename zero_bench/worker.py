@@ -296,7 +296,8 @@ class Rank:
                           time_per_step=statistics.median(run.times) if run.times else None, time_note=note,
                           peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
                           loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,
-                          zero_init=self.engine.zero_init, offloaded=self._offloaded(), runtime_bytes=self.runtime_bytes, marks=self.marks.marks,
+                          zero_init=self.engine.zero_init, offloaded=self._offloaded(),
+                          runtime_bytes=self.runtime_bytes, marks=self.marks.marks,
                           **self.memory_now())
 
     def _offloaded(self) -> dict:

@@ -231,6 +231,9 @@ def test_predicted_vs_measured_for_cpu_runs(real):
     """Each measured CPU configuration at its max batch: the estimate's terms beside the ranks' own
     figures; model states are exact, the runtime before the model is the process's measured RSS."""
     df = pd.read_excel(real["paths"][0], sheet_name="Predicted vs measured")
+    cpu = {real["dp2"].label, real["dp1"].label}  # the store also holds synthetic GPU rows (GPU terms)
+    assert cpu <= set(df["config"])
+    df = df[df["config"].isin(cpu)]
     assert set(df["term"]) == {"runtime before the model (RSS)", "model states (exact count after a step)",
                                "tensors at the peak (live)", "peak RSS"}
     states = df[df["term"] == "model states (exact count after a step)"]
