@@ -15,8 +15,8 @@ from conftest import model
 
 MiB = 2 ** 20
 TINY = model("gpt-tiny")
-NUMERIC = ["num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "ZeRO stage",
-           "Max Global BSZ", "micro batch", "grad accum", "time/it (ms)", "throughput (samples/s)", "tokens/s",
+NUMERIC = ["num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "ZeRO Stage",
+           "Max Global BSZ", "micro batch", "grad accum", "time/it (ms)", "Throughput (samples/sec)", "tokens/s",
            "tokens/s per GPU", "model TFLOP/s per GPU", "MFU", "HFU", "num params", "peak memory used"]
 
 

@@ -180,6 +180,7 @@ class RankRecord:
     compile_s: Optional[float] = None  # compile=true: the launch's first step beyond a steady step
     zero_init: Optional[bool] = None  # the model's parameters were partitioned as it was built (deepspeed.zero.Init)
     model_states: dict = field(default_factory=dict)  # exact bytes: params / master / optimizer / grads
+    offloaded: dict = field(default_factory=dict)  # what the engine holds off the device: optimizer / params
     torch_peak_allocated: Optional[int] = None
     torch_peak_reserved: Optional[int] = None
     marks: list = field(default_factory=list)  # (unix time, phase) pairs

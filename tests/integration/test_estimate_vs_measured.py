@@ -1,12 +1,20 @@
-"""The estimate against real CPU trials (gpt-small, ZeRO 0-3 and FSDP2 zero 2/3, DP=2). The figures
-measured are in README.md ("Measured on this machine", "FSDP2 beside ZeRO-3"); these tests hold them
-to their tolerances.
+"""The estimate against real CPU trials (gpt-small, ZeRO 0-3 and FSDP2 zero 2/3, DP=2; and llama-tiny,
+a model none of the estimate's CPU constants was fitted on). The figures measured are in README.md
+("Measured on this machine", "FSDP2 beside ZeRO-3"); these tests hold them to their tolerances.
+
+Each launch measures two micro-batches (MICROS, in one process), so what a sample adds is measured,
+in bytes, not only the peak at micro 1 that the fixed terms dominate. The CPU constants and where
+they came from (zero_bench/estimate/__init__.py): CPU_RANK_OVERHEAD, the RSS of a GPT-tiny rank;
+CPU_ACTIVATION_FACTOR, RSS per sample on GPT-mini (and GPT-small ZeRO-3). llama-tiny (SwiGLU, GQA,
+RMSNorm, RoPE, untied, sdpa) is neither. An estimate that raises fails these tests (nothing skips).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from zero_bench.estimate import estimate
+from zero_bench.estimate import CPU_RANK_OVERHEAD, estimate
 from zero_bench.estimate.fsdp2 import model_states
 from zero_bench.launch import run_launch
 from zero_bench.records import Entry
@@ -16,6 +24,18 @@ from conftest import cpu_cfg
 pytestmark = pytest.mark.slow
 
 FSDP2 = ["fsdp2_zero2", "fsdp2_zero3"]
+ZERO = [0, 1, 2, 3, "llama"]
+MICROS = (1, 4)
+# What one more sample may differ by between the profiled steps' live tensor peaks and the formula
+# (bytes per sample, as a fraction of the formula's): the formula matches live tensors of llama-tiny to
+# 0.2 % and GPT-small's within 5 % (README); 8 % leaves room for the profiler's allocation events and
+# for the phase the peak falls in, and none for a term per layer (1 / num_layers >= 12 % here).
+SLOPE_TOL = 0.08
+# Where the estimate puts the peak in a phase without activations (GPT-small ZeRO 0-2 up to micro 4),
+# the profiled peak still moves by up to ~16 MiB between entries (measured: -9 to +17 MiB; ZeRO-2's
+# backward and step peaks lie within a few MiB of each other): an eighth of a sample per sample
+# (8 MiB here) tells "flat" from "grows by a sample per sample" (64 MiB) with room for that.
+FLAT_TOL = 0.125
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +43,19 @@ def measured(tmp_path_factory):
     out = {}
     configs = {z: cpu_cfg("gpt-small", zero=z) for z in range(4)}
     configs.update({name: cpu_cfg("gpt-small", zero=int(name[-1]), engine="fsdp2") for name in FSDP2})
+    configs["llama"] = cpu_cfg("llama-tiny", zero=2)
     for key, b in configs.items():
-        (r,) = run_launch(b, [Entry(1, "probe")], tmp_path_factory.mktemp(f"z{key}"))
-        out[key] = (b, r)
+        res = run_launch(b, [Entry(m, "probe") for m in MICROS], tmp_path_factory.mktemp(f"z{key}"))
+        assert [r.status for r in res] == ["ok"] * len(MICROS), [(r.status, r.reason) for r in res]
+        out[key] = (b, dict(zip(MICROS, res)))
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("zero", ZERO)
 def test_model_states_match_worker(measured, zero):
-    b, r = measured[zero]
-    assert r.status == "ok", r.reason
+    b, res = measured[zero]
     e = estimate(b)
-    for rank in r.ranks:
+    for rank in res[MICROS[0]].ranks:
         ms = rank.model_states
         got = ms["params"] + ms["master"] + ms["optimizer"] + ms["grads"]
         # after the step the gradients are freed: compare the persistent states
@@ -44,23 +64,63 @@ def test_model_states_match_worker(measured, zero):
         assert ms["master"] + ms["optimizer"] == pytest.approx(e.states["optimizer"], rel=0.001)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_peak_rss_near_estimate(measured, zero):
-    b, r = measured[zero]
-    assert r.status == "ok", r.reason
-    pred = estimate(b).peak_bytes(1)
-    for rank in r.ranks:
-        assert pred == pytest.approx(rank.peak_rss_bytes, rel=0.12)
+@pytest.mark.parametrize("micro", MICROS)
+@pytest.mark.parametrize("zero", ZERO)
+def test_peak_rss_near_estimate(measured, zero, micro):
+    b, res = measured[zero]
+    pred = estimate(b).peak_bytes(micro)
+    for rank in res[micro].ranks:
+        assert pred == pytest.approx(rank.peak_rss_bytes, rel=0.12), (pred / 2**20, rank.peak_rss_bytes / 2**20)
 
 
-@pytest.mark.slow
+# Found by this test (2026-11-23): on GPT-small ZeRO-3 the profiled step's peak at micro 1 is in the
+# optimizer step (1088 / 1103 MiB live on ranks 0 / 1), which the estimate puts below the activation
+# phase, so the measured growth from micro 1 to 4 is 39-53 MiB per sample (three runs) against the formula's
+# 63.9 (the micro-4 peak, 1247 MiB, is in backward). Strict: when the estimate's step phase is fixed
+# this passes, and the mark must go.
+ZERO3_STEP_PHASE = pytest.mark.xfail(strict=True, reason="ZeRO-3's step phase outgrows the estimate's at micro 1")
+
+
+@pytest.mark.parametrize("zero", [pytest.param(z, marks=ZERO3_STEP_PHASE) if z == 3 else z for z in ZERO])
+def test_bytes_per_sample_match_the_formula(measured, zero):
+    """What (MICROS[1] - MICROS[0]) more samples add to the profiled step's live tensor peak, per
+    sample, against the estimate's tensor peak at the two micro-batches with the formula's bytes per
+    sample (activation_bytes_per_sample, not the RSS-fitted CPU factor): absolute bytes, each rank.
+    Where the estimate puts the peak in a phase without activations the measured peak must not grow
+    either; where activations decide it, it must grow by the formula's bytes per sample."""
+    b, res = measured[zero]
+    e = estimate(b)
+    formula = e.activations["total"] + e.activations["host"]
+    live = dataclasses.replace(e, act_per_sample=formula)
+    lo, hi = MICROS
+    want = (live.allocated_bytes(hi) - live.allocated_bytes(lo)) / (hi - lo)
+    if zero in (3, "llama"):  # here activations decide the peak at both sizes: the slope is the formula's
+        assert want == pytest.approx(formula, rel=0.01)
+        tol = SLOPE_TOL
+    else:  # GPT-small ZeRO 0-2: the gradients and the optimizer step's buffers do, up to micro 4: flat
+        assert want < 0.1 * formula
+        tol = FLAT_TOL
+    for r_lo, r_hi in zip(res[lo].ranks, res[hi].ranks):
+        got = (r_hi.peak_live_bytes - r_lo.peak_live_bytes) / (hi - lo)
+        assert abs(got - want) <= tol * formula, (got / 2**20, want / 2**20, formula / 2**20)
+
+
+@pytest.mark.parametrize("micro", MICROS)
+def test_cpu_overhead_on_a_model_it_was_not_taken_from(measured, micro):
+    """CPU_RANK_OVERHEAD (what a GPT-tiny rank's RSS holds besides tensors) on llama-tiny: each rank's
+    peak RSS less its profiled step's live tensor peak. (Not runtime_bytes, the RSS before the model
+    is built: ~302 MiB here; DeepSpeed's engine, gloo's buffers and the allocator's arenas come after.)"""
+    _, res = measured["llama"]
+    for rank in res[micro].ranks:
+        rest = rank.peak_rss_bytes - rank.peak_live_bytes
+        assert rest == pytest.approx(CPU_RANK_OVERHEAD, rel=0.12), rest / 2**20
+
+
 @pytest.mark.parametrize("name", FSDP2)
 def test_fsdp2_model_states_are_exact(measured, name):
-    b, r = measured[name]
-    assert r.status == "ok", r.reason
+    b, res = measured[name]
     e = estimate(b)
-    for rank in r.ranks:
+    for rank in res[MICROS[0]].ranks:
         ms = rank.model_states
         want = model_states(b.model, b.parallel.dp, rank=rank.rank)
         assert (ms["params"], ms["master"], ms["optimizer"], ms["grads_at_step"]) == (
@@ -70,14 +130,13 @@ def test_fsdp2_model_states_are_exact(measured, name):
         assert total == e.persistent if rank.rank == 0 else total <= e.persistent
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("micro", MICROS)
 @pytest.mark.parametrize("name", FSDP2)
-def test_fsdp2_peaks_near_estimate(measured, name):
+def test_fsdp2_peaks_near_estimate(measured, name, micro):
     """The RSS margin the ZeRO stages meet (12 %); the live tensor peak, which the memory model
     describes without the process's fixed cost, within 5 %."""
-    b, r = measured[name]
-    assert r.status == "ok", r.reason
+    b, res = measured[name]
     e = estimate(b)
-    for rank in r.ranks:
-        assert e.peak_bytes(1) == pytest.approx(rank.peak_rss_bytes, rel=0.12)
-        assert e.peak_bytes(1) - e.overhead == pytest.approx(rank.peak_live_bytes, rel=0.05)
+    for rank in res[micro].ranks:
+        assert e.peak_bytes(micro) == pytest.approx(rank.peak_rss_bytes, rel=0.12)
+        assert e.peak_bytes(micro) - e.overhead == pytest.approx(rank.peak_live_bytes, rel=0.05)

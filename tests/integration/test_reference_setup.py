@@ -1,7 +1,7 @@
 """The reference table's setup on CPU, in real 2-rank launches: activation recompute (none /
 selective / full, the last through DeepSpeed's activation checkpointing), the megatron_deepspeed
 preset with partitioned, host-resident, contiguous checkpoints and ZeRO-3's zero.Init, torch.compile,
-and the new keys swept with -m into a report. The figures measured are in README.md."""
+and the new keys in a report built from those trials. The figures measured are in README.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +16,7 @@ from zero_bench.config import Recompute, HardwareConfig, ModelConfig
 from zero_bench.estimate import activation_bytes_per_sample
 from zero_bench.launch import run_launch
 from zero_bench.records import Entry
+from zero_bench.store import Store
 
 from conftest import cpu_cfg
 
@@ -61,10 +62,23 @@ def test_recompute_lowers_memory_per_sample_as_the_formulas_say(by_mode):
         assert got == pytest.approx(want, rel=0.25), (mode, measured, formula)
 
 
-def test_megatron_deepspeed_preset_with_zero_init_and_host_checkpoints(tmp_path):
+@pytest.fixture(scope="module")
+def preset(tmp_path_factory):
     b = cpu_cfg(zero=3, offload=True, offload_param=True, precision="bf16", recompute="full",
                 ds_preset="megatron_deepspeed", hardware=HardwareConfig(device="cpu", memory_gb=8))
-    (r,) = run_launch(b, [Entry(2, "measure")], tmp_path)
+    (r,) = run_launch(b, [Entry(2, "measure")], tmp_path_factory.mktemp("preset"))
+    return r
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    b = dataclasses.replace(cpu_cfg(compile=True), steps=dataclasses.replace(cpu_cfg().steps, warmup=1, timed=2))
+    (r,) = run_launch(b, [Entry(2, "measure")], tmp_path_factory.mktemp("compiled"))
+    return r
+
+
+def test_megatron_deepspeed_preset_with_zero_init_and_host_checkpoints(preset):
+    r = preset
     assert r.status == "ok", r.reason
     ck = r.ds_config["activation_checkpointing"]
     assert ck["partition_activations"] and ck["cpu_checkpointing"] and ck["contiguous_memory_optimization"]
@@ -73,23 +87,24 @@ def test_megatron_deepspeed_preset_with_zero_init_and_host_checkpoints(tmp_path)
     assert r.loss_scale is None and r.skipped_steps == 0  # bf16: no loss scaling
 
 
-def test_compile_time_is_reported_apart_from_time_per_step(tmp_path):
-    b = dataclasses.replace(cpu_cfg(compile=True), steps=dataclasses.replace(cpu_cfg().steps, warmup=1, timed=2))
-    (r,) = run_launch(b, [Entry(2, "measure")], tmp_path)
+def test_compile_time_is_reported_apart_from_time_per_step(compiled):
+    r = compiled
     assert r.status == "ok", r.reason
     assert r.compile_s > 10 * r.time_per_step_s, (r.compile_s, r.time_per_step_s)
 
 
-def test_new_keys_sweep_into_the_report(tmp_path):
-    store = tmp_path / "s.sqlite"
-    common = ["model=gpt-tiny", "batch.micro=2", "steps.warmup=1", "steps.timed=1", f"store={store}"]
-    p = subprocess.run([sys.executable, "-m", "zero_bench", "run", "-m", "recompute=none,full", *common,
-                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-2000:]
+def test_new_keys_reach_the_report(by_mode, preset, compiled, tmp_path):
+    """The trials above, stored as `zero_bench run` / a search stores them, reported by the CLI: each
+    new key a Details column with the value each trial ran with (no launch of its own; the Hydra
+    multirun of keys is tests/integration/test_sweep.py's)."""
+    store = Store(tmp_path / "s.sqlite")
+    for r in [*(t for results in by_mode.values() for t in results), preset, compiled]:
+        store.add_trial(r)
     out = tmp_path / "r.xlsx"
-    p = subprocess.run([sys.executable, "-m", "zero_bench", "report", f"store={store}", f"report.out={out}",
+    p = subprocess.run([sys.executable, "-m", "zero_bench", "report", f"store={store.path}", f"report.out={out}",
                         f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
-    summary = pd.read_excel(out, sheet_name="Details")
-    assert sorted(summary["recompute"]) == ["full", "none"]
-    assert set(summary["ds preset"]) == {"default"} and set(summary["compile"]) == {"No"}
+    details = pd.read_excel(out, sheet_name="Details")
+    got = sorted(zip(details["recompute"], details["ds preset"], details["compile"]))
+    assert got == [("full", "default", "No"), ("full", "megatron_deepspeed", "No"), ("none", "default", "No"),
+                   ("none", "default", "Yes"), ("selective", "default", "No")], got

@@ -53,6 +53,10 @@ def test_variant_runs_and_reports(runs, name):
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == cfg.zero
     assert ("offload_optimizer" in ds["zero_optimization"]) == cfg.offload
+    assert ("offload_param" in ds["zero_optimization"]) == cfg.offload_param
+    # ... and DeepSpeed's own ZeRO optimizer enacted it (its flags, not our config read back)
+    want = {"optimizer": cfg.offload, "params": cfg.offload_param}
+    assert [r.offloaded for r in res.ranks] == [want] * len(res.ranks)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -80,16 +84,34 @@ def test_model_state_bytes_fall_as_stage_rises(runs):
     assert total[3] == pytest.approx(16 * p / dp, rel=0.01)
 
 
-def first_loss(run_dir) -> float:
-    """Loss of the first step (before any update: same weights, same tokens in every variant)."""
-    recs = [json.loads(line) for line in (run_dir / "rank0.jsonl").read_text().splitlines()]
-    return next(r for r in recs if r.get("event") == "end")["losses"][0]
+def step_losses(run_dir, rank: int = 0) -> list[float]:
+    """Every optimizer step's loss of the measured entry: warm-up, timed, then the profiled step."""
+    recs = [json.loads(line) for line in (run_dir / f"rank{rank}.jsonl").read_text().splitlines()]
+    return next(r for r in recs if r.get("event") == "end")["losses"]
 
 
-def test_fp32_loss_identical_across_stages_and_tp(runs):
-    """With dropout off and the same tokens, ZeRO and TP change where tensors live, not the math."""
-    first = [first_loss(runs[n][2]) for n in ("zero0", "zero1", "zero2", "zero3", "tp2")]
-    assert max(first) - min(first) < 1e-4 * abs(first[0]), first
+def test_every_rank_records_every_steps_loss(runs):
+    """warm-up + timed + the profiled step, on every rank: losses[k] is computed after k updates, so
+    the comparisons below cover at least three optimizer updates."""
+    for name, (cfg, _, run_dir) in runs.items():
+        want = cfg.steps.warmup + cfg.steps.timed + 1
+        assert want >= 4, "fewer than three updates would be compared"
+        per_rank = [step_losses(run_dir, r) for r in range(cfg.parallel.world_size)]
+        assert all(len(x) == want for x in per_rank), (name, per_rank)
+        assert all(x == per_rank[0] for x in per_rank), (name, per_rank)  # same tokens on every rank
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "tp2", "zero2_offload", "zero3_offload"])
+def test_fp32_losses_equal_zero0_at_every_step(runs, name):
+    """With dropout off and the same tokens, ZeRO, offload and TP change where tensors live, not the
+    math: every step's loss, so every partitioned update (optimizer step, gradient reduction, the
+    parameter all-gather) is checked, not only the first forward pass. Measured (2026-11-23): every
+    variant within 1.4e-7 relative of ZeRO-0 at every step; with ZeRO-2's optimizer step skipped on
+    partition 1 (DeepSpeed patched locally, not committed) zero2 and zero2_offload were 1.1e-4 off
+    from the second step on, while the first-step check this replaced still passed. 1e-5 lies between."""
+    want, got = step_losses(runs["zero0"][2]), step_losses(runs[name][2])
+    assert len(got) == len(want)
+    assert got == pytest.approx(want, rel=1e-5, abs=0), list(zip(want, got))
 
 
 def test_bf16_zero1_peak_memory_below_zero0(tmp_path):

@@ -178,7 +178,7 @@ def test_report_shows_the_engine_and_what_changing_it_buys(tmp_path, monkeypatch
     assert list(buys["change"]) == ["baseline", "engine: deepspeed -> fsdp2"]
     assert buys["max batch Δ %"].iloc[1] == pytest.approx(50)
     text = md.read_text()
-    assert "| engine | ZeRO stage |" in text and "ZeRO-3 on FSDP2 fits 384 samples" in text
+    assert "| engine | ZeRO Stage |" in text and "ZeRO-3 on FSDP2 fits 384 samples" in text
 
 
 # -- the engine's process group -------------------------------------------------------------------------

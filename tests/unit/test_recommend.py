@@ -18,29 +18,29 @@ SEQ = 64
 def details(*configs: dict) -> pd.DataFrame:
     """A Details frame with only what the rules read: one dict per configuration."""
     base = {"Model": "GPT-demo", "num_layers": 4, "hidden_size": 768, "num_heads": 12, "device": "cpu",
-            "# gpus": 2, "data parallel": 2, "model parallel": 1, "CPU offload": "No", "precision": "bf16",
+            "# gpus": 2, "data parallel": 2, "model parallel": 1, "CPU Offload": "No", "precision": "bf16",
             "recompute": "none", "compile": "No", "ds preset": "default", "grad accum": 1, "status": "done",
             "Notes": ""}
     rows = []
     for c in configs:
         row = {**base, **c}
-        sps = row.get("throughput (samples/s)")
+        sps = row.get("Throughput (samples/sec)")
         row.setdefault("tokens/s", None if sps is None else sps * SEQ)
-        row.setdefault("config", f"GPT-demo dp{row['data parallel']} zero{row['ZeRO stage']}")
+        row.setdefault("config", f"GPT-demo dp{row['data parallel']} zero{row['ZeRO Stage']}")
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-DEMO = details({"ZeRO stage": 0, "Max Global BSZ": 54, "throughput (samples/s)": 15.70},
-               {"ZeRO stage": 1, "Max Global BSZ": 94, "throughput (samples/s)": 17.83},
-               {"ZeRO stage": 3, "Max Global BSZ": 70, "throughput (samples/s)": 12.65})
+DEMO = details({"ZeRO Stage": 0, "Max Global BSZ": 54, "Throughput (samples/sec)": 15.70},
+               {"ZeRO Stage": 1, "Max Global BSZ": 94, "Throughput (samples/sec)": 17.83},
+               {"ZeRO Stage": 3, "Max Global BSZ": 70, "Throughput (samples/sec)": 12.65})
 
 
 # -- cost and time ---------------------------------------------------------------------------------
 
 def test_cost_columns_follow_from_devices_price_and_measured_tokens_per_second():
-    df = with_costs(details({"ZeRO stage": 1, "# gpus": 8, "data parallel": 8, "Max Global BSZ": 512,
-                             "throughput (samples/s)": 100_000 / SEQ}), price=2.5, train_tokens=1e12)
+    df = with_costs(details({"ZeRO Stage": 1, "# gpus": 8, "data parallel": 8, "Max Global BSZ": 512,
+                             "Throughput (samples/sec)": 100_000 / SEQ}), price=2.5, train_tokens=1e12)
     row = df.iloc[0]
     # 8 devices x 2.5 = 20 per hour; 100,000 tokens/s = 360 M tokens per hour
     assert row["cost per hour"] == pytest.approx(20.0)
@@ -57,7 +57,7 @@ def test_cost_columns_need_their_inputs_and_a_measured_throughput():
     assert [c for c in with_costs(DEMO, 3.0, None).columns if c in COST_COLUMNS] == ["cost per hour",
                                                                                       "cost per 1M tokens"]
     assert [c for c in with_costs(DEMO, None, 1e9).columns if c in COST_COLUMNS] == ["time to train (days)"]
-    failed = with_costs(details({"ZeRO stage": 0, "Max Global BSZ": None, "throughput (samples/s)": None,
+    failed = with_costs(details({"ZeRO Stage": 0, "Max Global BSZ": None, "Throughput (samples/sec)": None,
                                  "status": "cannot_initialize"}), 2.5, 1e9).iloc[0]
     assert all(pd.isna(failed[c]) for c in COST_COLUMNS)  # no throughput: no cost, not a zero cost
 
@@ -96,9 +96,9 @@ def test_without_a_price_there_is_no_cheapest_and_the_fastest_says_no_time():
 
 
 def test_more_devices_can_be_faster_yet_dearer_per_token():
-    df = with_costs(details({"ZeRO stage": 1, "Max Global BSZ": 94, "throughput (samples/s)": 17.83},
-                            {"ZeRO stage": 1, "# gpus": 4, "data parallel": 4, "Max Global BSZ": 188,
-                             "throughput (samples/s)": 30.0}), price=2.5, train_tokens=None)
+    df = with_costs(details({"ZeRO Stage": 1, "Max Global BSZ": 94, "Throughput (samples/sec)": 17.83},
+                            {"ZeRO Stage": 1, "# gpus": 4, "data parallel": 4, "Max Global BSZ": 188,
+                             "Throughput (samples/sec)": 30.0}), price=2.5, train_tokens=None)
     largest, fastest, cheapest = recommend(df)[0].picks
     assert largest.config == fastest.config == "GPT-demo dp4 zero1"
     # 4 devices: 10 per hour / (30 * 64 * 3600) * 1e6 = 1.447; 2 devices: 1.217 -> 16 % less
@@ -109,21 +109,21 @@ def test_more_devices_can_be_faster_yet_dearer_per_token():
 
 
 def test_when_the_baseline_fits_most_it_is_compared_with_the_runner_up():
-    df = details({"ZeRO stage": 0, "Max Global BSZ": 80, "throughput (samples/s)": 10.0},
-                 {"ZeRO stage": 2, "Max Global BSZ": 64, "throughput (samples/s)": 10.0},
-                 {"ZeRO stage": 3, "Max Global BSZ": 40, "throughput (samples/s)": 8.0})
+    df = details({"ZeRO Stage": 0, "Max Global BSZ": 80, "Throughput (samples/sec)": 10.0},
+                 {"ZeRO Stage": 2, "Max Global BSZ": 64, "Throughput (samples/sec)": 10.0},
+                 {"ZeRO Stage": 3, "Max Global BSZ": 40, "Throughput (samples/sec)": 8.0})
     largest, fastest = recommend(df)[0].picks
     assert largest.sentence == "Largest batch: ZeRO-0 fits 80 samples, 1.25x ZeRO-2, and runs as fast; ZeRO-3 fits 40."
     assert fastest.config == "GPT-demo dp2 zero0"  # a tie on samples/s goes to the larger batch
 
 
 def test_groups_by_model_and_device_and_says_what_did_not_fit():
-    df = pd.concat([DEMO, details({"Model": "GPT-big", "ZeRO stage": 0, "Max Global BSZ": None,
-                                   "throughput (samples/s)": None, "status": "cannot_initialize"},
-                                  {"Model": "GPT-big", "ZeRO stage": 3, "Max Global BSZ": 8,
-                                   "throughput (samples/s)": 2.0}),
-                    details({"Model": "GPT-huge", "ZeRO stage": 1, "Max Global BSZ": None,
-                             "throughput (samples/s)": None, "status": "estimated_oom"})], ignore_index=True)
+    df = pd.concat([DEMO, details({"Model": "GPT-big", "ZeRO Stage": 0, "Max Global BSZ": None,
+                                   "Throughput (samples/sec)": None, "status": "cannot_initialize"},
+                                  {"Model": "GPT-big", "ZeRO Stage": 3, "Max Global BSZ": 8,
+                                   "Throughput (samples/sec)": 2.0}),
+                    details({"Model": "GPT-huge", "ZeRO Stage": 1, "Max Global BSZ": None,
+                             "Throughput (samples/sec)": None, "status": "estimated_oom"})], ignore_index=True)
     demo, big, huge = recommend(df)
     assert [a.heading for a in (demo, big, huge)] == ["GPT-demo on 2 CPU ranks", "GPT-big on 2 CPU ranks",
                                                       "GPT-huge on 2 CPU ranks"]

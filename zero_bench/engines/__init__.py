@@ -42,6 +42,10 @@ class Engine(Protocol):
     def compile(self) -> None:
         """torch.compile the model (lazily, at the first step of each shape)."""
 
+    def offloaded(self) -> dict:
+        """What the library itself holds off the device, as its own objects say (not as asked):
+        {"optimizer": bool, "params": bool}."""
+
 
 def init_distributed(cfg: BenchConfig, on_cpu: bool) -> None:
     """torch.distributed's process group, the way the trial's engine wants it."""

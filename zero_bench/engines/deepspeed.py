@@ -59,6 +59,13 @@ class DeepSpeedEngine:
     def model_states(self) -> dict:
         return model_state_bytes(self.engine)
 
+    def offloaded(self) -> dict:
+        # DeepSpeed's ZeRO optimizers: stage 1/2 `cpu_offload`, stage 3 `offload_optimizer` and
+        # `offload_param`; ZeRO-0's plain optimizer has none of them (nothing offloaded)
+        opt = self.engine.optimizer
+        return {"optimizer": bool(getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False)),
+                "params": bool(getattr(opt, "offload_param", False))}
+
     def compile(self) -> None:
         self.engine.compile()
 

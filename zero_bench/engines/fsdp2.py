@@ -100,6 +100,13 @@ class Fsdp2Engine:
         states["grads_at_step"] = self.grads_at_step
         return states
 
+    def offloaded(self) -> dict:
+        # FSDP2 offloads parameters, gradients and optimizer states together: each sharded parameter says
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in self.module.modules()
+                  if hasattr(m, "_get_fsdp_state")]
+        on = [p.offload_to_cpu for g in groups if g is not None for p in g.fsdp_params]
+        return {"optimizer": bool(on) and all(on), "params": bool(on) and all(on)}
+
     def compile(self) -> None:
         """torch.compile each transformer layer (torchtitan's per-block compile): FSDP2's hooks stay
         outside the compiled regions, so its all-gathers and reduce-scatters run as in eager mode."""

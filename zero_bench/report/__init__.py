@@ -85,10 +85,15 @@ def build(runs: str | Path, key: str = "report.runs", options: Optional[ReportCo
                   assumptions=assumptions(price, tokens))
 
 
+# Older reports' spellings of the seed table's columns (shared/seeds/zero_table_8xA100.md spells them now).
+_LEGACY = {"ZeRO stage": "ZeRO Stage", "CPU offload": "CPU Offload", "throughput (samples/s)": "Throughput (samples/sec)"}
+
+
 def compare_summary(compare: str | Path) -> pd.DataFrame:
     """The other side of a comparison: a store (or dir / glob of stores), or a report .xlsx already written."""
     if str(compare).endswith(".xlsx") and Path(compare).is_file():
-        return pd.read_excel(compare, sheet_name="Details")
+        # a workbook written before the columns took the seed table's spellings reads the same
+        return pd.read_excel(compare, sheet_name="Details").rename(columns=lambda c: _LEGACY.get(c, c))
     return build(compare, key="report.compare").summary
 
 

@@ -19,11 +19,11 @@ from zero_bench.report.costs import COST_PER_HOUR, COST_PER_MTOK, COST_TO_TRAIN,
 from zero_bench.report.views import baseline_index
 
 GROUP = ["Model", "num_layers", "hidden_size", "num_heads", "device"]
-SPS, BSZ = "throughput (samples/s)", "Max Global BSZ"
+SPS, BSZ = "Throughput (samples/sec)", "Max Global BSZ"
 # Keys that tell configurations of one group apart, and how a name shows each (ZeRO stage always).
 NAMED = {"engine": lambda v: {"fsdp2": "on FSDP2"}.get(v, "on DeepSpeed"),
          "data parallel": lambda v: f"dp{v:g}", "model parallel": lambda v: f"tp{v:g}",
-         "CPU offload": lambda v: {"No": "", "Yes": "+ offload"}.get(v, f"+ offload {v[4:]}".strip()),
+         "CPU Offload": lambda v: {"No": "", "Yes": "+ offload"}.get(v, f"+ offload {v[4:]}".strip()),
          "precision": str, "recompute": lambda v: f"recompute {v}", "compile": lambda v: "compiled" if v == "Yes" else
          "eager", "ds preset": str, "grad accum": lambda v: f"grad accum {v:g}"}
 UNITS = {"cpu": "CPU ranks", "gpu": "GPUs"}
@@ -87,7 +87,7 @@ def config_names(g: pd.DataFrame, unique_among=None) -> dict:
     varying = [k for k in NAMED if k in g.columns and g[k].nunique(dropna=False) > 1]
     names = {}
     for i, row in g.iterrows():
-        stage = row.get("ZeRO stage")
+        stage = row.get("ZeRO Stage")
         parts = [f"ZeRO-{stage:g}" if isinstance(stage, (int, float)) and not pd.isna(stage) else "ZeRO-?"]
         parts += [NAMED[k](row[k]) for k in varying if not pd.isna(row[k])]
         names[i] = " ".join(p for p in parts if p)

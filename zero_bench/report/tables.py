@@ -23,18 +23,19 @@ from zero_bench.units import MiB
 
 # The seed table's columns (shared/seeds/zero_table_8xA100.md), then what it lacked.
 SEED_COLUMNS = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
-                "engine", "ZeRO stage", "CPU offload", "precision", "recompute", "ds preset", "compile",
-                "Max Global BSZ", "micro batch", "grad accum", "time/it (ms)", "throughput (samples/s)", "tokens/s",
+                "engine", "ZeRO Stage", "CPU Offload", "precision", "recompute", "ds preset", "compile",
+                "Max Global BSZ", "micro batch", "grad accum", "time/it (ms)", "Throughput (samples/sec)", "tokens/s",
                 "tokens/s per GPU", "model TFLOP/s per GPU", "MFU", "HFU", "compile time (s)", "loss scale",
                 "skipped steps", "num params"]
 REPEAT_COLUMNS = ["time/it median (ms)", "time/it min (ms)", "time/it max (ms)", "repeats"]
 ESTIMATE_COLUMNS = ["model states est. (MiB/rank)", "model states measured (MiB/rank)", "model states error (%)"]
+NOTE_KEY = "_note"  # a record's extra note, moved into Notes
 TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
 # What identifies "the same configuration" across stores (the Compare and Scaling sheets).
 CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
-              "engine", "ZeRO stage", "CPU offload", "precision", "recompute", "ds preset", "compile", "grad accum",
+              "engine", "ZeRO Stage", "CPU Offload", "precision", "recompute", "ds preset", "compile", "grad accum",
               "device"]
-COMPARED = ["Max Global BSZ", "time/it (ms)", "throughput (samples/s)", "tokens/s per GPU", "MFU",
+COMPARED = ["Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)", "tokens/s per GPU", "MFU",
             "peak memory used"]
 
 # -- configuration fields (BenchConfig.to_dict(), or the raw Hydra dict of a skipped grid entry) ------
@@ -133,11 +134,11 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
         return pd.DataFrame(columns=SEED_COLUMNS + TAIL_COLUMNS)
     devs = sorted({c for rec in records for c in rec if c.startswith("Dev")}, key=_dev_order)
     cols = SEED_COLUMNS + (REPEAT_COLUMNS if any(len(r.repeats) > 1 for r in rows) else [])
-    if df.get(ESTIMATE_COLUMNS[0]) is not None and df[ESTIMATE_COLUMNS[0]].notna().any():
+    if df.get(ESTIMATE_COLUMNS[1]) is not None and df[ESTIMATE_COLUMNS[1]].notna().any():
         cols += ESTIMATE_COLUMNS
     cols += ["memory of"] + devs + ["peak memory used"] + TAIL_COLUMNS
     # the seed table's order: by model size, then ZeRO stage (DeepSpeed before FSDP2), then DP before MP, offload last
-    order = ["num params", "ZeRO stage", "engine", "model parallel", "CPU offload"]
+    order = ["num params", "ZeRO Stage", "engine", "model parallel", "CPU Offload"]
     return df.reindex(columns=cols).sort_values(order, kind="stable", na_position="last", ignore_index=True)
 
 
@@ -151,7 +152,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     m = s.model
     rec = {"Model": m.get("name"), "num_layers": m.get("num_layers"), "hidden_size": m.get("hidden_size"),
            "num_heads": m.get("num_heads"), "# gpus": s.world, "data parallel": s.dp, "model parallel": s.tp,
-           "engine": s.engine, "ZeRO stage": s.zero, "CPU offload": _offload_text(s), "precision": s.precision,
+           "engine": s.engine, "ZeRO Stage": s.zero, "CPU Offload": _offload_text(s), "precision": s.precision,
            "recompute": s.recompute, "ds preset": s.ds_preset, "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
            "num params": s.num_params, "Notes": r.note, "status": r.status, "device": s.device,
@@ -159,8 +160,10 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     if r.measure is not None and r.measure.samples_per_s:
         rec.update(_performance(r.measure, s, peaks))
         rec.update(_memory(r.measure))
-        rec.update(_model_states(r.measure, s))
-        rec["Notes"] = "; ".join(x for x in (r.note, emulation_note(r.measure)) if x)
+        states = _model_states(r.measure, s)
+        failed = states.pop(NOTE_KEY, "")
+        rec.update(states)
+        rec["Notes"] = "; ".join(x for x in (r.note, emulation_note(r.measure), failed) if x)
     rec.update(_repeats(r.repeats))
     return rec
 
@@ -168,7 +171,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
 def _performance(t: TrialResult, s: Setup, peaks: Peaks) -> dict:
     m, sps = s.description, t.samples_per_s
     flops = model_flops_per_seq(m) * sps if m is not None else float("nan")
-    out = {"time/it (ms)": t.time_per_step_s * 1e3, "throughput (samples/s)": sps, "tokens/s": t.tokens_per_s,
+    out = {"time/it (ms)": t.time_per_step_s * 1e3, "Throughput (samples/sec)": sps, "tokens/s": t.tokens_per_s,
            "tokens/s per GPU": t.tokens_per_s / s.world, "model TFLOP/s per GPU": flops / s.world / 1e12,
            "compile time (s)": t.compile_s, "loss scale": t.loss_scale, "skipped steps": t.skipped_steps}
     peak = peaks.get(s.device, s.precision)
@@ -217,7 +220,12 @@ def measured_model_states(t: TrialResult) -> tuple[Optional[int], bool]:
 
 
 def estimated_model_states(s: Setup, with_grads: bool = True) -> Optional[int]:
-    """zero_bench.estimate's figure for one rank (device + host bytes), None if it is missing or fails."""
+    """zero_bench.estimate's figure for one rank (device + host bytes), None if it fails."""
+    return estimate_or_error(s, with_grads)[0]
+
+
+def estimate_or_error(s: Setup, with_grads: bool = True) -> tuple[Optional[int], str]:
+    """The estimate's model states for one rank, or None and why it could not answer."""
     try:
         if s.engine == EngineName.fsdp2:
             est = fsdp2_model_states(ModelConfig(**s.model), s.dp, s.tp, s.precision, s.offload)
@@ -225,18 +233,20 @@ def estimated_model_states(s: Setup, with_grads: bool = True) -> Optional[int]:
             est = model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
                                      offload_optimizer=s.offload, offload_param=s.offload_param)
         total = int(est["gpu"]) + int(est["cpu"])
-        return total if with_grads else total - int(est.get("grads", 0))
-    except Exception:  # not written yet, or cannot answer for this configuration
-        return None
+        return (total if with_grads else total - int(est.get("grads", 0))), ""
+    except Exception as exc:  # noqa: BLE001 - the row says so (Notes); its columns stay, empty
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def _model_states(t: TrialResult, s: Setup) -> dict:
     # The count covers every state tensor wherever it lives, so it is compared with device + host;
     # it is taken after the optimizer step, when ZeRO may have freed the gradients: compare like for like.
     measured, has_grads = measured_model_states(t)
-    est = estimated_model_states(s, with_grads=has_grads)
-    if not measured or est is None:
+    if not measured:
         return {}
+    est, error = estimate_or_error(s, with_grads=has_grads)
+    if est is None:  # shown, not dropped: a failing estimate must not look like "no estimate columns"
+        return {ESTIMATE_COLUMNS[1]: measured / MiB, NOTE_KEY: f"model states estimate failed: {error}"}
     return {ESTIMATE_COLUMNS[0]: est / MiB, ESTIMATE_COLUMNS[1]: measured / MiB,
             ESTIMATE_COLUMNS[2]: (est - measured) / measured * 100}
 
@@ -253,7 +263,7 @@ def _repeats(times: list) -> dict:
 def trials_frame(loaded: Loaded) -> pd.DataFrame:
     records = [_trial_record(t, src) for t, src in sorted(loaded.trials, key=lambda x: x[0].created)]
     cols = ["config", "search key", "launch", "mode", "micro batch", "global batch", "outcome", "phase", "reason",
-            "duration (s)", "time/it (ms)", "throughput (samples/s)", "memory of"]
+            "duration (s)", "time/it (ms)", "Throughput (samples/sec)", "memory of"]
     devs = sorted({c for rec in records for c in rec if c.startswith("Dev")}, key=_dev_order)
     return pd.DataFrame.from_records(records, columns=cols + devs + ["created", "run dir", "source"])
 
@@ -262,7 +272,7 @@ def _trial_record(t: TrialResult, source: str) -> dict:
     rec = {"config": t.label, "search key": t.search_key, "launch": t.launch, "mode": t.mode, "micro batch": t.micro,
            "global batch": t.global_batch, "outcome": t.status, "phase": t.phase, "reason": t.reason,
            "duration (s)": t.duration_s, "time/it (ms)": t.time_per_step_s * 1e3 if t.time_per_step_s else None,
-           "throughput (samples/s)": t.samples_per_s, "created": pd.Timestamp(t.created, unit="s").round("s"),
+           "Throughput (samples/sec)": t.samples_per_s, "created": pd.Timestamp(t.created, unit="s").round("s"),
            "run dir": t.run_dir, "source": source}
     kind, devs = device_memory(t)
     if devs:
@@ -276,17 +286,17 @@ def _trial_record(t: TrialResult, source: str) -> dict:
 def scaling_frame(summary: pd.DataFrame) -> pd.DataFrame:
     """Same model/ZeRO/precision at several data-parallel sizes: speedup vs the smallest, efficiency."""
     group = [c for c in CONFIG_KEY if c not in ("# gpus", "data parallel")]
-    measured = summary[summary["throughput (samples/s)"].notna()]
+    measured = summary[summary["Throughput (samples/sec)"].notna()]
     parts = []
     for _, g in measured.groupby(group, dropna=False, sort=False):
         if g["data parallel"].nunique() < 2:
             continue
         g = g.sort_values("# gpus")
         base = g.iloc[0]
-        g = g.assign(**{"speedup": g["throughput (samples/s)"] / base["throughput (samples/s)"],
+        g = g.assign(**{"speedup": g["Throughput (samples/sec)"] / base["Throughput (samples/sec)"],
                         "ideal speedup": g["# gpus"] / base["# gpus"]})
         parts.append(g.assign(**{"scaling efficiency": g["speedup"] / g["ideal speedup"]}))
-    cols = group + ["# gpus", "data parallel", "micro batch", "Max Global BSZ", "throughput (samples/s)", "speedup",
+    cols = group + ["# gpus", "data parallel", "micro batch", "Max Global BSZ", "Throughput (samples/sec)", "speedup",
                     "ideal speedup", "scaling efficiency", "time/it (ms)"]
     cols += [c for c in REPEAT_COLUMNS if c in summary.columns] + ["config"]
     return pd.concat(parts).reindex(columns=cols) if parts else pd.DataFrame(columns=cols)

@@ -20,11 +20,11 @@ from zero_bench.units import MiB
 
 
 # The reference table's columns, in its order; per device a text cell and the number beside it.
-LEAD = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "ZeRO stage",
-        "CPU offload", "Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)"]
+LEAD = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "ZeRO Stage",
+        "CPU Offload", "Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)"]
 # Keys "what each optimization buys" compares, and each one's order from baseline to most optimised.
-OPTIMIZATIONS = {"ZeRO stage": [0, 1, 2, 3], "engine": ["deepspeed", "fsdp2"],
-                 "CPU offload": ["No", "Yes", "Yes (+params)"],
+OPTIMIZATIONS = {"ZeRO Stage": [0, 1, 2, 3], "engine": ["deepspeed", "fsdp2"],
+                 "CPU Offload": ["No", "Yes", "Yes (+params)"],
                  "precision": ["fp32", "fp16", "bf16"], "recompute": ["none", "selective", "full"],
                  "compile": ["No", "Yes"], "ds preset": ["default", "megatron_deepspeed"]}
 SAME = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "grad accum",
@@ -41,8 +41,8 @@ def summary_view(details: pd.DataFrame) -> pd.DataFrame:
     out = details.reindex(columns=LEAD[:-1]).copy()
     engines = details.get("engine", pd.Series(dtype=object)).dropna()
     if (engines != "deepspeed").any():  # only then: a ZeRO-only report keeps the reference table's layout
-        out.insert(LEAD.index("ZeRO stage"), "engine", engines)
-    out["Throughput (samples/sec)"] = details.get("throughput (samples/s)")
+        out.insert(LEAD.index("ZeRO Stage"), "engine", engines)
+    out["Throughput (samples/sec)"] = details.get("Throughput (samples/sec)")
     kinds = set(details.get("memory of", pd.Series(dtype=object)).dropna())
     prefix = {frozenset({"GPU (NVML used)"}): "GPU", frozenset({"rank RSS"}): "Rank"}.get(frozenset(kinds), "Device")
     for i in device_columns(details):
@@ -170,8 +170,8 @@ def _buys_row(change: str, row: pd.Series, base: pd.Series) -> dict:
         b, v = base[col], row[col]
         return None if pd.isna(b) or pd.isna(v) or not b else (v - b) / b * 100
 
-    out = {"change": change, "config": row["config"], "Throughput (samples/sec)": row["throughput (samples/s)"],
-           "throughput Δ %": delta("throughput (samples/s)"), "Max Global BSZ": row["Max Global BSZ"],
+    out = {"change": change, "config": row["config"], "Throughput (samples/sec)": row["Throughput (samples/sec)"],
+           "throughput Δ %": delta("Throughput (samples/sec)"), "Max Global BSZ": row["Max Global BSZ"],
            "max batch Δ %": delta("Max Global BSZ"), "max memory MiB": row["max memory MiB"],
            "max memory Δ %": delta("max memory MiB")}
     for col in present(row.index):
