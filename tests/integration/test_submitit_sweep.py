@@ -122,4 +122,4 @@ def test_killed_job_resumes_and_the_merged_report_has_every_configuration(tmp_pa
     subprocess.run([sys.executable, "-m", "zero_bench", "report", f"report.runs={tmp_path / 'sweep'}",
                     f"report.out={out}", f"hydra.run.dir={tmp_path / 'rep'}"], check=True, capture_output=True)
     summary = pd.read_excel(out, sheet_name="Details")
-    assert sorted(summary["ZeRO stage"]) == [1, 2] and summary["Max Global BSZ"].notna().all()
+    assert sorted(summary["ZeRO Stage"]) == [1, 2] and summary["Max Global BSZ"].notna().all()
