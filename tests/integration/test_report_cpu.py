@@ -11,6 +11,8 @@ import pytest
 
 from zero_bench import report
 from zero_bench.config import ReportConfig
+from zero_bench.metrics import cpu_peak_flops
+from zero_bench.models.flops import model_flops_per_seq
 from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig, SearchConfig, StepsConfig
 from zero_bench.store import Store
 from zero_bench.search import SearchOptions, run_search
@@ -25,8 +27,10 @@ def real(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ZERO_BENCH_CACHE", str(tmp / "cache"))
         store = Store(tmp / "cpu.sqlite")
-        cfg = BenchConfig(model=TINY, zero=1, precision="fp32", hardware=HardwareConfig(device="cpu", memory_gb=0.5),
+        cfg = BenchConfig(model=TINY, zero=1, precision="fp32", hardware=HardwareConfig(device="cpu", memory_gb=1),
                           steps=StepsConfig(warmup=1, timed=2), timeout_s=300)
+        # the cap (4), not the budget, ends both searches: 1 GiB is twice a gpt-tiny rank's ~430 MiB at micro 4,
+        # so a heavier runtime on another machine cannot turn the answer into "cannot initialize"
         spec = SearchConfig(max=4, strategy="doubling")
         dp2 = run_search(cfg, spec, store, tmp / "run-dp2", SearchOptions(progress=lambda s: None))
         dp1 = run_search(dataclasses.replace(cfg, parallel=ParallelConfig(tp=1, dp=1)), spec, store, tmp / "run-dp1",
@@ -81,9 +85,16 @@ def test_measured_rows_carry_the_search_results(real):
         assert row["time/it (ms)"] == pytest.approx(m.time_per_step_s * 1e3)
         assert row["Throughput (samples/sec)"] == pytest.approx(m.samples_per_s)
         assert row["tokens/s per GPU"] == pytest.approx(m.tokens_per_s / res.config["parallel"]["dp"])
+        # MFU: the model's FLOPs per sequence x the measured samples/s over (ranks x the CPU peak the
+        # report measured, cached under ZERO_BENCH_CACHE); no recompute, so HFU = MFU
+        flops = model_flops_per_seq(TINY)
+        assert 6 * TINY.num_params * TINY.seq_len <= flops <= 1.5 * 6 * TINY.num_params * TINY.seq_len
+        peak = cpu_peak_flops("fp32")["flops"]
+        world = res.config["parallel"]["dp"] * res.config["parallel"]["tp"]
+        assert row["MFU"] == pytest.approx(flops * m.samples_per_s / (world * peak), rel=1e-6)
         assert 0 < row["MFU"] < 1 and row["HFU"] == row["MFU"]
         assert row["num params"] == TINY.num_params
-        assert row["memory of"] == "rank RSS" and row["Dev0 total MiB"] == 512
+        assert row["memory of"] == "rank RSS" and row["Dev0 total MiB"] == 1024
         assert row["Dev0 used MiB"] == pytest.approx(m.devices_of("rank")[0].peak_bytes / 2**20)
     dp1 = row_of(df, real["dp1"].search_key)
     times = sorted(t * 1e3 for t in real["dp1"].repeats)
