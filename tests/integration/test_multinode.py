@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -50,20 +51,10 @@ def _missing_tools() -> list[str]:
     return why
 
 
-def _port_free(port: int) -> bool:
-    for host in HOSTS:
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                return False
-    return True
-
-
 def _pick_port() -> int:
-    if _port_free(2222):
-        return 2222
-    with socket.socket() as s:  # another job holds 2222: any free port will do
+    """A port the OS just handed out (not a fixed one another job may hold); the fixture retries
+    with a new one if something takes it before sshd binds it."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -81,6 +72,23 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen, timeout: float = 15
     raise RuntimeError(f"sshd not listening on {host}:{port} after {timeout}s")
 
 
+def _start_sshd(d: Path, port: int, user: str) -> subprocess.Popen:
+    """Write sshd's and the client's config for `port` and start sshd (skips if sshd rejects it)."""
+    (d / "sshd_config").write_text(
+        f"Port {port}\n" + "".join(f"ListenAddress {h}\n" for h in HOSTS) +
+        f"HostKey {d / 'host_key'}\nPidFile {d / 'sshd.pid'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+        "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+        "PubkeyAuthentication yes\nStrictModes no\nUsePAM no\nAllowTcpForwarding no\nX11Forwarding no\n"
+        f"AllowUsers {user}\nLogLevel ERROR\n")
+    (d / "ssh_config").write_text(
+        f"Host {' '.join(HOSTS)}\n  Port {port}\n  IdentityFile {d / 'client_key'}\n  IdentitiesOnly yes\n"
+        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  BatchMode yes\n  LogLevel ERROR\n"
+        "  ConnectTimeout 10\n")
+    test = subprocess.run([SSHD, "-t", "-f", str(d / "sshd_config")], capture_output=True, text=True)
+    if test.returncode:
+        pytest.skip(f"two-host test cannot run here: `sshd -t` rejects the test config: {test.stderr.strip()}")
+    with open(d / "sshd.log", "w") as log:  # sshd keeps its own descriptor
+        return subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stdout=log, stderr=log)
 
 
 @pytest.fixture
@@ -97,29 +105,20 @@ def two_hosts(tmp_path, monkeypatch):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
     (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
     os.makedirs("/run/sshd", exist_ok=True) if os.geteuid() == 0 else None
-    port = _pick_port()
     user = psutil.Process().username()
-    (d / "sshd_config").write_text(
-        f"Port {port}\n" + "".join(f"ListenAddress {h}\n" for h in HOSTS) +
-        f"HostKey {d / 'host_key'}\nPidFile {d / 'sshd.pid'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
-        "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-        "PubkeyAuthentication yes\nStrictModes no\nUsePAM no\nAllowTcpForwarding no\nX11Forwarding no\n"
-        f"AllowUsers {user}\nLogLevel ERROR\n")
-    (d / "ssh_config").write_text(
-        f"Host {' '.join(HOSTS)}\n  Port {port}\n  IdentityFile {d / 'client_key'}\n  IdentitiesOnly yes\n"
-        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  BatchMode yes\n  LogLevel ERROR\n"
-        "  ConnectTimeout 10\n")
-    test = subprocess.run([SSHD, "-t", "-f", str(d / "sshd_config")], capture_output=True, text=True)
-    if test.returncode:
-        pytest.skip(f"two-host test cannot run here: `sshd -t` rejects the test config: {test.stderr.strip()}")
-    log = open(d / "sshd.log", "w")
-    sshd = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stdout=log, stderr=log)
-    try:
-        for h in HOSTS:
-            try:
+    for attempt in range(3):
+        port = _pick_port()
+        sshd = _start_sshd(d, port, user)
+        try:
+            for h in HOSTS:
                 _wait_port(h, port, sshd)
-            except RuntimeError as exc:
+            break
+        except RuntimeError as exc:
+            sshd.kill()
+            sshd.wait()
+            if "Address already in use" not in (d / "sshd.log").read_text() or attempt == 2:
                 pytest.skip(f"two-host test cannot run here: {exc}: {(d / 'sshd.log').read_text()[-500:]}")
+    try:
         for h in HOSTS:
             r = subprocess.run(["ssh", "-F", str(d / "ssh_config"), h, "echo", "ok"],
                                capture_output=True, text=True, timeout=30)
@@ -140,7 +139,6 @@ def two_hosts(tmp_path, monkeypatch):
         except subprocess.TimeoutExpired:
             sshd.kill()
             sshd.wait()
-        log.close()
         # per-connection sshd children of our daemon (config path in their command line), if any
         for p in psutil.process_iter(["cmdline"]):
             try:
