@@ -12,7 +12,7 @@ the tied output layer) over megatron's data-parallel group. In ZeRO's words:
   offload: CPUOffloadPolicy (parameters, gradients and optimizer states; the step runs on the host).
 zero 0/1 and fp16 are refused by zero_bench.configure.check_fsdp2. Optimizer and clipping are
 ds_configs/base.json's (torch's AdamW, fused on GPU), so both engines train the same way: fp32
-losses equal ZeRO-3's within rounding (tests/integration/test_fsdp2.py).
+losses equal ZeRO-3's within rounding (tests/integration/test_fsdp2_trials.py).
 """
 from __future__ import annotations
 
