@@ -37,8 +37,9 @@ def lock_path() -> Path:
 def machine_lock(wait: bool = False) -> Iterator[None]:
     """Hold the machine's trial lock for the block. Another process has it: MachineBusy naming the
     holder, or with `wait` (jobs of one sweep on one machine, e.g. Hydra's submitit_local), wait
-    for it; ZERO_BENCH_LOCK_WAIT_S bounds the wait either way (`lock_wait_s`). Within the holding process it is re-entrant: a command holds it for its whole run and
-    every launch inside takes it again for free (the lock file names its holder: no state here)."""
+    for it; ZERO_BENCH_LOCK_WAIT_S bounds the wait either way (`lock_wait_s`). Within the holding
+    process it is re-entrant: a command holds it for its whole run and every launch inside takes it
+    again for free (the lock file names its holder: no state here)."""
     if held_by_me():
         yield
         return
