@@ -296,15 +296,9 @@ class Rank:
                           time_per_step=statistics.median(run.times) if run.times else None, time_note=note,
                           peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
                           loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,
-                          zero_init=self.engine.zero_init, offloaded=self._offloaded(),
+                          zero_init=self.engine.zero_init, offloaded=self.engine.offloaded(),
                           runtime_bytes=self.runtime_bytes, marks=self.marks.marks,
                           **self.memory_now())
-
-    def _offloaded(self) -> dict:
-        # both engines say (tests/integration/test_trial.py holds DeepSpeed's to the config); a
-        # test's stand-in engine that does not is recorded as {} (unknown), not as "nothing offloaded"
-        says = getattr(self.engine, "offloaded", None)
-        return says() if says else {}
 
     def over_capacity(self, rec: RankRecord) -> bool:
         """All ranks agree (max all-reduce) whether any rank's peak passed the capacity."""

@@ -46,6 +46,9 @@ class OverflowingEngine:
     def model_states(self):
         return {"counted_after_step": self.steps}
 
+    def offloaded(self):
+        return {"optimizer": False, "params": False}
+
     def compile(self):
         pass
 

@@ -161,6 +161,9 @@ class _Engine:
     def model_states(self):
         return {}
 
+    def offloaded(self):
+        return {"optimizer": False, "params": False}
+
 
 def test_rank_refreshes_the_cap_after_each_entrys_first_step(tmp_path):
     """Rank.run_entry (the real plan logic) asks the GPU to follow outside growth after the first
