@@ -15,8 +15,7 @@ from typing import Callable, Optional
 
 import pandas as pd
 
-from zero_bench.config import BenchConfig
-from zero_bench.estimate import Estimate, estimate
+from zero_bench.estimate import Estimate
 from zero_bench.records import RankRecord, TrialResult
 from zero_bench.report.rows import Row
 from zero_bench.report.tables import estimated_model_states, measured_model_states, setup_of
@@ -31,17 +30,10 @@ def predicted_frame(rows: list[Row]) -> pd.DataFrame:
     for r in rows:
         if r.measure is None or not r.max_micro:
             continue
-        est = _estimate(r.config)
+        est = r.estimate()
         if est is not None:
             lines += _lines(r.label, r.measure, est)
     return pd.DataFrame(lines, columns=COLUMNS)
-
-
-def _estimate(config: dict) -> Optional[Estimate]:
-    try:
-        return estimate(BenchConfig.from_dict(config))
-    except Exception:  # noqa: BLE001 - a partial config of an old store: no prediction to show
-        return None
 
 
 def _lines(label: str, t: TrialResult, est: Estimate) -> list[dict]:

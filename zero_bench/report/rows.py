@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from zero_bench.config import BenchConfig
+from zero_bench.estimate import Estimate, estimate
 from zero_bench.records import Mode, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.store import Store
 
@@ -50,6 +52,13 @@ class Row:
     repeats: list = field(default_factory=list)  # its time/step per repeat
     max_global_batch: Optional[int] = None
     max_micro: Optional[int] = None
+
+    def estimate(self) -> Optional[Estimate]:
+        """The estimate for this configuration, or None for a config an old store holds only in part."""
+        try:
+            return estimate(BenchConfig.from_dict(self.config))
+        except Exception:  # noqa: BLE001 - an old or partial config: no estimate terms for it
+            return None
 
 
 def rows_of(loaded: Loaded) -> list[Row]:

@@ -10,8 +10,6 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import BenchConfig
-from zero_bench.estimate import estimate
 from zero_bench.records import TrialResult
 from zero_bench.report.costs import COST_PER_MTOK, present
 from zero_bench.report.rows import Row
@@ -97,7 +95,7 @@ def _peak(t: TrialResult) -> Optional[int]:
 
 
 def _breakdown(r: Row, micro: int) -> dict:
-    t, est = r.measure, _estimate(r)
+    t, est = r.measure, r.estimate()
     states = measured_model_states(t)[0] or 0
     runtime, runtime_from = _runtime(t, est)
     peak, at = _peak(t), t.micro or r.max_micro
@@ -117,13 +115,6 @@ def _runtime(t: TrialResult, est) -> tuple[float, str]:
     if recorded:
         return float(max(recorded)), "measured before the model was built"
     return (float(est.overhead), "estimate (fixed cost per process)") if est else (float("nan"), "no estimate")
-
-
-def _estimate(r: Row):
-    try:
-        return estimate(BenchConfig.from_dict(r.config))
-    except Exception:  # noqa: BLE001 - an old or partial config: no estimate terms for it
-        return None
 
 
 # -- what each optimization buys -------------------------------------------------------------------
