@@ -2,7 +2,7 @@
 change them: sdpa vs megatron's unfused attention, dropout, full recompute (llama-tiny, ZeRO-2, DP=2,
 fp32, children of one pool). The bytes one more sample adds to each rank's peak live tensors,
 between micro 2 and 6, must be the formula's (estimate/activations.py), in absolute bytes.
-benchmarks/activation_memory.py prints the whole table (README, "Activations of llama-tiny").
+benchmarks/activation_memory.py prints the whole table (docs/verified.md, "Activations of llama-tiny").
 """
 from __future__ import annotations
 

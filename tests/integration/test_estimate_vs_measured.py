@@ -1,6 +1,7 @@
 """The estimate against real CPU trials (gpt-small, ZeRO 0-3 and FSDP2 zero 2/3, DP=2; and llama-tiny,
-a model none of the estimate's CPU constants was fitted on). The figures measured are in README.md
-("Measured on this machine", "FSDP2 beside ZeRO-3"); these tests hold them to their tolerances.
+a model none of the estimate's CPU constants was fitted on). The figures measured are in docs/verified.md
+("Measured on this machine") and docs/engines.md ("The estimate for FSDP2"); these tests hold them to
+their tolerances.
 
 Each launch measures two micro-batches (MICROS, in one process), so what a sample adds is measured,
 in bytes, not only the peak at micro 1 that the fixed terms dominate. The CPU constants and where
@@ -28,8 +29,8 @@ ZERO = [0, 1, 2, 3, "llama"]
 MICROS = (1, 4)
 # What one more sample may differ by between the profiled steps' live tensor peaks and the formula
 # (bytes per sample, as a fraction of the formula's): the formula matches live tensors of llama-tiny to
-# 0.2 % and GPT-small's within 5 % (README); 8 % leaves room for the profiler's allocation events and
-# for the phase the peak falls in, and none for a term per layer (1 / num_layers >= 12 % here).
+# 0.2 % and GPT-small's within 5 % (docs/verified.md); 8 % leaves room for the profiler's allocation
+# events and for the phase the peak falls in, and none for a term per layer (1 / num_layers >= 12 % here).
 SLOPE_TOL = 0.08
 # Where the estimate puts the peak in a phase without activations (GPT-small ZeRO 0-2 up to micro 4),
 # the profiled peak still moves by up to ~16 MiB between entries (measured: -9 to +17 MiB; ZeRO-2's

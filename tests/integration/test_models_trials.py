@@ -81,7 +81,7 @@ def test_trial_runs_with_the_described_model(trials, name):
 def test_fp32_losses_equal_across_zero_stages_and_tp_at_every_step(trials):
     """ZeRO changes where states live and how gradients are reduced, tp how matmuls are split:
     not the math. Every recorded step (before and after updates) within fp32 rounding (measured:
-    1.4e-7 at most, README)."""
+    1.4e-7 at most, docs/verified.md)."""
     ref = losses(trials, "zero0")
     assert ref[-1] < ref[0]  # it trains
     for name in ("zero1", "zero2", "zero3", "tp2"):

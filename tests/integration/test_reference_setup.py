@@ -1,7 +1,7 @@
 """The reference table's setup on CPU, in real 2-rank launches: activation recompute (none /
 selective / full, the last through DeepSpeed's activation checkpointing), the megatron_deepspeed
 preset with partitioned, host-resident, contiguous checkpoints and ZeRO-3's zero.Init, torch.compile,
-and the new keys in a report built from those trials. The figures measured are in README.md."""
+and the new keys in a report built from those trials. The figures measured are in docs/verified.md."""
 from __future__ import annotations
 
 import dataclasses

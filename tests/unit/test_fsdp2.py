@@ -123,8 +123,8 @@ def test_peak_model_reproduces_the_measured_live_peaks(key):
     e = estimate(cpu_cfg(name, engine="fsdp2", zero=zero, precision=precision))
     live = (e.peak_bytes(micro) - e.overhead) / 2**20
     # bf16: the activation formula (estimate/activations.py) counts what megatron keeps under DeepSpeed's
-    # bf16 to within 4 % (README); FSDP2's bf16 compute on fp32 shards keeps ~10 % less per sample here,
-    # not yet explained (README, "FSDP2 beside ZeRO-3")
+    # bf16 to within 4 % (docs/verified.md); FSDP2's bf16 compute on fp32 shards keeps ~10 % less per
+    # sample here, not yet explained (docs/engines.md, "The estimate for FSDP2")
     assert live == pytest.approx(MEASURED_PEAK_MIB[key], rel=0.06 if precision == "fp32" else 0.13)
 
 

@@ -23,7 +23,7 @@ A rank's peak, as the search compares it with the capacity (RSS on CPU, reserved
   buffers of the optimizer step), and at least the peak of deepspeed.initialize.
 On CPU, everything (offloaded states too) lives in the same host memory, in fp32 by default.
 
-How close this is to measurements on CPU: README.md, "Measured on this machine" (one place, so
+How close this is to measurements on CPU: docs/verified.md, "Measured on this machine" (one place, so
 the figures cannot drift); tests/integration/test_estimate_vs_measured.py checks them.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ Activations are megatron's, as for ZeRO (estimate/activations.py; measured per-s
 ZeRO-3's), except the logits: 4 bytes per token and vocabulary row in fp32, 8 in bf16 (the bf16
 logits, megatron's fp32 copy and its clone's half), as measured at the peak on CPU. Left out: the
 gradients inside one layer's backward (with recompute=full the peak moves there: -5 % on gpt-mini).
-How close this comes to CPU measurements: README.md, "FSDP2 beside ZeRO-3".
+How close this comes to CPU measurements: docs/engines.md, "The estimate for FSDP2".
 """
 from __future__ import annotations
 

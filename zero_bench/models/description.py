@@ -95,7 +95,8 @@ class ModelConfig:
     """unfused: megatron's DotProductAttention (softmax(QK^T)V; keeps a x s x s tensors per layer).
     sdpa: torch's scaled_dot_product_attention with is_causal (flash / memory-efficient kernels on
     GPU, the flash kernel on CPU; no s x s tensor). With sdpa, recompute=selective saves nothing
-    (flash keeps no s x s tensors to drop) and costs a little: README, "Models"."""
+    (flash keeps no s x s tensors to drop) and costs a little: docs/models.md,
+    "What is modelled, and what is not"."""
     norm_eps: float = 1e-5
     """Epsilon of every LayerNorm / RMSNorm."""
     hf_config: Optional[str] = None
