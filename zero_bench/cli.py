@@ -82,12 +82,14 @@ class Session:
         self.explicit = explicit
         self.exit_code = 0
         self.pools = None  # pool.PoolSlot, started by the first in-process multirun job that needs it
+        self.said: set = set()  # warnings printed by its jobs: each once per command (commands.warn_once)
 
     def job(self, cfg) -> None:
         from hydra.core.hydra_config import HydraConfig
 
         sweep = current_sweep(self._pools(HydraConfig.get()))
-        inv = Invocation(out=Path(HydraConfig.get().runtime.output_dir), sweep=sweep, explicit=self.explicit)
+        inv = Invocation(out=Path(HydraConfig.get().runtime.output_dir), sweep=sweep, explicit=self.explicit,
+                         said=self.said)
         try:
             code = COMMANDS[cfg.command](cfg, inv)
         except ConfigError as exc:  # one line, no traceback, before any launch

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from zero_bench import cpu_features
 from zero_bench.capacity import with_cpu_budget
-from zero_bench.config import BenchConfig, ConfigError
+from zero_bench.config import BenchConfig, ConfigError, Precision
 from zero_bench.configure import from_cfg, report_from_cfg, search_from_cfg
 from zero_bench.doctor import doctor_checks, prebuild_ops
 from zero_bench.estimate import seed_micro
@@ -25,6 +26,7 @@ from zero_bench.estimate_table import estimate_report
 from zero_bench.hosts import with_slurm_hostfile
 from zero_bench.launch import run_launch
 from zero_bench.machine import machine_lock
+from zero_bench.metrics import cpu_peak_flops
 from zero_bench.preflight import preflight, skipped_search, validate_machine
 from zero_bench.records import Entry, Mode, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.report import write_reports
@@ -42,6 +44,25 @@ class Invocation:
     out: Path  # this job's Hydra output directory (its run dir)
     sweep: Optional[Sweep] = None  # the multirun this job belongs to; None: a single run
     explicit: frozenset = frozenset()  # keys the user set on the command line (estimate shows less then)
+    said: set = field(default_factory=set)  # warnings printed: a sweep's jobs in one process share it
+
+
+def warn_once(line: str, inv: Invocation) -> None:
+    """`line` on stderr, once per command: a sweep's jobs would otherwise repeat it."""
+    if line not in inv.said:
+        inv.said.add(line)
+        print(f"zero_bench: warning: {line}", file=sys.stderr, flush=True)
+
+
+def warn_slow_bf16(bench: BenchConfig, inv: Invocation) -> None:
+    """precision=bf16 on a CPU without native bf16 runs, at the speed measured here (the rates are
+    cached per machine). precision=auto never picks it, so only an explicit bf16 gets here."""
+    if bench.hardware.device != "cpu" or bench.precision != Precision.bf16:
+        return
+    features = cpu_features.detect()
+    if not features.bf16_native:
+        fp32, bf16 = (cpu_peak_flops(p)["flops"] for p in ("fp32", "bf16"))
+        warn_once(cpu_features.bf16_warning(features, fp32, bf16), inv)
 
 
 def bench_here(cfg: DictConfig, out: Path) -> BenchConfig:
@@ -73,6 +94,7 @@ def result_row(r: TrialResult) -> str:
 def run(cfg: DictConfig, inv: Invocation) -> int:
     """One trial at the configured batch with full timed steps."""
     bench = bench_here(cfg, inv.out)
+    warn_slow_bf16(bench, inv)
     store = Store(store_path(cfg, inv))
     refused = preflight(bench, force=cfg.force)
     if refused:
@@ -91,7 +113,8 @@ def maxbatch(cfg: DictConfig, inv: Invocation) -> int:
     """The largest global batch that fits, decided in fresh processes."""
     if inv.sweep:
         print(inv.sweep.progress(f"model={cfg.model.name} {OmegaConf.to_container(cfg.parallel)} engine={cfg.engine} "
-                                 f"zero={cfg.zero} offload={cfg.offload}", finished=False), flush=True)
+                                 f"zero={cfg.zero} offload={cfg.offload} precision={shown_precision(cfg)}",
+                                 finished=False), flush=True)
     res = _maxbatch(cfg, inv)
     if inv.sweep:
         print(inv.sweep.progress(f"{res.label}: {res.status} max global batch {res.max_global_batch}",
@@ -99,6 +122,15 @@ def maxbatch(cfg: DictConfig, inv: Invocation) -> int:
     if res.status in (SearchStatus.ERROR, SearchStatus.TIMEOUT, SearchStatus.FLAKY, SearchStatus.INCOMPLETE):
         return FAILED
     return OK
+
+
+def shown_precision(cfg: DictConfig) -> str:
+    """The precision a sweep's job will run at, auto resolved; as given where the job's config is
+    refused (the job records it as skipped)."""
+    try:
+        return str(from_cfg(cfg).precision)
+    except ConfigError:
+        return str(cfg.precision)
 
 
 def _maxbatch(cfg: DictConfig, inv: Invocation) -> SearchResult:
@@ -112,6 +144,7 @@ def _maxbatch(cfg: DictConfig, inv: Invocation) -> SearchResult:
         Store(store_path(cfg, inv)).put_search(res)
         print(f"zero_bench maxbatch: skipped {res.label}: {exc}", file=sys.stderr)
         return res
+    warn_slow_bf16(bench, inv)
     store = Store(store_path(cfg, inv))
     refused = preflight(bench, force=cfg.force, micro=spec.min)
     if refused:

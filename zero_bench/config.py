@@ -34,7 +34,7 @@ class Device(StrEnum):
 
 
 class Precision(StrEnum):
-    auto = "auto"  # bf16 on GPU, fp32 on CPU
+    auto = "auto"  # CPU: bf16 where native (zero_bench/cpu_features.py), else fp32; GPU: bf16, else fp16
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"  # GPU only: dynamic loss scaling, skipped steps recorded
@@ -126,7 +126,8 @@ class StepsConfig:
     """Optimizer steps timed; time/it is their median."""
     probe: int = 1
     """Optimizer steps of a memory probe before its profiled step (optimizer state is allocated
-    lazily at the first step; README.md says how many steps the peak needs to settle)."""
+    lazily at the first step; docs/verified.md, "Probe length", says how many steps the peak needs
+    to settle)."""
 
 
 @dataclass
@@ -149,7 +150,10 @@ class BenchConfig:
     """Parameters to host memory; ZeRO-3 only. None: follow `offload` with ZeRO-3 (engine=fsdp2:
     always follows `offload`)."""
     precision: Precision = Precision.auto
-    """fp32, bf16, fp16 (GPU only) or auto."""
+    """fp32, bf16, fp16 (GPU only) or auto: on CPU bf16 where this CPU computes it natively (x86:
+    avx512_bf16 or amx_bf16 with torch's CPU capability AVX512 and ONEDNN_MAX_CPU_ISA, if set, naming
+    a bf16 ISA; arm: bf16 in its Features; `zero_bench doctor` says which), else fp32; on GPU bf16
+    where the card has it (compute capability 8.0+), else fp16. A BenchConfig holds the resolved one."""
     recompute: Recompute = Recompute.none
     """Activation recompute (megatron-core's recompute_granularity): none; selective (core attention);
     full (every layer's input kept, the layer recomputed in backward, through DeepSpeed's

@@ -9,6 +9,7 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from zero_bench import cpu_features
 from zero_bench.config import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
                                HardwareConfig, Precision, ReportConfig, SearchConfig, composition_error, structured)
 from zero_bench.errors import ConfigError
@@ -210,11 +211,36 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def gpu_bf16() -> bool:
+    """Whether the first visible GPU computes bf16 natively (compute capability 8.0 and later, or
+    ROCm): torch.cuda.is_bf16_supported(including_emulation=False), asked of the capability itself
+    because torch versions without that argument count a V100's emulated bf16, by creating a tensor
+    on the GPU, a CUDA context in this process that is no trial's."""
+    import torch
+
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(0)[0] >= 8
+
+
+def auto_precision(device: Device, engine: EngineName, here: bool = True) -> Precision:
+    """What precision=auto runs at. CPU: bf16 only where this CPU computes it natively (cpu_features:
+    an emulated bf16 matmul ran 5x to 100x slower than fp32 here), else fp32. GPU: bf16 where the
+    card has it, else fp16. An estimate (here=False) assumes bf16 on GPU, as every GPU preset has it;
+    on CPU it is this CPU's answer (its capacity is this host's too, capacity.py), so that an
+    estimate and a run of one config share a search key."""
+    if device == Device.cpu:
+        return Precision(cpu_features.detect().auto_precision)
+    if not here or gpu_bf16():
+        return Precision.bf16
+    if engine == EngineName.fsdp2:
+        raise ConfigError("precision=auto: this GPU has no bf16 (compute capability < 8.0) and engine=fsdp2 "
+                          "runs no fp16; allowed here: precision=fp32")
+    return Precision.fp16
+
+
 def resolve(b: BenchConfig, here: bool = True) -> BenchConfig:
     """The one place "auto" and None become concrete: device (CUDA when torch sees it), precision
-    (bf16 on GPU, fp32 on CPU), offload_param (follows offload with ZeRO-3, and always with
-    engine=fsdp2). here=False (an
-    estimate for another machine) keeps device=gpu without a visible GPU."""
+    (auto_precision), offload_param (follows offload with ZeRO-3, and always with engine=fsdp2).
+    here=False (an estimate for another machine) keeps device=gpu without a visible GPU."""
     device = b.hardware.device
     if device == Device.auto:
         device = Device.gpu if cuda_available() else Device.cpu
@@ -222,7 +248,7 @@ def resolve(b: BenchConfig, here: bool = True) -> BenchConfig:
         raise ConfigError("hardware.device=gpu: no CUDA device is visible; allowed here: cpu, auto")
     precision = b.precision
     if precision == Precision.auto:
-        precision = Precision.bf16 if device == Device.gpu else Precision.fp32
+        precision = auto_precision(Device(device), b.engine, here)
     # fsdp2's CPUOffloadPolicy moves parameters with the optimizer states: one key, `offload`.
     follows = b.offload if b.engine == EngineName.fsdp2 else b.offload and b.zero == 3
     offload_param = bool(follows) if b.offload_param is None else b.offload_param

@@ -1,10 +1,12 @@
 """`zero_bench doctor`: can this machine run what the config asks? One line per check, each "ok" or
 a fix to apply (or "--" for what this config does not need).
 
-Checks: accelerator and devices (count, memory), NVML, DeepSpeed's op compatibility (through its
-Python API: the builders `ds_report` walks, `installed_ops`, and the JIT cache), launchers and
-ssh (pdsh / mpirun / srun / sshd), the hostfile when one is set, and whether the configured run
-(by default the demo: gpt-tiny, dp=2) passes validation, the memory estimate and its op needs.
+Checks: accelerator and devices (count, memory), the CPU (vector units, torch's CPU capability,
+whether bf16 is native, what precision=auto picks; for CPU runs the measured matmul rates), NVML,
+DeepSpeed's op compatibility (through its Python API: the builders `ds_report` walks,
+`installed_ops`, and the JIT cache), launchers and ssh (pdsh / mpirun / srun / sshd), the hostfile
+when one is set, and whether the configured run (by default the demo: gpt-tiny, dp=2) passes
+validation, the memory estimate and its op needs.
 """
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from zero_bench import metrics
-from zero_bench.config import EngineName
-from zero_bench.configure import from_cfg
+from zero_bench import cpu_features, metrics
+from zero_bench.config import Device, EngineName
+from zero_bench.configure import auto_precision, from_cfg
+from zero_bench.cpu_features import CpuFeatures
 from zero_bench.errors import ConfigError
 from zero_bench.hosts import check_hostfile, master_addr
 from zero_bench.nvml import Nvml
@@ -101,14 +104,47 @@ def check_nvml(device: str) -> Check:
 def check_peak_flops(device: str, precision: str) -> Check:
     import torch
 
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_properties(0).name
-        peak = metrics.gpu_peak_flops(name, precision)
-        if peak is None:
-            return Check(FIX, "peak FLOP/s", f"{name} is not in the table (A100/H100/H200/L40S/V100)",
-                         "add it to zero_bench/metrics.py PEAK_FLOPS to get MFU")
-        return Check(OK, "peak FLOP/s", f"{name} {precision}: {peak / 1e12:.0f} TFLOP/s (for MFU)")
-    return Check(NA, "peak FLOP/s", "CPU: measured by a matmul benchmark when a report needs MFU")
+    if device == "cpu":
+        return matmul_check({p: metrics.cpu_peak_flops(p) for p in ("fp32", "bf16")})
+    if not torch.cuda.is_available():
+        return Check(NA, "peak FLOP/s", "no GPU visible")
+    name = torch.cuda.get_device_properties(0).name
+    peak = metrics.gpu_peak_flops(name, precision)
+    if peak is None:
+        return Check(FIX, "peak FLOP/s", f"{name} is not in the table (A100/H100/H200/L40S/V100)",
+                     "add it to zero_bench/metrics.py PEAK_FLOPS to get MFU")
+    return Check(OK, "peak FLOP/s", f"{name} {precision}: {peak / 1e12:.0f} TFLOP/s (for MFU)")
+
+
+def matmul_check(rates: dict) -> Check:
+    """The measured matmul rate per precision (metrics.cpu_peak_flops' entries), as one rank computes."""
+    fp32, bf16 = rates["fp32"], rates["bf16"]
+    how = "cached in" if fp32["cached"] and bf16["cached"] else "measured now, cached in"
+    return Check(OK, "peak FLOP/s", f"CPU matmul, {fp32['threads']} thread(s) as a rank runs: fp32 "
+                 f"{fp32['flops'] / 1e9:.3g}, bf16 {bf16['flops'] / 1e9:.3g} GFLOP/s (bf16 "
+                 f"{cpu_features.bf16_speed(fp32['flops'], bf16['flops'])}); {how} {fp32['path']} (for MFU)")
+
+
+# -- CPU: what it computes natively, and so what precision=auto picks ---------------------------------
+
+def check_cpu(device: str, engine: str) -> list[Check]:
+    return cpu_checks(cpu_features.detect(), auto_line(device, engine))
+
+
+def auto_line(device: str, engine: str) -> str:
+    try:
+        return f"resolves to {auto_precision(Device(device), EngineName(engine))} on {device}"
+    except ConfigError as exc:
+        return str(exc)
+
+
+def cpu_checks(f: CpuFeatures, auto: str) -> list[Check]:
+    """The CPU's vector units, torch's capability (and the variables that restrict it), whether bf16
+    is native, and what precision=auto resolves to (`auto`)."""
+    return [Check(OK, "CPU vector units", f.units_line()),
+            Check(OK, "torch CPU capability", f.capability_line()),
+            Check(OK, "bf16 on CPU", f"{'native' if f.bf16_native else 'not native'}: {f.why}"),
+            Check(OK, "precision=auto", auto)]
 
 
 # -- DeepSpeed ops -------------------------------------------------------------------------------
@@ -321,7 +357,9 @@ def doctor_checks(cfg: Any) -> list[Check]:
     run_checks, bench = check_run(cfg)
     device = bench.hardware.device if bench is not None else "cpu"
     precision = bench.precision if bench is not None else "bf16"
-    checks = check_accelerator(device) + [check_nvml(device), check_peak_flops(device, precision)]
+    engine = bench.engine if bench is not None else EngineName.deepspeed
+    checks = check_accelerator(device) + check_cpu(device, engine)
+    checks += [check_nvml(device), check_peak_flops(device, precision)]
     checks += check_ops(bench) + check_launchers(bench) + run_checks
     blocking = [c for c in checks if c.status == FIX]
     demo = "the configured run" if bench is None or bench.model.name != "GPT-tiny" else "the default demo"

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from zero_bench.cpu_features import onednn_limit, torch_capability
 from zero_bench.models import ModelConfig
 from zero_bench.models.flops import hardware_flops_per_seq, model_flops_per_seq
 
@@ -89,7 +90,10 @@ def rank_threads() -> int:
 
 
 def matmul_flops(precision: str = "fp32", threads: int = 1, n: int = 1024, seconds: float = 0.5) -> float:
-    """Best FLOP/s of an n x n matmul over about `seconds` with `threads` threads."""
+    """Best FLOP/s of an n x n matmul over about `seconds` with `threads` threads, as a linear layer
+    computes it (x @ W.T: F.linear). The layout matters where bf16 is not native: with
+    ONEDNN_MAX_CPU_ISA=AVX2 a bf16 x @ W.T ran at 21.6 GFLOP/s through oneDNN, a plain x @ W at 0.9
+    through ATen's fallback; models run the former."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -97,30 +101,40 @@ def matmul_flops(precision: str = "fp32", threads: int = 1, n: int = 1024, secon
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        torch.mm(a, b)  # warm-up: first call pays for allocation and kernel selection
+        torch.nn.functional.linear(a, b)  # warm-up: first call pays for allocation and kernel selection
         best, end = 0.0, time.perf_counter() + seconds
         while time.perf_counter() < end:
             t0 = time.perf_counter()
-            torch.mm(a, b)
+            torch.nn.functional.linear(a, b)
             best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
         return best
     finally:
         torch.set_num_threads(before)
 
 
+def peak_key(precision: str, threads: int) -> str:
+    """The cache key of one measured rate. torch's CPU capability and oneDNN's ISA limit are in it:
+    ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA change the kernels (a bf16 linear ran at 21.6 instead of
+    212 GFLOP/s with ONEDNN_MAX_CPU_ISA=AVX2), so a restricted run must not reuse the unrestricted rate."""
+    return (f"{cpu_model()}|cores={os.cpu_count()}|threads={threads}|{precision}|torch={torch_capability()}"
+            f"|onednn={onednn_limit() or 'unset'}")
+
+
 def cpu_peak_flops(precision: str = "fp32", threads: Optional[int] = None) -> dict:
     """Measured matmul peak of one CPU rank, cached per machine in cache_dir()/cpu_peak.json.
 
-    Returns {"flops", "cpu", "threads", "precision", "measured_at", "cached", "path"}.
+    Returns {"flops", "cpu", "threads", "precision", "capability", "onednn_isa", "measured_at",
+    "cached", "path"}.
     """
     threads = threads or rank_threads()
-    key = f"{cpu_model()}|cores={os.cpu_count()}|threads={threads}|{precision}"
+    key = peak_key(precision, threads)
     path = cache_dir() / "cpu_peak.json"
     cache = _read_json(path)
     if key in cache:
         return {**cache[key], "cached": True, "path": str(path)}
     entry = {"flops": matmul_flops(precision, threads), "cpu": cpu_model(), "threads": threads,
-             "precision": precision, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+             "precision": precision, "capability": torch_capability(), "onednn_isa": onednn_limit(),
+             "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     cache[key] = entry
     _write_json_atomic(path, cache)
     return {**entry, "cached": False, "path": str(path)}

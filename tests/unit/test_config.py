@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from zero_bench import ds_config
+from zero_bench import cpu_features, ds_config
 from zero_bench.config import ConfigError
 from zero_bench.configure import compose, from_cfg, search_from_cfg
 from zero_bench.preflight import validate_machine
@@ -23,7 +23,8 @@ def bench(*overrides: str):
 
 def test_defaults_are_the_cpu_default():
     b = bench()
-    assert (b.model.name, b.zero, b.parallel.world_size, b.precision) == ("GPT-mini", 2, 2, "fp32")
+    auto = cpu_features.detect().auto_precision  # precision=auto: bf16 where this CPU has it natively
+    assert (b.model.name, b.zero, b.parallel.world_size, b.precision) == ("GPT-mini", 2, 2, auto)
     assert b.global_batch == b.batch.micro * b.parallel.dp
 
 

@@ -202,7 +202,8 @@ def test_cli_table_all_stages(tmp_path):
 
 
 def test_cli_json_one_stage(tmp_path):
-    r = _cli("estimate", "model=gpt345m", "zero=2", "--json", "hardware.device=cpu", f"hydra.run.dir={tmp_path}")
+    r = _cli("estimate", "model=gpt345m", "zero=2", "--json", "hardware.device=cpu", "precision=fp32",
+             f"hydra.run.dir={tmp_path}")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout[r.stdout.index("{"):])
     assert [c["config"] for c in doc["configs"]] == ["zero2"]

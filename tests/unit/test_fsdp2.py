@@ -50,7 +50,7 @@ def test_what_fsdp2_runs():
 
 
 def test_engine_is_in_the_label_and_keys_and_deepspeed_keys_did_not_move():
-    ds, fs = bench("zero=3"), bench("zero=3", "engine=fsdp2")
+    ds, fs = bench("zero=3", "precision=fp32"), bench("zero=3", "precision=fp32", "engine=fsdp2")
     assert ds.label() == "GPT-mini tp1 dp2 zero3 fp32" and fs.label() == "GPT-mini tp1 dp2 zero3 fp32 fsdp2"
     assert ds.search_key() != fs.search_key() and ds.trial_key() != fs.trial_key()
     # a store written before `engine` existed resumes: DeepSpeed's keys hash what they hashed then
@@ -60,7 +60,7 @@ def test_engine_is_in_the_label_and_keys_and_deepspeed_keys_did_not_move():
 
 def test_engine_sweeps_and_skipped_entries_stay_apart():
     assert sweep_size(["engine=deepspeed,fsdp2", "zero=3"]) == 2
-    c = bench("zero=3").to_dict()
+    c = bench("zero=3", "precision=fp32").to_dict()
     a, b = skipped_search(c, "why"), skipped_search({**c, "engine": "fsdp2"}, "why")
     assert a.search_key != b.search_key and b.label.endswith("fp32 fsdp2")
     assert a.search_key == skipped_search({k: v for k, v in c.items() if k != "engine"}, "why").search_key

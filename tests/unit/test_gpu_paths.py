@@ -231,7 +231,8 @@ def test_doctor_reports_every_area(capsys):
     checks = doctor_checks(_demo_cfg())
     names = {c.name for c in checks}
     for n in ("deepspeed", "GPUs", "NVML", "deepspeed ops", "launcher pdsh", "launcher mpirun", "launcher srun",
-              "launcher sshd", "config", "can run"):
+              "launcher sshd", "config", "can run", "CPU vector units", "torch CPU capability", "bf16 on CPU",
+              "precision=auto", "peak FLOP/s"):
         assert n in names, n
     out = capsys.readouterr().out
     assert "can run" in out and all(c.fix for c in checks if c.status == FIX)

@@ -103,6 +103,33 @@ def test_cpu_peak_is_measured_once_then_cached(tmp_path, monkeypatch):
     assert not other["cached"] and len(json.loads((tmp_path / "cpu_peak.json").read_text())) == 2
 
 
+def test_cpu_peak_cache_key_has_torchs_capability_and_onednns_limit(tmp_path, monkeypatch):
+    """ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA change the kernels (bf16 ran 0.9 instead of 217
+    GFLOP/s here with ONEDNN_MAX_CPU_ISA=AVX2): a restricted process measures its own rate instead
+    of reusing the unrestricted one, and the unrestricted one stays."""
+    from zero_bench import cpu_features, metrics
+
+    monkeypatch.setenv("ZERO_BENCH_CACHE", str(tmp_path))
+    for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(k, raising=False)
+    rates = iter([217e9, 0.9e9, 0.8e9])
+    monkeypatch.setattr(metrics, "matmul_flops", lambda precision, threads: next(rates))
+    free = cpu_peak_flops("bf16", threads=1)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    held = cpu_peak_flops("bf16", threads=1)
+    assert (held["cached"], held["flops"], held["onednn_isa"]) == (False, 0.9e9, "AVX2")
+    monkeypatch.setattr(metrics, "torch_capability", lambda: "AVX2")  # as ATEN_CPU_CAPABILITY=avx2 makes it
+    both = cpu_peak_flops("bf16", threads=1)
+    assert (both["cached"], both["flops"], both["capability"]) == (False, 0.8e9, "AVX2")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(metrics, "torch_capability", cpu_features.torch_capability)
+    again = cpu_peak_flops("bf16", threads=1)
+    assert (again["cached"], again["flops"], again["capability"]) == (True, 217e9, free["capability"])
+    keys = sorted(json.loads((tmp_path / "cpu_peak.json").read_text()))
+    assert len(keys) == 3 and all("|bf16|torch=" in k for k in keys)
+    assert any(k.endswith("|torch=AVX2|onednn=AVX2") for k in keys), keys
+
+
 def peak_flops_per_core() -> float:
     """An upper bound on one core's fp32 FLOP/s: two FMA units of its widest vectors (AVX-512: 16
     lanes, AVX2: 8, else SSE's 4) times 2 FLOP per FMA, at 6.2 GHz (above any CPU's boost clock)."""

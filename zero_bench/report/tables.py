@@ -117,8 +117,10 @@ class Peaks:
         if device == "cpu":
             m = cpu_peak_flops(precision)
             how = "cached" if m["cached"] else "measured now"
-            return m["flops"], (f"matmul microbenchmark on {m['cpu']} ({m['threads']} thread(s) = one rank), "
-                                f"{how}, measured {m['measured_at']}, cache {m['path']}")
+            limit = f", oneDNN up to {m['onednn_isa']}" if m.get("onednn_isa") else ""
+            return m["flops"], (f"matmul microbenchmark on {m['cpu']} ({m['threads']} thread(s) = one rank, "
+                                f"torch {m.get('capability', '?')}{limit}), {how}, measured {m['measured_at']}, "
+                                f"cache {m['path']}")
         name = str(self.env.get("gpu", ""))
         flops = gpu_peak_flops(name, precision)
         return flops, (f"datasheet table: {name} {precision}" if flops else
