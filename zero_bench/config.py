@@ -168,8 +168,10 @@ class BenchConfig:
     """DeepSpeed's engine.compile() (torch.compile); compile time is reported apart from time/it."""
     batch: BatchConfig = field(default_factory=BatchConfig)
     steps: StepsConfig = field(default_factory=StepsConfig)
-    timeout_s: float = 600.0
-    """Per batch size of a launch: the clock restarts whenever a rank finishes an entry."""
+    timeout_s: float = 60.0
+    """The least time a trial may go without finishing a step before it is called hung and killed;
+    the limit grows with the time per sample this search measured (4x the expected step, 3x more
+    for an entry's first step; 10x timeout_s for the start-up): see zero_bench/time_limits.py."""
     seed: int = 1234
     """Seeds the weights and the tokens: identical across runs and ZeRO stages."""
     ds: dict = field(default_factory=dict)

@@ -11,8 +11,12 @@ from zero_bench.records import Fault, FaultKind
 
 
 def inject(rank, fault: Fault) -> None:
-    """Wrap `rank.step(micro)` so that, on fault.rank, entries with micro >= fault.min_micro fail as asked."""
+    """Wrap `rank.step(micro)` so that, on fault.rank, entries with micro >= fault.min_micro fail as asked
+    (SLOW: the engine's step, so that the time is inside the timed step)."""
     if rank.rank != fault.rank:
+        return
+    if fault.kind == FaultKind.SLOW:
+        slow_engine(rank.engine, fault)
         return
     step = rank.step
 
@@ -22,6 +26,20 @@ def inject(rank, fault: Fault) -> None:
         return step(micro)
 
     rank.step = faulty_step
+
+
+def slow_engine(engine, fault: Fault) -> None:
+    """Every step of `engine` first sleeps fault.seconds per sample: inside the timed step, as a
+    slower machine's compute would be (the peers wait for it in the step's collectives)."""
+    step = engine.step
+
+    def slow_step(batches, mask, marks):
+        micro = batches[0][0].shape[0]
+        if micro >= fault.min_micro:
+            time.sleep(fault.seconds * micro)
+        return step(batches, mask, marks)
+
+    engine.step = slow_step
 
 
 def fail(rank, kind: FaultKind) -> None:

@@ -36,6 +36,7 @@ from zero_bench.machine import machine_lock, remove_shm_buffers
 from zero_bench.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
 from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
 from zero_bench.sampler import RANK_MODULE, Sampler, summarize
+from zero_bench.time_limits import Limits, Pace, device_flops, estimated_pace
 from zero_bench.toolkit import extensions_dir
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class LaunchOptions:
     sample_interval: float = 0.05  # seconds between memory samples; 0 turns the sampler off
     pools: Optional["PoolSlot"] = None  # fork the ranks from this search's pool; None: a launch of its own
     fault: Optional[Fault] = None  # tests only: a fault the ranks inject into this trial (zero_bench.faults)
+    pace: Optional[Pace] = None  # the slowest seconds per sample measured so far (None: estimated)
 
 
 class RunningRanks(Protocol):
@@ -246,6 +248,7 @@ class _Launch:
     cmd_text: str = ""
     emitted: list[TrialResult] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
+    hung: str = ""  # why the runner ended the launch as hung (time_limits.py)
     launch_id: int = field(default_factory=lambda: next(_launch_ids))
     t0: float = field(default_factory=time.time)
 
@@ -295,33 +298,46 @@ class _Launch:
         self.stopped.append(msg)
         ranks.kill()
 
+    def limits(self) -> Limits:
+        """The time allowed without progress: from the search's measured pace, else estimated."""
+        pace = self.opts.pace or estimated_pace(self.cfg, device_flops(self.cfg))
+        return Limits(self.cfg.timeout_s, self.cfg.batch.grad_accum, pace)
+
     def wait(self, ranks: RunningRanks, sampler: Sampler) -> bool:
-        """Wait for the launch; True if it timed out. The clock (timeout_s) restarts whenever an
-        entry finishes, so early batch sizes never eat the time of later ones. Meanwhile rank 0's
-        new records go to on_event and finished entries are handed on."""
-        deadline, seen, finished = time.time() + self.cfg.timeout_s, 0, 0
+        """Wait for the launch; True if it hung: no record from rank 0 (a step, an entry's begin or
+        end) within the time time_limits.py allows after its latest one. Meanwhile rank 0's new
+        records go to on_event and finished entries are handed on."""
+        limits, seen, last = self.limits(), 0, None
+        allowed, since = limits.init_s(), time.time()
         while True:
             if ranks.wait(0.5):
                 return False
             logs = read_rank_logs(self.run_dir)
             recs = logs.get(0, [])
-            if self.opts.on_event:
-                for rec in recs[seen:]:
+            for rec in recs[seen:]:
+                if self.opts.on_event and rec.event != Event.STEP:
                     self.opts.on_event(rec)
-            seen = len(recs)
-            ended = sum(1 for r in recs if r.event == Event.END)
-            if ended > finished:
-                finished, deadline = ended, time.time() + self.cfg.timeout_s
+                limits, last = limits.observe(rec), rec
+            if len(recs) > seen:
+                seen, since, allowed = len(recs), time.time(), limits.after(last)
             done = finished_prefix(self.plan, logs, self.cfg.parallel.world_size)
             if done > len(self.emitted):
                 self.emit(classify(self.cfg, self.plan[:done], logs, LaunchEnd(cap=self.cap)), sampler, logs)
-            if time.time() > deadline:
+            if time.time() - since > allowed:
+                self.hung = hung_reason(last, allowed, limits)
                 return True
             failed = first_failure(logs)
             if failed is not None and time.time() - failed > FAILURE_GRACE_S:
                 # A rank recorded an OOM or error and left; peers on other nodes may wait in a
                 # collective until NCCL's timeout. The failure is known: end the launch now.
                 return False
+
+
+def hung_reason(last: Optional[RankRecord], allowed: float, limits: Limits) -> str:
+    """One line: what did not happen within how long, and where that limit came from."""
+    if last is None or last.event == Event.START:
+        return f"no batch size began within {allowed:.0f} s of the start ({limits.describe()})"
+    return f"no step finished within {allowed:.0f} s (micro={last.micro}; {limits.describe()})"
 
 
 class Ranks:
@@ -389,7 +405,7 @@ def _run(launch: _Launch) -> list[TrialResult]:
         launch.t0 = time.time()
         return _run(launch)
     sampler.write_csv(run_dir / "memory_timeline.csv")
-    end = LaunchEnd(cap=launch.cap, rc=ranks.rc, timed_out=timed_out,
+    end = LaunchEnd(cap=launch.cap, rc=ranks.rc, timed_out=timed_out, hung=launch.hung,
                     stopped=launch.stopped[0] if launch.stopped else None, log_tail=ranks.log_tail())
     logs = read_rank_logs(run_dir)
     launch.emit(classify(cfg, launch.plan, logs, end), sampler, logs)

@@ -18,6 +18,12 @@ from zero_bench.records import (OOM_EXIT, DeviceMemStats, Entry, Event, RankReco
                                 TrialResult)
 from zero_bench.units import MiB
 
+# Lines that are never why a trial failed: warnings every start prints (megatron's "Apex is not
+# installed", torch's and DeepSpeed's deprecations), the launcher's info lines, traceback frames.
+NOISE = re.compile(r"warn|apex|deprecat|\[INFO\]|^File \"|^\^+$|^Traceback", re.I)
+# A Python exception's own line ("RuntimeError: ..."), or a process's death as a shell or C++ says it.
+EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b|Killed|Segmentation fault|Aborted|terminate called")
+
 # What peers of a dead rank raise: consequences, not causes.
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote worker|NCCL communicator was aborted",
                        re.I)
@@ -29,6 +35,7 @@ class LaunchEnd:
     cap: Optional[int] = None  # per-rank capacity the launch enforced
     rc: Optional[int] = None  # the launcher's exit code (None: still running)
     timed_out: bool = False
+    hung: str = ""  # the runner's reason for ending it as hung (time_limits.py)
     stopped: Optional[str] = None  # the sampler's reason for stopping it over budget
     log_tail: str = ""
 
@@ -100,7 +107,7 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
     peers_lost = bool(errs) and all(PEER_LOST.search(e.error) for e in errs)
     if end.timed_out and peers_lost:
         # our own kill at the timeout: a peer that lost the killed rank is a consequence of it
-        return Status.TIMEOUT, "no result within timeout_s; logs: " + end.log_tail[-300:].strip()
+        return Status.TIMEOUT, _timeout_reason(end)
     if silent and peers_lost:
         # A rank vanished without a word (every exception is recorded, so: SIGKILL, as the kernel's
         # OOM killer sends) and its peers only lost the connection to it.
@@ -114,8 +121,23 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
     if errs:
         return Status.ERROR, f"rank {errs[0].rank}: {errs[0].error}"
     if end.timed_out:
-        return Status.TIMEOUT, "no result within timeout_s; logs: " + end.log_tail[-300:].strip()
-    return Status.ERROR, f"launcher exit {end.rc}: " + end.log_tail[-1500:].strip()
+        return Status.TIMEOUT, _timeout_reason(end)
+    return Status.ERROR, f"launcher exit {end.rc}: {meaningful_line(end.log_tail) or '(no output)'}"
+
+
+def _timeout_reason(end: LaunchEnd) -> str:
+    return end.hung or "no progress within the time allowed"
+
+
+def meaningful_line(log: str) -> str:
+    """The line of a log that says why it failed: the last exception, else the last line the launcher
+    flags [ERROR], else the last line that is no warning; never a library's start-up warning."""
+    lines = [x.strip() for x in log.splitlines() if x.strip()]
+    for pick in (lambda x: EXCEPTION_LINE.search(x), lambda x: "[ERROR]" in x, lambda x: True):
+        found = [x for x in lines if pick(x) and not NOISE.search(x)]
+        if found:
+            return found[-1][:500]
+    return ""
 
 
 def _ok(cfg: BenchConfig, entry: Entry, index: int, done: list[RankRecord]) -> TrialResult:

@@ -33,6 +33,7 @@ class Event(StrEnum):
     """What a RankRecord reports."""
     START = "start"  # the rank's identity (host, pid, GPU)
     BEGIN = "begin"  # a plan entry starts
+    STEP = "step"  # rank 0 finished an optimizer step (the runner's sign of progress: time_limits.py)
     END = "end"  # a plan entry ended (status says how)
     INIT_FAILED = "init_failed"  # the trial failed before its first entry
     DONE = "done"  # the whole plan ran
@@ -52,6 +53,7 @@ class FaultKind(StrEnum):
     OOM = "oom"  # a real allocator failure
     KILL = "kill"  # SIGKILL, as the kernel's OOM killer sends
     HANG = "hang"  # a rank that never finishes its step
+    SLOW = "slow"  # a rank whose every step sleeps Fault.seconds per sample first (a slow machine)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Fault:
     kind: FaultKind
     rank: int = 1
     min_micro: int = 1
+    seconds: float = 0.0  # SLOW: seconds per sample of the step's micro-batch
 
     def __post_init__(self) -> None:
         self.kind = FaultKind(self.kind)
@@ -169,6 +172,7 @@ class RankRecord:
     losses: list = field(default_factory=list)
     step_times: list = field(default_factory=list)
     time_per_step: Optional[float] = None
+    step_seconds: Optional[float] = None  # on STEP: that step's seconds
     time_note: str = ""  # why time_per_step is None (e.g. every timed fp16 step overflowed)
     peak_rss_bytes: Optional[int] = None  # ru_maxrss of the rank process
     runtime_bytes: Optional[int] = None  # the process before the model is built: RSS on CPU, outside the

@@ -32,6 +32,7 @@ from zero_bench.launch import LaunchOptions, run_launch
 from zero_bench.pool import PoolSlot
 from zero_bench.records import Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.store import Store
+from zero_bench.time_limits import measured_pace
 from zero_bench.units import MiB
 
 
@@ -310,14 +311,15 @@ class Search:
         self.launches += 1
         # after a launch placed by prediction that did not close the bracket, bisect: peaks grow
         # faster than linearly past small batches (the step's buffers hide the first samples), so a
-        # second straight-line guess tends to overshoot again (README: the demo's searches)
+        # second straight-line guess tends to overshoot again (docs/demo.md: the demo's searches)
         self.fit_launches += not bracketed(known, self.spec) and predict(known, self.cap, self.spec) is not None
         name = f"launch{self.launches:02d}"
         if len(plan) == 1:
             self.say(f"launch {self.launches}: micro={plan[0].micro} fresh ({plan[0].mode})")
         results = run_launch(self.cfg.with_micro(plan[0].micro), plan, self.run_dir / name,
                              LaunchOptions(on_result=self.record, on_event=self.live, pools=self.pools,
-                                           fault=self.opts.fault))
+                                           fault=self.opts.fault,
+                                           pace=measured_pace(self.trials, self.cfg.batch.grad_accum)))
         errs = [r for r in results if r.status == Status.ERROR]
         if errs:  # a bigger batch will not fix it
             self.error = errs[0]
@@ -372,7 +374,8 @@ class Search:
         lo, hi, dp = known.lo, known.hi, self.cfg.batch.grad_accum * self.cfg.parallel.dp
         if res.status == SearchStatus.TIMEOUT:
             m = min(m for m, n in known.timeouts.items() if n >= 2 and m not in known.fresh)
-            res.note = f"micro={m} timed out twice (timeout_s={self.cfg.timeout_s:g} per batch size)"
+            last = next(t for t in reversed(self.trials) if t.micro == m and t.status == Status.TIMEOUT)
+            res.note = f"micro={m} timed out twice: {last.reason}"
         if res.status == SearchStatus.FLAKY:
             res.note = (f"micro={known.contradiction} failed twice while micro={lo} fitted twice, "
                         "each in fresh processes: memory use is not repeatable here")

@@ -63,12 +63,15 @@ def live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
-def append_record(path: Path, record: RankRecord) -> None:
-    """One JSON line, fsync'ed: whatever happens to the process next, this record is kept."""
+def append_record(path: Path, record: RankRecord, sync: bool = True) -> None:
+    """One JSON line, fsync'ed: whatever happens to the process next, this record is kept. A STEP
+    record is only flushed (the runner on this host reads it from the page cache; losing it to a
+    crash loses nothing of the results)."""
     with open(path, "a") as f:
         f.write(json.dumps(record.to_dict()) + "\n")
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
 
 
 def failure_record(rank: int, exc: BaseException, event: Event, near_full: bool = False, **kw) -> RankRecord:
@@ -150,6 +153,9 @@ class _EntrySteps:
         self.count(loss)
         if len(self.losses) == 1 and self.rank.gpu is not None:
             self.rank.gpu.refresh()  # what the first step added outside the allocator lowers the cap
+        if self.rank.rank == 0:  # the runner's sign of progress (time_limits.py)
+            append_record(self.rank.log_path, RankRecord(rank=0, event=Event.STEP, micro=self.micro,
+                                                         step_seconds=round(secs, 4)), sync=False)
         return secs
 
     def timed(self, n: int) -> None:

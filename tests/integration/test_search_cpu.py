@@ -71,6 +71,25 @@ def test_real_search_boundary_holds_in_independent_trials(calibrated, no_leftove
     assert fits.status == "ok" and fails.status == "oom", (fits.reason, fails.reason)
 
 
+def test_a_slow_machine_gets_the_true_boundary_and_no_timeout(calibrated, pools, tmp_path):
+    """Rank 1's every step sleeps 0.25 s per sample (a machine that computes slower) and the time
+    limit's floor is 1.5 s, below the steps near the boundary: the limit grows with the measured
+    pace, so the search decides the same boundary as the uninterrupted one, with no trial called
+    timeout (a fixed 1.5 s limit would have killed them)."""
+    cfg, uninterrupted, _ = calibrated
+    slow_cfg = dataclasses.replace(cfg, timeout_s=1.5)
+    store = Store(tmp_path / "slow.sqlite")
+    res = run_search(slow_cfg, SearchConfig(max=64), store, tmp_path / "search",
+                     SearchOptions(seed=seed_micro(cfg), progress=lambda s: None, pools=pools,
+                                   fault=Fault(kind="slow", rank=1, seconds=0.25)))
+    trials = [t for t in store.trials() if t.status != Status.NOT_RUN]
+    assert [t.reason for t in trials if t.status == Status.TIMEOUT] == []
+    assert (res.status, res.max_micro, res.first_fail_micro) == (
+        SearchStatus.DONE, uninterrupted.max_micro, uninterrupted.max_micro + 1), res.note
+    slowest = max(s for t in trials for r in t.ranks for s in r.step_times)
+    assert slowest > slow_cfg.timeout_s, f"no step took longer than the floor ({slowest:.2f} s): nothing was tested"
+
+
 def _cli(store: Path, run_dir: Path, cfg) -> subprocess.Popen:
     args = ["maxbatch", "model=gpt-mini", "zero=2", "precision=fp32", "hardware=cpu",
             f"hardware.memory_gb={cfg.hardware.memory_gb!r}", "steps.warmup=1", "steps.timed=2", "search.max=64",

@@ -153,6 +153,10 @@ def test_bad_config_reaching_deepspeed_is_error(no_leftovers):
 
 
 def test_timeout_is_classified_and_killed(no_leftovers):
-    cfg = cpu_cfg(timeout_s=3)  # imports alone take longer
-    (res,) = run_launch(cfg, [Entry(1)], no_leftovers / "slow")
+    """A rank stuck in its first step, in a launch of its own: after timeout_s without a finished
+    step (the floor: a gpt-tiny step takes milliseconds) the launch is killed, classified timeout,
+    with the reason in one line (no_leftovers: nothing of it is left)."""
+    cfg = cpu_cfg(timeout_s=1.0)
+    (res,) = run_launch(cfg, [Entry(1)], no_leftovers / "slow", LaunchOptions(fault=Fault(kind="hang", rank=1)))
     assert res.status == "timeout"
+    assert res.reason.startswith("no step finished within 1 s (micro=1;"), res.reason

@@ -1,0 +1,98 @@
+"""How long a trial may go without progress (zero_bench/time_limits.py), and the one line a failed
+or hung trial's note carries (outcome.meaningful_line): pure, no launch."""
+from __future__ import annotations
+
+import pytest
+
+from zero_bench.outcome import LaunchEnd, classify, meaningful_line
+from zero_bench.records import Entry, RankRecord, Status, TrialResult
+from zero_bench.time_limits import (FIRST_STEP, INIT_FACTOR, MARGIN, Limits, Pace, estimated_pace,
+                                    measured_pace)
+
+from conftest import cpu_cfg
+
+
+def step(micro: int, secs: float) -> RankRecord:
+    return RankRecord(rank=0, event="step", micro=micro, step_seconds=secs)
+
+
+def test_the_floor_holds_until_a_step_is_expected_to_come_near_it():
+    lim = Limits(floor_s=60.0, pace=Pace(0.1, "measured"))
+    assert lim.step_s(4) == 60.0  # 0.4 s expected: the floor
+    assert lim.step_s(400) == pytest.approx(MARGIN * 40.0)
+    assert lim.step_s(400, first=True) == pytest.approx(MARGIN * FIRST_STEP * 40.0)
+    assert lim.init_s() == INIT_FACTOR * 60.0
+    assert Limits(floor_s=5.0, grad_accum=4, pace=Pace(1.0, "measured")).step_s(3) == pytest.approx(MARGIN * 12)
+
+
+def test_the_limit_follows_the_slowest_step_seen_but_not_an_entrys_first():
+    lim = Limits(floor_s=1.0, pace=Pace(0.001, "estimated"))
+    lim = lim.observe(RankRecord(rank=0, event="begin", micro=8))
+    assert lim.after(RankRecord(rank=0, event="begin", micro=8)) == pytest.approx(max(1.0, MARGIN * FIRST_STEP * 0.008))
+    lim = lim.observe(step(8, 80.0))  # the first step (allocations) says nothing of the pace
+    assert lim.pace == Pace(0.001, "estimated")
+    lim = lim.observe(step(8, 4.0))  # 0.5 s per sample, measured: replaces the estimate
+    assert lim.pace == Pace(0.5, "measured")
+    lim = lim.observe(step(8, 2.0))  # faster: the slowest stays
+    assert lim.pace == Pace(0.5, "measured")
+    assert lim.after(step(8, 2.0)) == pytest.approx(MARGIN * 4.0)
+    # an entry's end carries its step times (a probe's: the profiled step)
+    lim = lim.observe(RankRecord(rank=0, event="end", micro=8, step_times=[8.0]))
+    assert lim.pace == Pace(1.0, "measured")
+    assert lim.after(RankRecord(rank=0, event="start")) == lim.init_s()
+
+
+def test_a_measured_pace_replaces_an_estimate_either_way():
+    assert Pace(0.01, "measured").slower(Pace(5.0, "estimated")) == Pace(0.01, "measured")
+    assert Pace(5.0, "estimated").slower(Pace(0.01, "measured")) == Pace(0.01, "measured")
+    assert Pace(0.2, "measured").slower(Pace(0.3, "measured")) == Pace(0.3, "measured")
+    assert Pace(0.2, "measured").slower(None) == Pace(0.2, "measured")
+
+
+def _trial(micro: int, status: str, tps=None) -> TrialResult:
+    return TrialResult(search_key="k", trial_key="t", label="l", micro=micro, global_batch=2 * micro,
+                       status=Status(status), time_per_step_s=tps)
+
+
+def test_measured_pace_is_the_slowest_fitting_trial_per_sample():
+    trials = [_trial(1, "ok", 0.5), _trial(8, "ok", 2.0), _trial(16, "oom"), _trial(4, "timeout")]
+    assert measured_pace(trials, grad_accum=1) == Pace(0.5, "measured")
+    assert measured_pace(trials, grad_accum=2) == Pace(0.25, "measured")
+    assert measured_pace([_trial(2, "oom")], 1) is None
+
+
+def test_before_any_step_the_pace_is_the_models_flops_over_the_matmul_rate():
+    from zero_bench.models.flops import hardware_flops_per_seq
+
+    cfg = cpu_cfg("gpt-mini")
+    pace = estimated_pace(cfg, flops_per_s=50e9)
+    assert pace.source == "estimated"
+    assert pace.s_per_sample == pytest.approx(hardware_flops_per_seq(cfg.model, "none") / (50e9 * 0.1))
+    assert estimated_pace(cfg, None) is None
+
+
+LOG = """/venv/megatron/core/fusions/fused_bias_dropout.py:4: UserWarning: Apex is not installed. Falling back to Torch Norm
+  warnings.warn("Apex is not installed. Falling back to Torch Norm")
+[2026-11-24 21:40:00,123] [INFO] [launch.py:100:main] WORLD INFO DICT: {'localhost': [0, 1]}
+Traceback (most recent call last):
+  File "/venv/zero_bench/worker.py", line 3, in <module>
+    foo()
+RuntimeError: the real reason
+[2026-11-24 21:40:01,123] [ERROR] [launch.py:321:sigkill_handler] ['python', '-m', 'zero_bench.rank'] exits with return code = 1
+"""
+
+
+def test_a_failed_launchs_note_is_its_reason_never_a_librarys_warning():
+    assert meaningful_line(LOG) == "RuntimeError: the real reason"
+    no_exc = LOG.replace("RuntimeError: the real reason\n", "")
+    assert "[ERROR]" in meaningful_line(no_exc) and "return code = 1" in meaningful_line(no_exc)
+    assert meaningful_line(LOG.splitlines()[0] + "\n" + LOG.splitlines()[1]) == ""
+    (res,) = classify(cpu_cfg(), [Entry(1)], {}, LaunchEnd(rc=1, log_tail=LOG))
+    assert res.status == Status.ERROR and res.reason == "launcher exit 1: RuntimeError: the real reason"
+
+
+def test_a_hung_launchs_note_says_what_did_not_happen_within_how_long():
+    hung = "no step finished within 40 s (micro=8; 1.2 s/sample measured, floor timeout_s=60)"
+    (res,) = classify(cpu_cfg(), [Entry(8)], {0: [RankRecord(rank=0, event="begin", micro=8)]},
+                      LaunchEnd(rc=-9, timed_out=True, hung=hung, log_tail=LOG))
+    assert res.status == Status.TIMEOUT and res.reason == hung
