@@ -78,6 +78,14 @@ class Fault:
         self.kind = FaultKind(self.kind)
 
 
+@dataclass(frozen=True)
+class Seed:
+    """The estimate's first guess for a max-batch search (estimate.seed_micro): the largest micro
+    predicted to fit, and the bytes one more sample adds there (None: not known)."""
+    micro: int
+    per_sample: Optional[int] = None
+
+
 @dataclass
 class TrialSpec:
     """trial.json: everything a rank needs to run one trial's plan, written by the runner."""

@@ -14,8 +14,10 @@ and `verdict` says when the search has an answer. `Search` drives launches and t
 
 Strategies for the bracket:
 - doubling: grow x2 until a failure, then bisect.
-- fit: grow x2 too, but as soon as two measurements give memory per sample, predict the boundary
-  from the capacity and try it with the size above. An analytic estimate seeds the first guess.
+- fit: start at the analytic estimate's guess, measured fresh, with the size above as a probe;
+  from each fresh peak predict the boundary from the capacity (the slope from two measurements far
+  apart, else the estimate's bytes per sample) and try it with the size above. Without an
+  estimate, grow x2 until a prediction is possible. Two such predicted launches, then bisection.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from zero_bench.config import BenchConfig, SearchConfig
 from zero_bench.configure import resolve
 from zero_bench.launch import LaunchOptions, run_launch
 from zero_bench.pool import PoolSlot
-from zero_bench.records import Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Status, TrialResult
+from zero_bench.records import (Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Seed, Status,
+                                TrialResult)
 from zero_bench.store import Store
 from zero_bench.time_limits import measured_pace
 from zero_bench.units import MiB
@@ -80,10 +83,18 @@ class Known:
         return min(bad) if bad else None
 
     @property
-    def contradiction(self) -> Optional[int]:
-        """The smallest size that failed below one that fitted."""
+    def fresh_hi(self) -> Optional[int]:
+        """The smallest size above lo that failed in fresh processes (probes' failures aside)."""
         lo = self.lo or 0
-        bad = [m for m, f in self.fits.items() if not f and m < lo]
+        bad = [m for m, runs in self.fresh.items() if not runs[-1] and m > lo]
+        return min(bad) if bad else None
+
+    @property
+    def contradiction(self) -> Optional[int]:
+        """The smallest size that failed fresh below one that fitted. (A probe that failed below a
+        fresh fit is no contradiction: sizes earlier in its process left memory behind.)"""
+        lo = self.lo or 0
+        bad = [m for m, f in self.fits.items() if not f and m < lo and m in self.fresh]
         return min(bad) if bad else None
 
 
@@ -119,46 +130,59 @@ def verdict(known: Known, spec: SearchConfig) -> Optional[SearchStatus]:
     return SearchStatus.DONE if lo in known.measured else None
 
 
-def predict(known: Known, cap: Optional[int], spec: SearchConfig) -> Optional[int]:
-    """Last fitting batch, extrapolated linearly from two fitting measurements far apart.
+def predict(known: Known, cap: Optional[int], spec: SearchConfig, per_sample: Optional[int] = None) -> Optional[int]:
+    """Last fitting batch, extrapolated linearly from the largest fitting measurement.
 
-    Neighbouring batch sizes differ by less than RSS's own noise, so the slope is taken between
-    the largest fitting batch and the largest one at most half of it.
+    It starts from the largest size that fitted fresh where there is one (a probe after other sizes
+    in the same process peaks higher: leftovers). The slope is measured between it and the largest
+    fitting size a quarter of it (at least 4 steps) below (neighbouring sizes differ by less than
+    RSS's own noise); where no such pair exists, `per_sample` (the estimate's bytes per sample near
+    its guess), else the nearest pair there is.
     """
     pts = sorted((m, p) for m, p in known.peak.items() if known.fits.get(m))
-    if cap is None or len(pts) < 2:
+    if cap is None or not pts:
         return None
-    m2, p2 = pts[-1]
-    m1, p1 = max((pt for pt in pts[:-1] if pt[0] <= m2 / 2), default=pts[0])
-    slope = (p2 - p1) / (m2 - m1)
+    fresh = [pt for pt in pts if known.fresh.get(pt[0], [False])[-1]]
+    m2, p2 = (fresh or pts)[-1]
+    far = [pt for pt in pts if pt[0] <= m2 - max(4 * spec.granularity, m2 / 4)]
+    if far:
+        m1, p1 = far[-1]
+        slope = (p2 - p1) / (m2 - m1)
+    elif per_sample:
+        slope = per_sample
+    elif len(pts) >= 2:
+        m1, p1 = next(pt for pt in reversed(pts) if pt[0] != m2)
+        slope = (p2 - p1) / (m2 - m1)
+    else:
+        return None
     if slope <= 0:
         return None
     return snap(m2 + (cap - p2) / slope, spec)
 
 
-def next_plan(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[int] = None,
+def next_plan(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[Seed] = None,
               allow_fit: bool = True) -> list[Entry]:
     """The next launch: ascending micro sizes; empty when `verdict` has the answer.
 
     The first size of every launch runs fresh, so it runs full steps: if it turns out to be the
     boundary, its measurement is already there. With a pool (`search.pool`) a fresh start costs
-    about a second, not a launch: the first launch, which only explores (the seed's or doubling's
-    ascending sizes), then probes its first size too. `allow_fit` is cleared by the
+    about a second, not a launch: a first launch that only explores (doubling's ascending sizes,
+    without a seed) then probes its first size too. `allow_fit` is cleared by the
     caller after a prediction that did not close the bracket: from then on plain bisection
     guarantees the end.
     """
     plan = _next(known, spec, cap, seed, allow_fit)
-    if not plan or (spec.pool and _exploring(known, plan)):
+    if not plan or (spec.pool and _exploring(known, plan, seed)):
         return plan
     return [Entry(plan[0].micro, Mode.MEASURE)] + plan[1:]
 
 
-def _exploring(known: Known, plan: list[Entry]) -> bool:
-    """The first launch of a search: several sizes (the seed's, or doubling) before anything is known."""
-    return len(plan) > 1 and not known.fits
+def _exploring(known: Known, plan: list[Entry], seed: Optional[Seed]) -> bool:
+    """The first launch of a search without a seed: doubling before anything is known."""
+    return len(plan) > 1 and not known.fits and seed is None
 
 
-def _next(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[int], allow_fit: bool) -> list[Entry]:
+def _next(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[Seed], allow_fit: bool) -> list[Entry]:
     if verdict(known, spec) is not None:
         return []
     retry = [m for m, n in known.timeouts.items() if n == 1 and m not in known.fresh]
@@ -166,12 +190,18 @@ def _next(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[i
         return [Entry(min(retry), Mode.MEASURE)]
     if known.contradiction is not None:
         return _retest(known)
+    fit = spec.strategy == "fit" and allow_fit
+    guess = predict(known, cap, spec, seed.per_sample if seed else None) if fit else None
+    lo, failed = known.lo, known.fresh_hi
+    if guess is not None and lo is not None and failed is not None and guess >= failed:
+        # fresh processes refuted this prediction already (its slope is too low): hedge below the failure
+        guess = snap(lo + SEED_HEDGE * (failed - lo), spec)
+    if guess is not None and _past_a_probe(known, guess):
+        return _around(guess, known, spec, ignore_probes=True)
     if bracketed(known, spec):
         return _confirm(known)
-    fit = spec.strategy == "fit" and allow_fit
-    guess = predict(known, cap, spec) if fit else None
-    if guess is None and fit and seed and not known.fits:
-        return _from_seed(snap(seed, spec), spec)
+    if guess is None and fit and seed and known.lo is None:
+        guess = _from_seed(known, spec, seed)
     if guess is not None:
         return _around(guess, known, spec)
     return _grow_or_bisect(known, spec)
@@ -194,20 +224,28 @@ def _confirm(known: Known) -> list[Entry]:
     return [Entry(lo, Mode.MEASURE)]
 
 
-def _from_seed(guess: int, spec: SearchConfig) -> list[Entry]:
-    """First launch from an estimate: the smallest batch and half the seed (so an overshooting
-    seed still leaves two points to fit a line through), then the seed and its neighbour."""
-    guess = max(guess, spec.min)
-    if not spec.multi:
-        return [Entry(guess)]
-    below = sorted({spec.min, snap(guess / 2, spec)} - {guess})
-    above = [Entry(guess + spec.granularity)] if guess + spec.granularity <= spec.max else []
-    return [Entry(m) for m in below] + [Entry(guess)] + above
+def _from_seed(known: Known, spec: SearchConfig, seed: Seed) -> Optional[int]:
+    """Nothing fitted yet: SEED_HEDGE of the estimate's guess, measured fresh; where that failed, a
+    fifth below it. From the first fresh peak, the slope places the next trial."""
+    hi = known.hi
+    if hi is None:
+        return max(snap(SEED_HEDGE * seed.micro, spec), spec.min)
+    below = snap(hi - max(spec.granularity, 0.2 * hi), spec)
+    return below if below >= spec.min and known.fits.get(below) is None else None
 
 
-def _around(guess: int, known: Known, spec: SearchConfig) -> list[Entry]:
-    """The predicted boundary and the size above it (to see it fail)."""
-    g, lo, hi = spec.granularity, known.lo, known.hi
+def _past_a_probe(known: Known, guess: int) -> bool:
+    """The largest fit is fresh and its peak leaves room up to `guess`, at or past a size that
+    failed only as a probe (after other sizes in its process: leftovers inflate such peaks)."""
+    lo, hi = known.lo, known.hi
+    return (lo is not None and hi is not None and hi not in known.fresh and known.fresh.get(lo, [False])[-1]
+            and guess >= hi)
+
+
+def _around(guess: int, known: Known, spec: SearchConfig, ignore_probes: bool = False) -> list[Entry]:
+    """The predicted boundary and the size above it (to see it fail), below the smallest size
+    known to fail (ignore_probes: known to fail fresh)."""
+    g, lo, hi = spec.granularity, known.lo, known.fresh_hi if ignore_probes else known.hi
     guess = max(lo + g if lo is not None else spec.min, min(guess, hi - g if hi is not None else spec.max))
     plan = [Entry(guess)]
     if spec.multi and guess + g < (hi if hi is not None else spec.max + 1):
@@ -231,10 +269,20 @@ def _grow_or_bisect(known: Known, spec: SearchConfig) -> list[Entry]:
     return plan
 
 
+# The first trial of a seeded search, as a fraction of the estimate's guess: the estimate ran 24-31 %
+# high on the CPU demo's models and within a few % on others (docs/estimate.md); a trial below the
+# boundary still gives the fresh peak the next prediction needs, one above it only a failure.
+SEED_HEDGE = 0.85
+# Launches placed by prediction before the search bisects: the estimate's guess, then from the
+# measured peaks (the estimate's slope, then the measured one); peaks grow faster than linearly past
+# small batches, so straight-line guesses beyond that tend to overshoot again.
+FIT_LAUNCHES = 3
+
+
 @dataclass
 class SearchOptions:
     """How one invocation runs a search (beyond the config and the search keys)."""
-    seed: Optional[int] = None  # first guess of the micro-batch (the analytic estimate)
+    seed: Optional[Seed] = None  # first guess of the micro-batch and its bytes per sample (the analytic estimate)
     repeats: int = 1  # fresh full-step measurements at the answer (median reported)
     force: bool = False  # forget stored trials and measure again
     progress: Callable[[str], None] = print
@@ -298,7 +346,7 @@ class Search:
 
     def plan(self) -> list[Entry]:
         known = self.known()
-        plan = next_plan(known, self.spec, self.cap, self.opts.seed, allow_fit=self.fit_launches < 1)
+        plan = next_plan(known, self.spec, self.cap, self.opts.seed, allow_fit=self.fit_launches < FIT_LAUNCHES)
         if not plan and verdict(known, self.spec) == SearchStatus.DONE:
             done = sum(1 for t in self.trials if t.micro == known.lo and t.fresh and t.mode == Mode.MEASURE
                        and t.status == Status.OK)
@@ -312,7 +360,9 @@ class Search:
         # after a launch placed by prediction that did not close the bracket, bisect: peaks grow
         # faster than linearly past small batches (the step's buffers hide the first samples), so a
         # second straight-line guess tends to overshoot again (docs/demo.md: the demo's searches)
-        self.fit_launches += not bracketed(known, self.spec) and predict(known, self.cap, self.spec) is not None
+        per_sample = self.opts.seed.per_sample if self.opts.seed else None
+        self.fit_launches += not bracketed(known, self.spec) and predict(known, self.cap, self.spec,
+                                                                           per_sample) is not None
         name = f"launch{self.launches:02d}"
         if len(plan) == 1:
             self.say(f"launch {self.launches}: micro={plan[0].micro} fresh ({plan[0].mode})")

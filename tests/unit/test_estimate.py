@@ -179,9 +179,11 @@ def test_buffers_from_ds_config():
 def test_seed_micro_and_monotone():
     b = bench("gpt-mini", zero=2, memory_gb=2)
     e = estimate(b)
-    m = seed_micro(b)
+    seed = seed_micro(b)
+    m = seed.micro
     assert m and m == e.max_micro()
     assert e.peak_bytes(m) <= 2 * GiB < e.peak_bytes(m + 1)
+    assert seed.per_sample == e.peak_bytes(m + 1) - e.peak_bytes(m) > 0  # the search's slope at the guess
     assert seed_micro(bench("gpt-mini", zero=2, memory_gb=0.3)) is None  # not even the overhead fits
 
 

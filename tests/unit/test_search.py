@@ -12,8 +12,8 @@ from zero_bench import capacity
 from zero_bench.capacity import compared_peak
 from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig, SearchConfig
 from zero_bench.estimate import estimate
-from zero_bench.records import RankRecord, SearchStatus, Status, TrialResult
-from zero_bench.search import Known, Search, next_plan, predict, snap, verdict
+from zero_bench.records import RankRecord, SearchStatus, Seed, Status, TrialResult
+from zero_bench.search import FIT_LAUNCHES, Known, Search, next_plan, predict, snap, verdict
 from zero_bench.store import Store
 
 from conftest import model
@@ -32,7 +32,8 @@ class Sim:
 
     def __init__(self, boundary: int, spec: SearchConfig, leftover: int = 0, seed=None,
                  base=400 * MiB, per_sample=30 * MiB):
-        self.spec, self.seed, self.leftover, self.base, self.per = spec, seed, leftover, base, per_sample
+        self.spec, self.leftover, self.base, self.per = spec, leftover, base, per_sample
+        self.seed = Seed(seed, per_sample) if seed else None  # the estimate's guess and its slope
         self.cap = base + boundary * per_sample + per_sample // 2
         self.trials: list[TrialResult] = []
         self.launches = 0
@@ -43,7 +44,7 @@ class Sim:
     def run(self, max_launches: int = 100) -> Known:
         for _ in range(max_launches):
             known = Known.from_trials(self.trials)
-            plan = next_plan(known, self.spec, self.cap, self.seed, allow_fit=self.launches < 2)
+            plan = next_plan(known, self.spec, self.cap, self.seed, allow_fit=self.launches < FIT_LAUNCHES + 1)
             if not plan:
                 return known
             self.launches += 1
@@ -166,19 +167,45 @@ def test_predict_ignores_neighbour_noise():
 
 
 @pytest.mark.parametrize("pool", [True, False])
-def test_first_launch_probes_when_a_fresh_start_is_cheap(pool):
-    """With a pool the first launch only explores (its first size is probed; the boundary is
-    measured fresh later); a launch of its own measures its first size in case it is the answer.
-    Either way the answer is the same and its measurement is fresh."""
+def test_a_seeded_search_measures_the_estimates_guess_first(pool):
+    """With the estimate's guess the first launch measures SEED_HEDGE of it fresh and probes the size
+    above; an exact guess and slope then take 3 fresh trials in all (the hedge, b, b + 1). Without a
+    guess, a pool's first launch only explores (doubling, its first size probed: a fresh start
+    costs a second)."""
     spec = SearchConfig(pool=pool)
-    first = next_plan(Known(), spec, None, seed=9)
-    assert [e.micro for e in first] == [1, 4, 9, 10]
-    assert first[0].mode == ("probe" if pool else "measure")
-    known = Known.from_trials([result(1, Status.OK, True), result(9, Status.OK, False), result(10, Status.OOM, False)])
-    assert next_plan(known, spec, None)[0].mode == "measure"  # near the boundary: always measured
-    sim = Sim(10, spec, leftover=20 * MiB, seed=9)
-    assert answer(sim) == (SearchStatus.DONE, 10, 11)
-    assert any(t.micro == 10 and t.fresh and t.mode == "measure" for t in sim.trials)
+    first = next_plan(Known(), spec, None, seed=Seed(20, 30 * MiB))
+    assert [(e.micro, e.mode) for e in first] == [(17, "measure"), (18, "probe")]
+    unseeded = next_plan(Known(), spec, None)
+    assert [e.micro for e in unseeded][:4] == [1, 2, 4, 8] and unseeded[0].mode == ("probe" if pool else "measure")
+    sim = Sim(20, spec, leftover=20 * MiB, seed=20)
+    assert answer(sim) == (SearchStatus.DONE, 20, 21) and sim.launches == 3
+    assert any(t.micro == 20 and t.fresh and t.mode == "measure" for t in sim.trials)
+
+
+@pytest.mark.parametrize("boundary", [12, 30, 80])
+@pytest.mark.parametrize("error", [-0.3, -0.2, -0.1, 0.0, 0.1, 0.2, 0.3])
+@pytest.mark.parametrize("slope_error", [-0.1, 0.0, 0.1])
+def test_fresh_trials_per_search_with_an_estimate_off_either_way(boundary, error, slope_error):
+    """The estimate's guess 0-30 % off either way and its bytes per sample exact or 10 % off, with
+    ~0.7 sample of leftovers in every probe: 3 fresh trials (the hedge below the guess, b, b + 1) from
+    30 % low to 10 % high with an exact slope, at most 4 up to 30 % high, at most 5 with the slope
+    10 % off (the measured slope takes over once two fresh peaks lie far enough apart)."""
+    sim = Sim(boundary, SearchConfig(), leftover=20 * MiB, seed=round(boundary * (1 + error)))
+    sim.seed = Seed(sim.seed.micro, int(sim.per * (1 + slope_error)))
+    assert answer(sim) == (SearchStatus.DONE, boundary, boundary + 1)
+    most = 5 if slope_error else (3 if error <= 0.1 else 4)
+    assert sim.launches <= most, [(t.micro, t.status, t.fresh) for t in sim.trials]
+
+
+def test_predict_starts_from_the_largest_fresh_peak_and_falls_back_to_the_estimates_slope():
+    k = Known()
+    k.add(20, True, True, 700 * MiB)
+    assert predict(k, 800 * MiB, SearchConfig()) is None  # one point and no slope
+    assert predict(k, 800 * MiB, SearchConfig(), per_sample=10 * MiB) == 30
+    k.add(24, True, False, 760 * MiB)  # a probe after other sizes: higher than fresh would be
+    assert predict(k, 800 * MiB, SearchConfig(), per_sample=10 * MiB) == 30  # from the fresh 20
+    k.add(8, True, True, 580 * MiB)  # a fresh peak far below: the measured slope, 10 MiB/sample
+    assert predict(k, 800 * MiB, SearchConfig(), per_sample=99 * MiB) == 30
 
 
 def test_bare_gpu_search_predicts_with_the_card(monkeypatch, tmp_path):

@@ -36,6 +36,7 @@ from zero_bench.capacity import search_capacity
 from zero_bench.config import BenchConfig, EngineName
 from zero_bench.estimate import fsdp2
 from zero_bench.hosts import local_ranks
+from zero_bench.records import Seed
 from zero_bench.estimate.activations import activation_bytes_per_sample
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
 from zero_bench.estimate.gpu import CUBLAS_WORKSPACE, fragmentation, outside_allocator
@@ -241,14 +242,17 @@ def fixed_terms(bench: BenchConfig) -> dict:
                       "cuBLAS workspace": CUBLAS_WORKSPACE}}
 
 
-def seed_micro(bench: BenchConfig) -> Optional[int]:
-    """First guess for the max-batch search: the predicted largest micro-batch for the capacity.
+def seed_micro(bench: BenchConfig) -> Optional[Seed]:
+    """First guess for the max-batch search: the predicted largest micro-batch for the capacity, and
+    what one more sample adds to the predicted peak there (the search's slope until it has measured
+    two fresh peaks far enough apart).
 
     None when the estimate cannot say (no capacity known, or not even micro=1 predicted to fit:
     the search then starts from its minimum).
     """
     try:
-        m = estimate(bench).max_micro()
+        e = estimate(bench)
+        m = e.max_micro()
     except Exception:  # noqa: BLE001 - a first guess must never stop a search
         return None
-    return m if m else None
+    return Seed(m, max(1, e.peak_bytes(m + 1) - e.peak_bytes(m))) if m else None
