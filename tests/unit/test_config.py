@@ -28,11 +28,12 @@ def test_defaults_are_the_cpu_default():
     assert b.global_batch == b.batch.micro * b.parallel.dp
 
 
-def test_the_demo_sweep_is_states_dominated_bf16():
+def test_the_demo_sweep_runs_at_the_precision_this_cpu_computes():
     c = composed("+sweep=cpu_demo")
     b = from_cfg(c)
-    assert (b.model.name, b.precision, c.search.cpu_budget_gb, c.store) == (
-        "GPT-zero-demo", "bf16", 1.15, "results/demo.sqlite")
+    auto = cpu_features.detect().auto_precision  # bf16 where native, fp32 on AVX2-only CPUs
+    assert (b.model.name, b.precision, c.search.cpu_budget_gb, c.search.granularity, c.store) == (
+        "GPT-zero-demo", auto, 0.95, 1, "results/demo.sqlite")
     from zero_bench.sweeps import sweep_size
 
     assert sweep_size(["+sweep=cpu_demo"]) == 3  # ZeRO 0, 1, 3
