@@ -34,8 +34,9 @@ SSHD = "/usr/sbin/sshd"
 
 
 def tiny_cfg(**hw) -> BenchConfig:
+    # precision=fp32: auto would run bf16 on a CPU with native bf16; the ranks' placement is tested here
     return BenchConfig(model=model("gpt-tiny"), parallel=ParallelConfig(tp=1, dp=2),
-                       hardware=HardwareConfig(device="cpu", **hw), zero=2,
+                       hardware=HardwareConfig(device="cpu", **hw), zero=2, precision="fp32",
                        steps=StepsConfig(warmup=1, timed=1), timeout_s=180)
 
 

@@ -1,7 +1,8 @@
-"""The reference table's setup on CPU, in real 2-rank launches: activation recompute (none /
-selective / full, the last through DeepSpeed's activation checkpointing), the megatron_deepspeed
-preset with partitioned, host-resident, contiguous checkpoints and ZeRO-3's zero.Init, torch.compile,
-and the new keys in a report built from those trials. The figures measured are in docs/verified.md."""
+"""The reference table's setup on CPU, in real 2-rank trials (children of one pool): activation
+recompute (none / selective / full, the last through DeepSpeed's activation checkpointing), the
+megatron_deepspeed preset with partitioned, host-resident, contiguous checkpoints and ZeRO-3's
+zero.Init, torch.compile, and the new keys in a report built from those trials. The figures measured
+are in docs/verified.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,8 @@ import pytest
 
 from zero_bench.config import Recompute, HardwareConfig, ModelConfig
 from zero_bench.estimate import activation_bytes_per_sample
-from zero_bench.launch import run_launch
+from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.pool import PoolSlot
 from zero_bench.records import Entry
 from zero_bench.store import Store
 
@@ -30,11 +32,22 @@ MICROS = (2, 6)
 
 
 @pytest.fixture(scope="module")
-def by_mode(tmp_path_factory):
+def pools(tmp_path_factory):
+    """One pool for the module's five trials (three recompute modes, the preset, torch.compile): each
+    a fresh child forked from it, as a search runs them, its figures a launch of its own's
+    (tests/integration/test_pool_cpu.py); what is tested here is the setup, not the launch, and a
+    launch of its own would add ~9 s of imports to each."""
+    with PoolSlot(tmp_path_factory.mktemp("pool")) as slot:
+        yield slot
+
+
+@pytest.fixture(scope="module")
+def by_mode(tmp_path_factory, pools):
     out = {}
     for mode in Recompute:
         b = cpu_cfg(model=LAYERED, recompute=mode)
-        out[mode] = run_launch(b, [Entry(m, "probe") for m in MICROS], tmp_path_factory.mktemp(mode))
+        out[mode] = run_launch(b, [Entry(m, "probe") for m in MICROS], tmp_path_factory.mktemp(mode),
+                               LaunchOptions(pools=pools))
     return out
 
 
@@ -63,17 +76,17 @@ def test_recompute_lowers_memory_per_sample_as_the_formulas_say(by_mode):
 
 
 @pytest.fixture(scope="module")
-def preset(tmp_path_factory):
+def preset(tmp_path_factory, pools):
     b = cpu_cfg(zero=3, offload=True, offload_param=True, precision="bf16", recompute="full",
                 ds_preset="megatron_deepspeed", hardware=HardwareConfig(device="cpu", memory_gb=8))
-    (r,) = run_launch(b, [Entry(2, "measure")], tmp_path_factory.mktemp("preset"))
+    (r,) = run_launch(b, [Entry(2, "measure")], tmp_path_factory.mktemp("preset"), LaunchOptions(pools=pools))
     return r
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def compiled(tmp_path_factory, pools):
     b = dataclasses.replace(cpu_cfg(compile=True), steps=dataclasses.replace(cpu_cfg().steps, warmup=1, timed=2))
-    (r,) = run_launch(b, [Entry(2, "measure")], tmp_path_factory.mktemp("compiled"))
+    (r,) = run_launch(b, [Entry(2, "measure")], tmp_path_factory.mktemp("compiled"), LaunchOptions(pools=pools))
     return r
 
 

@@ -106,31 +106,6 @@ def _trials(db: Path) -> int:
         return 0
 
 
-def test_same_answer_resumed_after_sigkill_and_one_size_per_launch(calibrated, pools, tmp_path):
-    cfg, uninterrupted, _ = calibrated
-    pools.close()  # its lock would refuse the command's own; later searches start a new pool
-    db = tmp_path / "resumed.sqlite"
-    proc = _cli(db, tmp_path / "first", cfg)
-    deadline = time.time() + 300
-    while _trials(db) < 2 and time.time() < deadline:  # killed part-way through its first launch
-        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-2000:]
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.time() + 15  # ranks notice their parent is gone within a second, the launcher then
-    while worker_processes(str(tmp_path)) and time.time() < deadline:  # sees them exit (it polls each 1 s)
-        time.sleep(0.5)
-    assert not worker_processes(str(tmp_path)), "ranks outlived the killed search"
-    proc = _cli(db, tmp_path / "second", cfg)
-    assert proc.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
-    (resumed,) = Store(db).searches()
-    single = run_search(cfg, SearchConfig(max=64, multi=False), Store(tmp_path / "single.sqlite"),
-                        tmp_path / "single", SearchOptions(seed=seed_micro(cfg), progress=lambda s: None, pools=pools))
-    answers = [(r.status, r.max_micro, r.first_fail_micro) for r in (uninterrupted, resumed, single)]
-    assert answers == [(SearchStatus.DONE, uninterrupted.max_micro, uninterrupted.max_micro + 1)] * 3, answers
-    assert all(t.fresh for t in Store(tmp_path / "single.sqlite").trials() if t.status != Status.NOT_RUN)
-
-
 def test_cannot_initialize_is_reported(tmp_path, no_leftovers, pools):
     cfg = budget_cfg(0.25)  # less than a rank needs for torch + deepspeed + the model
     res = run_search(cfg, SearchConfig(max=8), Store(tmp_path / "s.sqlite"), tmp_path / "search",
@@ -166,3 +141,31 @@ def test_finished_search_is_not_repeated(tmp_path, pools):
     n = len(store.trials(cfg.search_key()))
     again = run_search(cfg, SearchConfig(max=2), store, tmp_path / "b", SearchOptions(pools=pools))
     assert again.max_micro == first.max_micro == 2 and len(store.trials(cfg.search_key())) == n
+
+
+# Last in the module: it closes the module's pool (whose lock would refuse the command's own), so
+# no later test has to start another one.
+def test_same_answer_resumed_after_sigkill_and_one_size_per_launch(calibrated, pools, tmp_path):
+    cfg, uninterrupted, _ = calibrated
+    # one size per launch first, while the module's pool still serves (it needs no command's lock)
+    single = run_search(cfg, SearchConfig(max=64, multi=False), Store(tmp_path / "single.sqlite"),
+                        tmp_path / "single", SearchOptions(seed=seed_micro(cfg), progress=lambda s: None, pools=pools))
+    pools.close()  # its lock would refuse the command's own
+    db = tmp_path / "resumed.sqlite"
+    proc = _cli(db, tmp_path / "first", cfg)
+    deadline = time.time() + 300
+    while _trials(db) < 2 and time.time() < deadline:  # killed part-way through its first launch
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-2000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15  # ranks notice their parent is gone within a second, the launcher then
+    while worker_processes(str(tmp_path)) and time.time() < deadline:  # sees them exit (it polls each 1 s)
+        time.sleep(0.5)
+    assert not worker_processes(str(tmp_path)), "ranks outlived the killed search"
+    proc = _cli(db, tmp_path / "second", cfg)
+    assert proc.wait(timeout=600) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    (resumed,) = Store(db).searches()
+    answers = [(r.status, r.max_micro, r.first_fail_micro) for r in (uninterrupted, resumed, single)]
+    assert answers == [(SearchStatus.DONE, uninterrupted.max_micro, uninterrupted.max_micro + 1)] * 3, answers
+    assert all(t.fresh for t in Store(tmp_path / "single.sqlite").trials() if t.status != Status.NOT_RUN)

@@ -25,7 +25,8 @@ import pandas as pd
 import pytest
 
 from zero_bench.config import HardwareConfig
-from zero_bench.launch import run_launch
+from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.pool import PoolSlot
 from zero_bench.records import Entry
 from zero_bench.store import Store
 
@@ -40,13 +41,17 @@ EXPECTED_MICRO = 2  # the calibrated boundary (search.max=8 is far above it)
 
 
 def calibrated_budget_gb(tmp: Path) -> float:
-    """Midway between the per-rank RSS peaks of fresh trials at micro 2 and 3 (ZeRO-1, the grid's middle)."""
+    """Midway between the per-rank RSS peaks of fresh trials at micro 2 and 3 (ZeRO-1, the grid's middle).
+    Both are children of one pool, as the sweep's own trials are (a forked child peaks as a launch of
+    its own does: tests/integration/test_pool_cpu.py), for one launch's start-up instead of two; the
+    pool is closed before the sweep starts (it holds the machine lock the sweep takes)."""
     peaks = []
-    for m in (EXPECTED_MICRO, EXPECTED_MICRO + 1):
-        cfg = cpu_cfg(model=MODEL, zero=1, hardware=HardwareConfig(device="cpu", memory_gb=100.0))
-        (t,) = run_launch(cfg, [Entry(m)], tmp / f"calibrate{m}")
-        assert t.status == "ok", t.reason
-        peaks.append(max(r.peak_rss_bytes for r in t.ranks))
+    with PoolSlot(tmp / "pool") as pools:
+        for m in (EXPECTED_MICRO, EXPECTED_MICRO + 1):
+            cfg = cpu_cfg(model=MODEL, zero=1, hardware=HardwareConfig(device="cpu", memory_gb=100.0))
+            (t,) = run_launch(cfg, [Entry(m)], tmp / f"calibrate{m}", LaunchOptions(pools=pools))
+            assert t.status == "ok", t.reason
+            peaks.append(max(r.peak_rss_bytes for r in t.ranks))
     assert peaks[1] - peaks[0] > 48 * 2**20, peaks  # a sample is worth a margin on either side
     return (peaks[0] + peaks[1]) / 2 / 2**30
 
