@@ -38,6 +38,36 @@ SLOPE_TOL = 0.08
 # backward and step peaks lie within a few MiB of each other): an eighth of a sample per sample
 # (8 MiB here) tells "flat" from "grows by a sample per sample" (64 MiB) with room for that.
 FLAT_TOL = 0.125
+# A slope says which phase holds the peak only where the estimate's phases do not cross between the
+# two micro-batches: each must lie at least half a sample from the crossing. GPT-small ZeRO-2 crosses
+# at micro 3.9 (its activation phase is 0.12 sample above its step phase at 4): a 10-28 MiB error in
+# where the phases meet (measured: 10 here, 28 on an AVX2-only CPU, rank 1's backward peak) then reads
+# as 3-9 MiB per sample. Such a configuration also runs LATE_MICROS, where activations decide.
+LATE_MICROS = (6, 9)
+MARGIN_SAMPLES = 0.5
+
+
+def growth_margin(e, micro: int) -> float:
+    """How far (in samples of the formula's bytes) the estimate's growing phase lies above (+) or
+    below (-) its flat ones at this micro-batch."""
+    formula = e.activations["total"] + e.activations["host"]
+    live = dataclasses.replace(e, act_per_sample=formula)
+    grow = max(live.phase_bytes(p) + micro * live.per_sample(p) for p in e.phases if live.per_sample(p))
+    flat = max([live.phase_bytes(p) for p in e.phases if not live.per_sample(p)] or [0])
+    return (grow - flat) / formula
+
+
+def one_regime(e, micros: tuple) -> bool:
+    margins = [growth_margin(e, m) for m in micros]
+    return all(abs(x) >= MARGIN_SAMPLES for x in margins) and len({x > 0 for x in margins}) == 1
+
+
+def slope_micros(b) -> tuple:
+    """The two micro-batches whose slope this configuration is judged by."""
+    if b.engine != "deepspeed" or one_regime(estimate(b), MICROS):
+        return MICROS
+    assert one_regime(estimate(b), LATE_MICROS), b.label()
+    return LATE_MICROS
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +83,11 @@ def measured(tmp_path_factory):
     configs["llama"] = cpu_cfg("llama-tiny", zero=2)
     with PoolSlot(tmp_path_factory.mktemp("pool")) as pools:
         for key, b in configs.items():
-            res = run_launch(b, [Entry(m, "probe") for m in MICROS], tmp_path_factory.mktemp(f"z{key}"),
+            micros = sorted(set(MICROS) | set(slope_micros(b)))
+            res = run_launch(b, [Entry(m, "probe") for m in micros], tmp_path_factory.mktemp(f"z{key}"),
                              LaunchOptions(pools=pools))
-            assert [r.status for r in res] == ["ok"] * len(MICROS), [(r.status, r.reason) for r in res]
-            out[key] = (b, dict(zip(MICROS, res)))
+            assert [r.status for r in res] == ["ok"] * len(micros), [(r.status, r.reason) for r in res]
+            out[key] = (b, dict(zip(micros, res)))
     return out
 
 
@@ -90,10 +121,21 @@ def test_peak_rss_near_estimate(measured, zero, micro):
 ZERO3_STEP_PHASE = pytest.mark.xfail(strict=True, reason="ZeRO-3's step phase outgrows the estimate's at micro 1")
 
 
-@pytest.mark.parametrize("zero", [pytest.param(z, marks=ZERO3_STEP_PHASE) if z == 3 else z for z in ZERO])
+# Found by this test (2026-11-24) once its slopes stayed within one regime: GPT-small ZeRO-2 from micro
+# 6 to 12, rank 0's backward peak grows by the formula's 63.9 MiB per sample (to the byte), rank 1's by
+# 53.6, from 88 MiB higher at micro 6 (1181 vs 1093 MiB live): rank 1 peaks later in backward, with
+# some activations freed and more of its gradient partition and reduce bucket held, a phase the
+# estimate does not have. At micro 4, where the estimate's phases cross, it put rank 1's peak 10 MiB
+# (here) to 28 MiB (an AVX2-only CPU) above the estimate: the machine-dependent failure of the
+# earlier (1, 4) slope. Strict: when the estimate gets that phase, this passes and the mark must go.
+ZERO2_LATE_BACKWARD = pytest.mark.xfail(strict=True, reason="ZeRO-2 rank 1's late backward phase is not in the estimate")
+
+
+@pytest.mark.parametrize("zero", [pytest.param(z, marks=ZERO3_STEP_PHASE) if z == 3 else
+                                  pytest.param(z, marks=ZERO2_LATE_BACKWARD) if z == 2 else z for z in ZERO])
 def test_bytes_per_sample_match_the_formula(measured, zero):
-    """What (MICROS[1] - MICROS[0]) more samples add to the profiled step's live tensor peak, per
-    sample, against the estimate's tensor peak at the two micro-batches with the formula's bytes per
+    """What more samples add to the profiled step's live tensor peak between two micro-batches in one
+    of the estimate's regimes (slope_micros), per sample, against the estimate's tensor peak there with the formula's bytes per
     sample (activation_bytes_per_sample, not the RSS-fitted CPU factor): absolute bytes, each rank.
     Where the estimate puts the peak in a phase without activations the measured peak must not grow
     either; where activations decide it, it must grow by the formula's bytes per sample."""
@@ -101,12 +143,12 @@ def test_bytes_per_sample_match_the_formula(measured, zero):
     e = estimate(b)
     formula = e.activations["total"] + e.activations["host"]
     live = dataclasses.replace(e, act_per_sample=formula)
-    lo, hi = MICROS
+    lo, hi = slope_micros(b)
     want = (live.allocated_bytes(hi) - live.allocated_bytes(lo)) / (hi - lo)
-    if zero in (3, "llama"):  # here activations decide the peak at both sizes: the slope is the formula's
+    if growth_margin(e, lo) > 0:  # activations decide the peak at both sizes: the slope is the formula's
         assert want == pytest.approx(formula, rel=0.01)
         tol = SLOPE_TOL
-    else:  # GPT-small ZeRO 0-2: the gradients and the optimizer step's buffers do, up to micro 4: flat
+    else:  # GPT-small ZeRO 0-1 up to micro 4: the gradients and the optimizer step's buffers do: flat
         assert want < 0.1 * formula
         tol = FLAT_TOL
     for r_lo, r_hi in zip(res[lo].ranks, res[hi].ranks):
@@ -149,3 +191,17 @@ def test_fsdp2_peaks_near_estimate(measured, name, micro):
     for rank in res[micro].ranks:
         assert e.peak_bytes(micro) == pytest.approx(rank.peak_rss_bytes, rel=0.12)
         assert e.peak_bytes(micro) - e.overhead == pytest.approx(rank.peak_live_bytes, rel=0.05)
+
+
+def test_zero2_rank0_grows_by_the_formula_where_activations_decide(measured):
+    """What ZERO2_LATE_BACKWARD leaves standing: GPT-small ZeRO-2's rank 0 peaks in the estimate's
+    activation phase, and grows by the formula's bytes per sample between LATE_MICROS."""
+    b, res = measured[2]
+    e = estimate(b)
+    formula = e.activations["total"] + e.activations["host"]
+    lo, hi = slope_micros(b)
+    assert (lo, hi) == LATE_MICROS and growth_margin(e, lo) > 0
+    r_lo, r_hi = res[lo].ranks[0], res[hi].ranks[0]
+    assert r_lo.rank == 0 and r_hi.peak_phase == "backward"
+    got = (r_hi.peak_live_bytes - r_lo.peak_live_bytes) / (hi - lo)
+    assert abs(got - formula) <= SLOPE_TOL * formula, (got / 2**20, formula / 2**20)
