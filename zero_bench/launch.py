@@ -29,10 +29,12 @@ from zero_bench import ds_config as dsc
 from zero_bench.capacity import capacity_bytes
 from zero_bench.config import BenchConfig, EngineName
 from zero_bench.configure import resolve
+from zero_bench.cpu_features import onednn_limit, torch_capability
 from zero_bench.environment import machine_environment_cached
 from zero_bench.gpu import DEVICES_ENV
 from zero_bench.hosts import check_hostfile, device_tokens, local_ranks, master_addr
 from zero_bench.machine import machine_lock, remove_shm_buffers
+from zero_bench.metrics import cache_dir
 from zero_bench.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
 from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
 from zero_bench.sampler import RANK_MODULE, Sampler, summarize
@@ -120,12 +122,25 @@ def trial_env(cfg: BenchConfig) -> dict:
             # cannot express): each rank sets CUDA_VISIBLE_DEVICES to this list and uses its local rank.
             env[DEVICES_ENV] = ",".join(tokens[:local_ranks(cfg)])
     env["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+    env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_dir()
     env["PATH"] = venv_path()
     if cfg.hardware.hostfile:
         for k in REMOTE_PASS:
             if os.environ.get(k):
                 env[k] = os.environ[k]
     return env
+
+
+def inductor_cache_dir() -> str:
+    """Where torch.compile's kernels are cached for this CPU's kernel choice. Inductor's own cache
+    (/tmp/torchinductor_<user>) does not tell kernels built under ATEN_CPU_CAPABILITY /
+    ONEDNN_MAX_CPU_ISA from those built without: a compile=true trial that reused the other kind's
+    aborted ("malloc(): unaligned tcache chunk detected", measured), and passed with a cache of its
+    own. The user's TORCHINDUCTOR_CACHE_DIR wins."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    kind = f"{torch_capability()}-{onednn_limit() or 'unset'}".lower()
+    return str(cache_dir() / "inductor" / kind)
 
 
 def venv_path() -> str:

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from zero_bench.config import HardwareConfig, ParallelConfig, SearchConfig
-from zero_bench.estimate import estimate
+from zero_bench.estimate import estimate, seed_micro
 from zero_bench.launch import LaunchOptions, run_launch
 from zero_bench.pool import PoolSlot
 from zero_bench.records import Entry
@@ -109,6 +109,6 @@ def test_maxbatch_search_finds_a_confirmed_boundary(pools, tmp_path):
     budget = est.peak_bytes(6) + est.act_per_sample // 2
     cfg = dataclasses.replace(cfg, hardware=HardwareConfig(device="cpu", memory_gb=budget / 2**30))
     res = run_search(cfg, SearchConfig(max=32), Store(tmp_path / "s.sqlite"), tmp_path / "search",
-                     SearchOptions(seed=6, progress=lambda s: None, pools=pools))
+                     SearchOptions(seed=seed_micro(cfg), progress=lambda s: None, pools=pools))
     assert res.status == "done" and res.max_micro and res.first_fail_micro == res.max_micro + 1, res.note
     assert res.measure and res.measure.fresh and res.measure.time_per_step_s > 0

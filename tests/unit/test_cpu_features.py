@@ -311,3 +311,17 @@ def test_the_resolved_precision_is_in_the_label_and_the_stored_config(cpu_is):
     assert b.label().endswith(" bf16") and b.to_dict()["precision"] == "bf16"
     assert b.search_key() != dataclasses.replace(b, precision="fp32").search_key()
     assert Device(b.hardware.device) == Device.cpu
+
+
+def test_compiled_kernels_are_cached_apart_per_cpu_kernel_choice(tmp_path):
+    """A compile=true trial reusing kernels inductor built under the other CPU restriction aborted
+    (glibc heap corruption): each restriction gets its own cache (launch.inductor_cache_dir)."""
+    code = "from zero_bench.launch import inductor_cache_dir; print(inductor_cache_dir())"
+    base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                             "TORCHINDUCTOR_CACHE_DIR")}
+    base["ZERO_BENCH_CACHE"] = str(tmp_path)
+    plain = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, check=True)
+    avx2 = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**base, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert plain.stdout.strip() != avx2.stdout.strip()
+    assert avx2.stdout.strip() == str(tmp_path / "inductor" / "avx2-avx2")
