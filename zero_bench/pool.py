@@ -34,11 +34,6 @@ from zero_bench.sampler import is_worker
 
 # How long the ranks may take to report a killed child's exit before the pool counts as broken.
 KILL_ANSWER_S = 15.0
-# Why compile=true trials are not forked: torch.compile in a child forked from the pool's ranks
-# aborted (measured: "corrupted size vs. prev_size", "malloc(): unaligned tcache chunk detected",
-# launcher exit -6), where the same trial launched on its own runs.
-COMPILE_UNFORKED = ("compile=true: torch.compile corrupted the heap of a rank forked from the pool (glibc abort); "
-                    "its trials are launched on their own")
 
 
 def pool_key(cfg: BenchConfig) -> str:
@@ -178,18 +173,11 @@ class PoolSlot:
         self.pool: Optional[Pool] = None
         self.started = 0
         self.disabled: Optional[str] = None  # why trials are launched one by one instead
-        self.said: set = set()  # why some configurations' trials are launched on their own, said once
         self._lock: Optional[contextlib.ExitStack] = None
 
     def get(self, cfg: BenchConfig) -> Optional[Pool]:
-        """The pool for `cfg`'s ranks; None once a pool refused, or for a configuration no pool may
-        serve (compile=true): launch each trial on its own."""
+        """The pool for `cfg`'s ranks; None once a pool refused (launch each trial on its own)."""
         if self.disabled is not None:
-            return None
-        if cfg.compile:
-            if COMPILE_UNFORKED not in self.said:
-                self.said.add(COMPILE_UNFORKED)
-                print(f"zero_bench: {COMPILE_UNFORKED}", file=sys.stderr, flush=True)
             return None
         if self.pool is not None and (self.pool.key != pool_key(cfg) or not self.pool.alive()):
             self.close()

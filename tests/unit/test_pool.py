@@ -248,13 +248,3 @@ def test_device_mappings_are_not_mapped_again():
     pagemap = io.BytesIO((1 << 63).to_bytes(8, "little") * (len(spans) + 2))  # every page present
     assert resident_file_pages(maps=io.StringIO(maps), pagemap=pagemap) == [(3 * PAGE, PAGE), (4 * PAGE, PAGE)]
 
-
-def test_compiled_trials_are_never_forked_from_a_pool(tmp_path, capsys):
-    """compile=true: torch.compile aborted in a forked rank (glibc heap corruption), so the slot
-    hands out no pool for it (each trial a launch of its own), says so once, and starts nothing."""
-    slot = PoolSlot(tmp_path / "pools")
-    cfg = cpu_cfg(compile=True)
-    assert slot.get(cfg) is None and slot.get(cfg) is None
-    assert slot.started == 0 and slot.pool is None
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "compile=true" in err[0] and "launched on their own" in err[0]
