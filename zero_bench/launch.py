@@ -132,15 +132,15 @@ def trial_env(cfg: BenchConfig) -> dict:
 
 
 def inductor_cache_dir() -> str:
-    """Where torch.compile's kernels are cached for this CPU's kernel choice. Inductor's own cache
-    (/tmp/torchinductor_<user>) does not tell kernels built under ATEN_CPU_CAPABILITY /
+    """Where torch.compile's kernels are cached for this CPU's kernel choice: a folder per torch
+    capability and oneDNN limit, under TORCHINDUCTOR_CACHE_DIR where that is set (inductor itself
+    sets it in a process that compiled, to its default /tmp/torchinductor_<user>), else under
+    zero_bench's cache. Inductor's own cache does not tell kernels built under ATEN_CPU_CAPABILITY /
     ONEDNN_MAX_CPU_ISA from those built without: a compile=true trial that reused the other kind's
-    aborted ("malloc(): unaligned tcache chunk detected", measured), and passed with a cache of its
-    own. The user's TORCHINDUCTOR_CACHE_DIR wins."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    aborted ("malloc(): unaligned tcache chunk detected", measured), and passed with a folder of its own."""
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_dir() / "inductor")
     kind = f"{torch_capability()}-{onednn_limit() or 'unset'}".lower()
-    return str(cache_dir() / "inductor" / kind)
+    return os.path.join(base, f"zero_bench-{kind}")
 
 
 def venv_path() -> str:
