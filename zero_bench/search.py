@@ -14,10 +14,11 @@ and `verdict` says when the search has an answer. `Search` drives launches and t
 
 Strategies for the bracket:
 - doubling: grow x2 until a failure, then bisect.
-- fit: start at the analytic estimate's guess, measured fresh, with the size above as a probe;
-  from each fresh peak predict the boundary from the capacity (the slope from two measurements far
-  apart, else the estimate's bytes per sample) and try it with the size above. Without an
-  estimate, grow x2 until a prediction is possible. Two such predicted launches, then bisection.
+- fit: start at SEED_HEDGE of the analytic estimate's guess, measured fresh, with the size above as
+  a probe; from the largest fresh peak predict the boundary from the capacity (the slope from two
+  measurements far apart, else the estimate's bytes per sample) and try it with the size above.
+  Without an estimate, grow x2 until a prediction is possible. FIT_LAUNCHES predicted launches,
+  then bisection.
 """
 from __future__ import annotations
 
