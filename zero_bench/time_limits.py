@@ -50,8 +50,10 @@ class Pace:
     def slower(self, other: Optional["Pace"]) -> "Pace":
         """The slower of two measured paces; a measurement replaces an estimate either way (the
         estimate's efficiency is a guess, only meant to hold until the first step is seen)."""
-        if other is None or (self.source == "measured") != (other.source == "measured"):
-            return self if other is None or self.source == "measured" else other
+        if other is None:
+            return self
+        if self.source != other.source:
+            return self if self.source == "measured" else other
         return self if self.s_per_sample >= other.s_per_sample else other
 
 
