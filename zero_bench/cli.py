@@ -1,4 +1,4 @@
-"""Entry point: `zero_bench [run|maxbatch|report|estimate|doctor|status] [hydra overrides]`.
+"""Entry point: `zero_bench [run|maxbatch|report|estimate|doctor|status|calibrate] [hydra overrides]`.
 
 One Hydra app serves every sub-command (the `command` key), so `python -m zero_bench ...`,
 `zero_bench run ...` and Hydra's multirun (`-m zero=0,1,2,3`) compose the same config. Before Hydra
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from zero_bench.calibrate import DEFAULT_MODEL as CALIBRATE_MODEL
 from zero_bench.commands import COMMANDS, Invocation
 from zero_bench.config import CONF_DIR
 from zero_bench.configure import check_all, compose, keys_help
@@ -21,15 +22,18 @@ from zero_bench.sweeps import current_sweep, swept_values
 
 GROUPS = ("model", "parallel", "hardware", "sweep")
 BAD_INPUT, BUSY = 2, 5
-HEADER = """zero_bench [run|maxbatch|report|estimate|doctor|status] [key=value ...] [-m for a sweep]
+HEADER = """zero_bench [run|maxbatch|report|estimate|doctor|status|calibrate] [key=value ...] [-m for a sweep]
   run       one trial at batch.micro          maxbatch  the largest global batch that fits
   report    store -> .xlsx / .csv / .md       estimate  predicted memory per rank, no launch
-  doctor    what this machine can run         status    zero_bench status <sweep dir>: each job's state"""
+  doctor    what this machine can run         status    zero_bench status <sweep dir>: each job's state
+  calibrate this machine's fixed terms, measured in one short launch (model=gpt-tiny unless given)
+            and stored for the estimate"""
 FOOTER = """Exit codes: 0 answered (maxbatch: a boundary, or "does not fit" / "cannot initialize");
 2 bad input (one line names the key and what is allowed); 3 run: the trial did not fit;
 4 a trial or search ended in error, timeout, flaky or incomplete; 5 another zero_bench holds
 this machine's trial lock (DeepSpeed's cleanup would kill each other's trials).
-Hydra's own flags: --hydra-help; `python -m zero_bench --cfg job` prints the composed config."""
+Hydra's own flags: --hydra-help; `python -m zero_bench --cfg job` prints the composed config (the flag
+anywhere on the line; with model=hf, the fields config.json resolved to)."""
 
 
 def help_text() -> str:
@@ -110,7 +114,7 @@ class Session:
             self.pools.close()
 
 
-COMMAND_NAMES = ("run", "maxbatch", "report", "estimate", "doctor", "status")
+COMMAND_NAMES = ("run", "maxbatch", "report", "estimate", "doctor", "status", "calibrate")
 
 
 def parse(argv: list[str]) -> tuple[str, list[str]]:
@@ -119,7 +123,58 @@ def parse(argv: list[str]) -> tuple[str, list[str]]:
     command = args.pop(0) if args and args[0] in COMMAND_NAMES else "run"
     if command == "status" and args and "=" not in args[0] and not args[0].startswith("-"):
         args[0] = f"status_dir={args[0]}"  # `zero_bench status <sweep dir>`
+    if command == "calibrate" and not any(a.lstrip("+~").startswith("model") for a in args):
+        args.insert(0, f"model={CALIBRATE_MODEL}")  # a short launch, unless the user names the model
     return command, ["json=true" if a == "--json" else a for a in args]
+
+
+# Hydra's flags that take a value (hydra-core 1.3, hydra/_internal/utils.py get_args_parser): the
+# value moves with its flag when the command line is reordered; --info's is optional.
+VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
+               "-cd", "--experimental-rerun")
+INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def split_flags(args: list[str]) -> tuple[list[str], list[str]]:
+    """(Hydra's flags with their values, the overrides), each in the order typed. Hydra's argparse
+    takes the overrides as one positional run: an override typed after a flag (`... --cfg job`,
+    or the `command=` main appends) was 'unrecognized arguments'."""
+    flags, overrides, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        takes = a in VALUE_FLAGS or (a in ("--info", "-i") and i + 1 < len(args) and args[i + 1] in INFO_CHOICES)
+        if a.startswith("-"):
+            flags += args[i:i + 2] if takes else [a]
+            i += 2 if takes else 1
+        else:
+            overrides.append(a)
+            i += 1
+    return flags, overrides
+
+
+def flag_value(flags: list[str], *names: str) -> Optional[str]:
+    for i, f in enumerate(flags):
+        key, eq, value = f.partition("=")
+        if key in names:
+            return value if eq else (flags[i + 1] if i + 1 < len(flags) else None)
+    return None
+
+
+def show_resolved_job(command: str, flags: list[str], overrides: list[str]) -> bool:
+    """`--cfg job` with model.hf_config: the job's config with the fields config.json resolved to
+    (Hydra's own print shows the hf preset's placeholders: name ???, gelu, layernorm). True when
+    printed; a sweep or --package is left to Hydra."""
+    from omegaconf import OmegaConf
+
+    from zero_bench.configure import _plain, with_hf_model
+
+    if flag_value(flags, "--cfg", "-c") != "job" or flag_value(flags, "--package", "-p") or swept_values(overrides):
+        return False
+    plain = _plain(compose([*overrides, f"command={command}"]))
+    if (plain.get("model") or {}).get("hf_config") is None:
+        return False
+    sys.stdout.write(OmegaConf.to_yaml(OmegaConf.create(with_hf_model(plain))))
+    return True
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -8,6 +8,7 @@ error, timeout, flaky or incomplete; 5 another zero_bench holds this machine's t
 """
 from __future__ import annotations
 
+import json
 import platform
 import sys
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from zero_bench import calibrate as calibration_run
 from zero_bench import cpu_features
 from zero_bench.capacity import with_cpu_budget
 from zero_bench.config import BenchConfig, ConfigError, Precision
@@ -204,5 +206,24 @@ def doctor(cfg: Any, inv: Optional[Invocation] = None) -> int:
     return OK
 
 
+def calibrate(cfg: DictConfig, inv: Invocation) -> int:
+    """`zero_bench calibrate [overrides] [--json]`: this machine's fixed terms, measured in one short
+    launch of the configuration and stored for the estimate (zero_bench.calibrate)."""
+    bench = bench_here(cfg, inv.out)
+    prebuild_ops(bench)
+    as_json = bool(cfg.get("json", False))
+    print(f"zero_bench calibrate: {bench.label()} micro={bench.batch.micro} -> {inv.out}", flush=True,
+          file=sys.stderr if as_json else sys.stdout)  # with --json stdout is the document alone
+    try:
+        cal, path = calibration_run.calibrate(bench, inv.out)
+    except calibration_run.CalibrationFailed as exc:
+        print(f"zero_bench calibrate: nothing stored: {exc}", file=sys.stderr)
+        return FAILED
+    print(json.dumps({**cal.to_dict(), "said": cal.said, "path": str(path)}, indent=2) if as_json
+          else "\n".join(calibration_run.lines(cal, path)))
+    return OK
+
+
 COMMANDS: dict[str, Callable[[DictConfig, Invocation], int]] = {
-    "run": run, "maxbatch": maxbatch, "report": report, "estimate": estimate, "doctor": doctor, "status": status}
+    "run": run, "maxbatch": maxbatch, "report": report, "estimate": estimate, "doctor": doctor, "status": status,
+    "calibrate": calibrate}

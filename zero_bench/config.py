@@ -108,6 +108,10 @@ class HardwareConfig:
     """How CUDA loads kernels, which sets the CUDA context's size (estimate/gpu.py): lazy, the default
     since CUDA 11.7 with torch 1.13; eager, as software before that did. GPU ranks run with
     CUDA_MODULE_LOADING set to it, so a trial measures what the estimate assumes."""
+    card: Optional[str] = None
+    """The GPU the preset describes, as words of its NVML name ("A100 40GB" names "NVIDIA
+    A100-SXM4-40GB"): the estimate uses this machine's calibration (`zero_bench calibrate`) only when
+    its GPU's name holds every word; None: whatever GPU this machine has. Not part of a trial's key."""
 
 
 @dataclass
@@ -225,6 +229,7 @@ class BenchConfig:
         d["model"] = key_fields(d["model"])
         if d["engine"] == EngineName.deepspeed:
             d.pop("engine")
+        d["hardware"].pop("card", None)  # names the card for the estimate; the trial is the same
         return d
 
     def label(self) -> str:
@@ -283,7 +288,8 @@ class ReportConfig:
 class Config(BenchConfig):
     """The whole composed config: a trial's keys, plus what the sub-command does with them."""
     command: str = "run"
-    """The sub-command (the console script sets it): run, maxbatch, report, estimate, doctor, status."""
+    """The sub-command (the console script sets it): run, maxbatch, report, estimate, doctor, status,
+    calibrate."""
     search: SearchConfig = field(default_factory=SearchConfig)
     store: str = "results/zero_bench.sqlite"
     """Every trial and search result, written as soon as known."""
@@ -295,7 +301,7 @@ class Config(BenchConfig):
     """Seed the search with the analytic estimate's predicted max batch. (The pre-flight check, which
     refuses what the estimate says cannot fit this host, runs either way; force=true skips it.)"""
     json: bool = False
-    """estimate: print JSON instead of the table (also `--json`)."""
+    """estimate, calibrate: print JSON instead of the table / the lines (also `--json`)."""
     report: ReportConfig = field(default_factory=ReportConfig)
     status_dir: Optional[str] = None
     """status: the sweep directory (`zero_bench status DIR` sets it)."""

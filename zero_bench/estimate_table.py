@@ -74,7 +74,8 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     head = (f"zero_bench estimate: {m.name} ({m.num_params:,} params, "
             f"{m.params_per_shard(bench.parallel.tp):,} per TP shard) tp={bench.parallel.tp} "
             f"dp={bench.parallel.dp} on {bench.hardware.device} {bench.precision}, micro x grad_accum "
-            f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank")
+            f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank"
+            + (f"; fixed terms: {first.calibration}" if first else ""))
     return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first),
                       format_table(rows), LEGEND])
 
@@ -84,7 +85,8 @@ def fixed_line(e: Optional[Estimate]) -> str:
     if e is None:
         return ""
     terms = ", ".join(f"{name} {value / MiB:,.0f} MiB" for name, value in e.terms.items())
-    frag = f"; allocator fragmentation x{e.fragmentation:.2f} (ZeRO-{e.zero})" if e.fragmentation != 1 else ""
+    how = ", calibrated" if e.fragmentation_calibrated else ""
+    frag = f"; allocator fragmentation x{e.fragmentation:.2f} (ZeRO-{e.zero}{how})" if e.fragmentation != 1 else ""
     return f"fixed per rank: {terms}{frag}"
 
 
@@ -95,6 +97,7 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
                        "tp": bench.parallel.tp, "dp": bench.parallel.dp, "device": bench.hardware.device,
                        "precision": bench.precision, "capacity_bytes": first.capacity if first else None,
                        "overhead_bytes": first.overhead if first else None,
+                       "calibration": first.calibration if first else None, "terms": first.terms if first else {},
                        "configs": [{**r, "buffers_detail": e.buffers, "activations": e.activations}
                                    for r, e in zip(rows, ests)]}, indent=2)
 

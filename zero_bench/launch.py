@@ -63,6 +63,7 @@ class LaunchOptions:
     pools: Optional["PoolSlot"] = None  # fork the ranks from this search's pool; None: a launch of its own
     fault: Optional[Fault] = None  # tests only: a fault the ranks inject into this trial (zero_bench.faults)
     pace: Optional[Pace] = None  # the slowest seconds per sample measured so far (None: estimated)
+    calibrate: bool = False  # `zero_bench calibrate`: GPU ranks also measure their fixed terms
 
 
 class RunningRanks(Protocol):
@@ -281,7 +282,7 @@ class _Launch:
         # absolute: a pool's ranks run in the pool's working directory, not this job's
         spec = TrialSpec(config=self.cfg, ds_config=ds_path,
                          out_dir=str(self.run_dir.resolve()), plan=self.plan, capacity_bytes=self.cap,
-                         fault=self.opts.fault)
+                         fault=self.opts.fault, calibrate=self.opts.calibrate)
         self.spec_path.write_text(spec.to_json())
         cmd = launcher_cmd(self.cfg, self.spec_path, port)
         env, self.cmd_text = launch_env(self.cfg, self.run_dir, cmd)

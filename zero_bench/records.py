@@ -95,6 +95,7 @@ class TrialSpec:
     plan: list[Entry]
     capacity_bytes: Optional[int] = None
     fault: Optional[Fault] = None  # tests only
+    calibrate: bool = False  # `zero_bench calibrate`: GPU ranks also measure their fixed terms (calibration.py)
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -106,7 +107,7 @@ class TrialSpec:
         d = json.loads(text)
         return cls(config=BenchConfig.from_dict(d["config"]), ds_config=d["ds_config"], out_dir=d["out_dir"],
                    plan=[Entry(**e) for e in d["plan"]], capacity_bytes=d.get("capacity_bytes"),
-                   fault=Fault(**d["fault"]) if d.get("fault") else None)
+                   fault=Fault(**d["fault"]) if d.get("fault") else None, calibrate=d.get("calibrate", False))
 
 
 @dataclass
@@ -218,6 +219,13 @@ class RankRecord:
     gpu_others_bytes: Optional[int] = None  # held by other processes before the rank started (not counted)
     gpu_processes: Optional[int] = None  # compute processes NVML lists on the device
     gpu_shared: Optional[bool] = None  # other processes use the GPU: NVML's device-wide figures include them
+    # `zero_bench calibrate` on GPU only (calibration.FixedTermsProbe), measured at the rank's start:
+    context_bytes: Optional[int] = None  # CUDA's used right after its initialisation, before any
+    # communicator, less other processes' (the CUDA context alone)
+    nccl_world_bytes: Optional[int] = None  # outside-the-allocator growth from the context alone to after
+    # the world group's first all-reduce: one communicator of the world's size, connected
+    cublas_workspace_bytes: Optional[int] = None  # torch's allocated bytes a linear layer's forward (this
+    # thread's cuBLAS handle) and backward (autograd's thread's) left behind: their workspaces
     nvml_error: str = ""
 
     def __post_init__(self) -> None:

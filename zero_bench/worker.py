@@ -25,6 +25,7 @@ from typing import NoReturn, Optional
 
 import torch
 
+from zero_bench.calibration import FixedTermsProbe
 from zero_bench.capacity import compared_peak, over_capacity
 from zero_bench.engines import Engine, build_engine, init_distributed
 from zero_bench.faults import inject
@@ -37,6 +38,7 @@ PHASES = ("init", "forward", "backward", "step", "idle")
 # after the hysteresis: 2**16 reaches 1 in about 17 steps).
 MAX_SKIPPED_STEPS = 40
 COMPILE_WARMUP_STEPS = 2
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Marks:
@@ -102,6 +104,8 @@ def start(spec: TrialSpec) -> "Rank":
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # What other processes hold on the GPU, read before this process's first CUDA call.
     base = None if on_cpu else baseline(local_rank)
+    # calibrate: CUDA starts here, before any communicator, so that its context is measured alone
+    probe = FixedTermsProbe(torch, local_rank) if spec.calibrate and not on_cpu else None
     init_distributed(spec.config, on_cpu)
     rank = torch.distributed.get_rank()
     gpu = None
@@ -111,16 +115,18 @@ def start(spec: TrialSpec) -> "Rank":
         gpu.emulate()
         gpu.serve_deepspeed(get_accelerator())
     runtime = gpu.outside_now() if gpu else rss_now()
+    fixed = probe.measure(gpu, torch.distributed, DTYPES[spec.config.precision]) if probe else {}
     append_record(log_path(spec, rank), RankRecord(
         rank=rank, event=Event.START, pid=os.getpid(), host=os.uname().nodename, local_rank=local_rank,
-        node_rank=int(os.environ.get("CROSS_RANK", 0)), runtime_bytes=runtime, **(gpu.record() if gpu else {})))
+        node_rank=int(os.environ.get("CROSS_RANK", 0)), runtime_bytes=runtime, **fixed,
+        **(gpu.record() if gpu else {})))
     engine = build_engine(spec, on_cpu)
     if gpu:
         gpu.emulate()  # again, now that NCCL's buffers exist
     if spec.config.compile:
         engine.compile()  # torch.compile runs lazily, in the first step of each new shape
     r = Rank(spec, engine, rank, marks, gpu)
-    r.runtime_bytes = runtime
+    r.runtime_bytes, r.fixed_terms = runtime, fixed
     return r
 
 
@@ -184,6 +190,7 @@ class Rank:
         self.states: Optional[dict] = None
         self.applied = self.applied_any = False  # was the last / any optimizer step applied
         self.runtime_bytes: Optional[int] = None  # the process before the model was built (start())
+        self.fixed_terms: dict = {}  # calibrate, GPU: FixedTermsProbe's figures (start()), on every END record
         self._mask = None
 
     def _emit(self, record: RankRecord) -> None:
@@ -303,7 +310,7 @@ class Rank:
                           peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
                           loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,
                           zero_init=self.engine.zero_init, offloaded=self.engine.offloaded(),
-                          runtime_bytes=self.runtime_bytes, marks=self.marks.marks,
+                          runtime_bytes=self.runtime_bytes, marks=self.marks.marks, **self.fixed_terms,
                           **self.memory_now())
 
     def over_capacity(self, rec: RankRecord) -> bool:

@@ -32,6 +32,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from zero_bench import calibration
+from zero_bench.calibration import BUILT_IN_CPU, PUBLISHED, Calibration
 from zero_bench.capacity import search_capacity
 from zero_bench.config import BenchConfig, EngineName
 from zero_bench.estimate import fsdp2
@@ -39,7 +41,8 @@ from zero_bench.hosts import local_ranks
 from zero_bench.records import Seed
 from zero_bench.estimate.activations import activation_bytes_per_sample
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
-from zero_bench.estimate.gpu import CUBLAS_WORKSPACE, fragmentation, outside_allocator
+from zero_bench.estimate.gpu import (CUBLAS_WORKSPACE, communicator_bytes, communicators, fragmentation,
+                                     outside_allocator)
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.units import BYTES
 from zero_bench.models import param_numels
@@ -108,6 +111,9 @@ class Estimate:
     overhead_low: Optional[int] = None  # GPU: outside the allocator at the low end of the published ranges
     fragmentation: float = 1.0  # GPU: reserved / allocated at the peak (the caching allocator)
     terms: dict = dataclasses.field(default_factory=dict)  # the named fixed terms (bytes), for the report
+    calibration: str = PUBLISHED  # where the fixed terms come from: "calibrated on <device>, <date>" or
+    # the published ranges (GPU) / the built-in figure (CPU): zero_bench.calibration
+    fragmentation_calibrated: bool = False  # GPU: the factor was measured here, for this model and stage
 
     @property
     def states_on_rank(self) -> int:
@@ -229,17 +235,44 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
 
 
 def fixed_terms(bench: BenchConfig) -> dict:
-    """The Estimate's fields for what a rank holds besides its model's tensors."""
+    """The Estimate's fields for what a rank holds besides its model's tensors: this machine's
+    calibration where the configuration is about this machine (calibration.for_bench), else the
+    built-in CPU figure or the GPU terms' published ranges."""
+    cal = calibration.for_bench(bench)
     if bench.hardware.device == "cpu":
-        return {"overhead": CPU_RANK_OVERHEAD, "terms": {"runtime (measured on CPU)": CPU_RANK_OVERHEAD}}
+        if cal is None or cal.overhead_bytes is None:
+            return {"overhead": CPU_RANK_OVERHEAD, "terms": {"runtime (measured on CPU)": CPU_RANK_OVERHEAD},
+                    "calibration": BUILT_IN_CPU}
+        return {"overhead": cal.overhead_bytes, "terms": {"runtime (calibrated)": cal.overhead_bytes},
+                "calibration": cal.said}
+    if cal is not None and cal.context_bytes is not None:
+        return calibrated_gpu_terms(bench, cal)
     loading, tp, dp = bench.hardware.cuda_module_loading, bench.parallel.tp, bench.parallel.dp
     high, low = outside_allocator(loading, tp, dp, 1), outside_allocator(loading, tp, dp, 0)
     # cuBLAS's workspace lives inside the allocator but is there from the first matmul on, whatever
     # the batch: it is counted with the fixed terms
     return {"overhead": high.total + CUBLAS_WORKSPACE, "overhead_low": low.total + CUBLAS_WORKSPACE,
-            "fragmentation": fragmentation(bench.zero, bench.engine),
+            "fragmentation": fragmentation(bench.zero, bench.engine), "calibration": PUBLISHED,
             "terms": {f"CUDA context ({loading} loading)": high.cuda_context, "NCCL buffers": high.nccl,
                       "cuBLAS workspace": CUBLAS_WORKSPACE}}
+
+
+def calibrated_gpu_terms(bench: BenchConfig, cal: Calibration) -> dict:
+    """The GPU terms as measured here (low = high): the context with its kernels, NCCL per
+    communicator of each size calibrated (a size not calibrated: its published figure), cuBLAS's
+    workspaces, and the fragmentation where the calibration ran this model and stage."""
+    nccl = {"calibrated": 0, "published": 0}
+    for n in communicators(bench.parallel.tp, bench.parallel.dp):
+        got = cal.nccl_bytes.get(str(n))
+        nccl["published" if got is None else "calibrated"] += communicator_bytes(n) if got is None else got
+    ws = CUBLAS_WORKSPACE if cal.cublas_workspace_bytes is None else cal.cublas_workspace_bytes
+    terms = {"CUDA context and kernels (calibrated)": cal.context_bytes}
+    terms.update({f"NCCL buffers ({k})": v for k, v in nccl.items() if v or k == "calibrated"})
+    terms["cuBLAS workspace" + ("" if cal.cublas_workspace_bytes is None else " (calibrated)")] = ws
+    frag = cal.fragmentation_for(bench)
+    total = sum(terms.values())
+    return {"overhead": total, "overhead_low": total, "terms": terms, "calibration": cal.said,
+            "fragmentation": frag or fragmentation(bench.zero, bench.engine), "fragmentation_calibrated": bool(frag)}
 
 
 def seed_micro(bench: BenchConfig) -> Optional[Seed]:

@@ -61,8 +61,13 @@ def communicators(tp: int, dp: int) -> list[int]:
     return [n for n in (tp * dp, dp, tp if tp > 1 else 1) if n > 1]
 
 
+def communicator_bytes(n: int) -> int:
+    """NCCL's published bytes for one communicator of `n` ranks."""
+    return NCCL_COMMUNICATOR[2] if n == 2 else NCCL_COMMUNICATOR["more"]
+
+
 def nccl_bytes(tp: int, dp: int) -> int:
-    return sum(NCCL_COMMUNICATOR[2] if n == 2 else NCCL_COMMUNICATOR["more"] for n in communicators(tp, dp))
+    return sum(communicator_bytes(n) for n in communicators(tp, dp))
 
 
 def outside_allocator(module_loading: str, tp: int, dp: int, end: int = 1) -> OutsideAllocator:

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import pandas as pd
 
+from zero_bench.calibration import BUILT_IN_CPU, PUBLISHED
 from zero_bench.estimate import Estimate
 from zero_bench.records import RankRecord, TrialResult
 from zero_bench.report.rows import Row
@@ -61,7 +62,7 @@ def _cpu_terms(t: TrialResult, est: Estimate) -> list[tuple]:
     states, with_grads = measured_model_states(t)
     return [
         ("runtime before the model (RSS)", est.overhead, _largest(t, lambda r: r.runtime_bytes),
-         "CPU_RANK_OVERHEAD (measured on this machine kind)"),
+         "CPU_RANK_OVERHEAD (measured on this machine kind)" if est.calibration == BUILT_IN_CPU else est.calibration),
         ("model states (exact count after a step)", estimated_model_states(setup_of(t.config), with_grads), states,
          "ZeRO paper's states, as DeepSpeed allocates them"),
         ("tensors at the peak (live)", est.allocated_bytes(micro), _largest(t, lambda r: r.peak_live_bytes),
@@ -83,12 +84,13 @@ def _fragmentation(r: RankRecord) -> Optional[int]:
 
 def _gpu_terms(t: TrialResult, est: Estimate) -> list[tuple]:
     micro, alloc = t.micro, est.allocated_bytes(t.micro)
-    names = ", ".join(est.terms)
+    names = ", ".join(est.terms) + ("" if est.calibration == PUBLISHED else f" ({est.calibration})")
     return [
         ("allocator peak (torch max allocated)", alloc, _largest(t, lambda r: r.torch_peak_allocated),
          "states + buffers + activations (Korthikanti)"),
         ("fragmentation (reserved - allocated)", int((est.fragmentation - 1) * alloc), _largest(t, _fragmentation),
-         f"x{est.fragmentation:.2f} for ZeRO-{est.zero} (published reserved/allocated)"),
+         f"x{est.fragmentation:.2f} for ZeRO-{est.zero} "
+         f"({est.calibration if est.fragmentation_calibrated else 'published reserved/allocated'})"),
         ("outside the allocator (NVML used - reserved)", est.overhead, _largest(t, _outside), names),
         ("device peak (NVML used, as nvidia-smi)", est.peak_bytes(micro),
          _largest(t, lambda r: r.nvml_peak_bytes or r.device_peak_bytes), "all of the above"),

@@ -1,0 +1,132 @@
+"""`zero_bench calibrate`: this machine's fixed terms, measured in one short real launch and stored
+where the estimate finds them (zero_bench.calibration).
+
+The launch is the configuration's own: its tp x dp ranks, engine, ZeRO stage and precision, so the
+NCCL communicators are the ones its groups create; the model is gpt-tiny unless one is given (cli.py),
+one probe entry at batch.micro (steps.probe optimizer steps, then a profiled step).
+CPU: each rank's RSS before the model and its peak RSS less its peak live tensors (the estimate's
+fixed term), then, in this process under the machine lock, the matmul rate of each CPU precision.
+GPU: what calibration.FixedTermsProbe measures at each rank's start (the context alone, NCCL's
+world communicator, cuBLAS's workspaces), and at the entry's end the memory outside the allocator
+and torch's peak reserved / allocated.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from zero_bench.calibration import Calibration, cpu_key, gpu_identity, gpu_key, save
+from zero_bench.config import BenchConfig, software_versions
+from zero_bench.estimate.gpu import communicators
+from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.machine import machine_lock
+from zero_bench.metrics import cpu_model, measure_cpu_peak, rank_threads
+from zero_bench.records import Entry, Mode, RankRecord, Status, TrialResult
+from zero_bench.units import MiB
+
+DEFAULT_MODEL = "gpt-tiny"  # a short launch: the smallest preset unless the command line names a model
+CPU_PRECISIONS = ("fp32", "bf16")  # what a CPU trial computes in (fp16 is GPU only)
+
+
+class CalibrationFailed(RuntimeError):
+    """The launch did not finish its entry, or the machine cannot be named: nothing is stored."""
+
+
+def calibrate(bench: BenchConfig, out: Path) -> tuple[Calibration, Path]:
+    """Measure, store, and return the calibration with the cache's path."""
+    on_cpu = bench.hardware.device == "cpu"
+    key, device, software = machine(bench)
+    with machine_lock():  # the matmul rates too: no other trial may share the cores meanwhile
+        (res,) = run_launch(bench, [Entry(bench.batch.micro, Mode.PROBE)], out, LaunchOptions(calibrate=True))
+        if res.status != Status.OK:
+            raise CalibrationFailed(f"{res.label} micro={res.micro}: {res.status}: {res.reason}")
+        threads = rank_threads()
+        rates = {p: measure_cpu_peak(p, threads)["flops"] for p in CPU_PRECISIONS} if on_cpu else {}
+    cal = from_result(bench, res, key, device, software, rates)
+    return cal, save(cal)
+
+
+def machine(bench: BenchConfig) -> tuple[str, str, dict]:
+    """(cache key, device name, software versions) of this machine for `bench`'s device."""
+    software = dict(software_versions())
+    if bench.hardware.device == "cpu":
+        return cpu_key(), cpu_model(), software
+    ident = gpu_identity(bench.hardware.devices)
+    if ident is None:
+        raise CalibrationFailed("NVML names no GPU here: a GPU calibration is keyed by the GPU's name and driver")
+    software.update(cuda=ident.cuda, nccl=ident.nccl, driver=ident.driver)
+    return gpu_key(str(bench.hardware.cuda_module_loading), ident), ident.name, software
+
+
+def _largest(ranks: list[RankRecord], read: Callable[[RankRecord], Optional[float]]) -> Optional[float]:
+    values = [v for v in map(read, ranks) if v is not None]
+    return max(values) if values else None
+
+
+def from_result(bench: BenchConfig, res: TrialResult, key: str, device: str, software: dict,
+                rates: dict) -> Calibration:
+    """The calibration a finished entry's rank records hold (pure). Raises CalibrationFailed when a
+    figure the estimate needs was not recorded."""
+    ranks = res.ranks
+    common = dict(key=key, kind=str(bench.hardware.device), device=device, date=time.strftime("%Y-%m-%d %H:%M"),
+                  label=f"{bench.label()} micro={res.micro}", model=bench.model.name, engine=str(bench.engine),
+                  zero=bench.zero, tp=bench.parallel.tp, dp=bench.parallel.dp, software=software,
+                  runtime_bytes=_largest(ranks, lambda r: r.runtime_bytes))
+    if bench.hardware.device == "cpu":
+        overhead = _largest(ranks, lambda r: None if r.peak_rss_bytes is None or r.peak_live_bytes is None
+                            else r.peak_rss_bytes - r.peak_live_bytes)
+        if overhead is None:
+            raise CalibrationFailed("the ranks recorded no peak RSS / live tensors")
+        return Calibration(**common, overhead_bytes=int(overhead), matmul_flops=rates, threads=rank_threads())
+    outside, nccl = _largest(ranks, lambda r: r.outside_bytes), _largest(ranks, lambda r: r.nccl_world_bytes)
+    context = _largest(ranks, lambda r: r.context_bytes)
+    if outside is None or context is None:
+        raise CalibrationFailed("the ranks recorded no CUDA context / memory outside the allocator")
+    comms = communicators(bench.parallel.tp, bench.parallel.dp)
+    return Calibration(
+        **common, module_loading=str(bench.hardware.cuda_module_loading), context_at_init_bytes=context,
+        nccl_bytes={} if nccl is None else {str(bench.parallel.world_size): nccl},
+        cublas_workspace_bytes=_largest(ranks, lambda r: r.cublas_workspace_bytes), outside_bytes=outside,
+        # what stays outside besides NCCL is the context with the kernels loaded so far (lazy loading)
+        context_bytes=max(0, outside - (nccl or 0) * len(comms)),
+        peak_allocated_bytes=_largest(ranks, lambda r: r.torch_peak_allocated),
+        peak_reserved_bytes=_largest(ranks, lambda r: r.torch_peak_reserved),
+        fragmentation=_largest(ranks, lambda r: r.torch_peak_reserved / r.torch_peak_allocated
+                               if r.torch_peak_reserved and r.torch_peak_allocated else None))
+
+
+def _mib(b: Optional[float]) -> str:
+    return "-" if b is None else f"{b / MiB:,.1f} MiB"
+
+
+def terms(cal: Calibration) -> list[tuple[str, str, str]]:
+    """(term, figure, how it was measured), one per measured term."""
+    if cal.kind == "cpu":
+        rates = [(f"matmul {p}", f"{f / 1e9:,.1f} GFLOP/s",
+                  f"best 1024 x 1024 F.linear over 0.5 s on {cal.threads} thread(s), in the runner")
+                 for p, f in cal.matmul_flops.items()]
+        return [("runtime before the model", _mib(cal.runtime_bytes),
+                 "RSS at each rank's start, before its model is built (largest rank)"),
+                ("rank overhead (the estimate's term)", _mib(cal.overhead_bytes),
+                 "peak RSS - peak live tensors at the entry's end (largest rank)"), *rates]
+    comms = len(communicators(cal.tp, cal.dp))
+    nccl = [(f"NCCL per communicator ({n} ranks)", _mib(b), "growth outside the allocator over the world "
+             "group's first all-reduce") for n, b in cal.nccl_bytes.items()]
+    frag = "-" if cal.fragmentation is None else f"x{cal.fragmentation:.3f}"
+    return [("CUDA context at init", _mib(cal.context_at_init_bytes),
+             "CUDA's used right after it started, before any communicator, less other processes'"), *nccl,
+            ("cuBLAS workspaces", _mib(cal.cublas_workspace_bytes),
+             "torch's allocated after a linear layer's forward and backward (main and autograd's thread)"),
+            ("outside the allocator at the end", _mib(cal.outside_bytes), "CUDA's used - torch's reserved"),
+            ("CUDA context and kernels (the estimate's term)", _mib(cal.context_bytes),
+             f"outside at the end - {comms} communicator(s) x NCCL's"),
+            ("allocator reserved / allocated", frag, f"{_mib(cal.peak_reserved_bytes)} / "
+             f"{_mib(cal.peak_allocated_bytes)} at the entry's peak ({cal.model} ZeRO-{cal.zero})")]
+
+
+def lines(cal: Calibration, path: Path) -> list[str]:
+    """What `zero_bench calibrate` prints: one line per term, then where it went."""
+    width = max(len(t[0]) for t in terms(cal))
+    out = [f"{name:<{width}}  {figure:>14}  {how}" for name, figure, how in terms(cal)]
+    return out + [f"wrote {path} ({cal.said}; the estimate uses it for {cal.kind} on this machine)"]
