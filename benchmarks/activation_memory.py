@@ -2,7 +2,7 @@
 (zero_bench.estimate.activations) for recompute none / selective / full, sdpa vs unfused attention,
 dropout 0 and 0.1.
 
-    python benchmarks/activation_memory.py [micros=2,6] [dropout=0,0.1] [parts=process,trials]
+    python benchmarks/activation_memory.py [micros=2,6] [dropout=0,0.1] [parts=process,trials] [model=llama-tiny]
 
 Two instruments, each reporting the bytes one more sample adds (the slope between the two
 micro-batches), fp32 (CPU's default precision):
@@ -40,8 +40,9 @@ MiB = 2**20
 SENTINEL = 7_777_777  # bytes; no tensor of the model has this size
 
 
-def llama_tiny() -> ModelConfig:
-    return ModelConfig(**yaml.safe_load((ROOT / "conf/model/llama-tiny.yaml").read_text()))
+def preset(name: str = "llama-tiny") -> ModelConfig:
+    """A conf/model preset (qwen3-tiny: qk-norm and head_dim apart from h / a)."""
+    return ModelConfig(**yaml.safe_load((ROOT / f"conf/model/{name}.yaml").read_text()))
 
 
 def variants(dropouts: list[float]):
@@ -170,10 +171,12 @@ def main() -> None:
     micros = tuple(int(x) for x in args.get("micros", "2,6").split(","))
     dropouts = [float(x) for x in args.get("dropout", "0,0.1").split(",")]
     parts = args.get("parts", "process,trials").split(",")
-    base = llama_tiny()
+    base = preset(args.get("model", "llama-tiny"))
     print(f"{base.name}: L={base.num_layers} h={base.hidden_size} a={base.num_heads} g={base.query_groups} "
           f"f={base.ffn} s={base.seq_len} V={base.padded_vocab(1)} {base.activation} {base.normalization} "
-          f"{base.position_embedding}, untied; CPU_ACTIVATION_FACTOR {CPU_ACTIVATION_FACTOR}")
+          f"{base.position_embedding}, {'tied' if base.tie_embeddings else 'untied'}"
+          f"{', head_dim %d' % base.head_dim if base.head_dim else ''}{', qk-norm' if base.qk_norm else ''}; "
+          f"CPU_ACTIVATION_FACTOR {CPU_ACTIVATION_FACTOR}")
     t0 = time.time()
     if "trials" in parts:
         with tempfile.TemporaryDirectory() as tmp:

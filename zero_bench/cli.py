@@ -184,13 +184,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     if any(a in ("--help", "-h") for a in args):
         print(help_text())
         return
-    if not any(a in ("--hydra-help", "--info") for a in args):
+    flags, overrides = split_flags(args)
+    if not any(a in ("--hydra-help", "--info", "-i") for a in flags):
         try:
-            precheck(args)
+            precheck(overrides)
+            if show_resolved_job(command, flags, overrides):
+                return
         except ConfigError as exc:
             fail(exc, BAD_INPUT)
-    session = Session(frozenset(a.lstrip("~+").partition("=")[0] for a in args if "=" in a))
-    sys.argv = [sys.argv[0], *args, f"command={command}"]  # after flags: argparse wants positionals together
+    session = Session(frozenset(a.lstrip("~+").partition("=")[0] for a in overrides if "=" in a))
+    sys.argv = [sys.argv[0], *flags, *overrides, f"command={command}"]  # argparse wants positionals together
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
     def app(cfg) -> None:

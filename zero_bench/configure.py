@@ -136,7 +136,7 @@ def check_model(m: ModelConfig) -> None:
     """The description's ranges, one key per message; choices (activation, ...) are the schema's enums."""
     for k in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size", "pad_vocab_to"):
         integer(f"model.{k}", getattr(m, k))
-    for k in ("ffn_hidden_size", "num_query_groups"):
+    for k in ("ffn_hidden_size", "num_query_groups", "head_dim"):
         if getattr(m, k) is not None:
             integer(f"model.{k}", getattr(m, k))
     if m.num_heads % m.query_groups:
@@ -276,8 +276,9 @@ def validate_static(b: BenchConfig) -> None:
     if b.recompute == "full" and m.num_layers % b.recompute_layers:
         raise ConfigError(f"recompute_layers={b.recompute_layers}: must divide model.num_layers={m.num_layers} "
                           "(megatron's uniform recompute)")
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.num_heads={m.num_heads}: must divide model.hidden_size={m.hidden_size}")
+    if m.head_dim is None and m.hidden_size % m.num_heads:  # heads are h / a wide unless head_dim says
+        raise ConfigError(f"model.num_heads={m.num_heads}: must divide model.hidden_size={m.hidden_size} "
+                          "(or set model.head_dim)")
     if b.offload and b.zero == 0:
         raise ConfigError("offload=true: needs ZeRO stage 1, 2 or 3 (got zero=0); allowed with zero=0: false")
     if b.offload_param and b.zero != 3 and b.engine == EngineName.deepspeed:

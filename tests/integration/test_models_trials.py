@@ -2,7 +2,8 @@
 untied, sdpa): ZeRO 0-3 and tp=2 give the same fp32 losses at every step, sdpa and megatron's
 unfused attention agree within rounding, recompute with dropout (selective through the CPU
 checkpoint, full through DeepSpeed's with megatron pointed at its RNG tracker) keeps every loss, and
-a max-batch search finds a confirmed boundary. All trials are children of one pool (one launch)."""
+a max-batch search finds a confirmed boundary; the Qwen3-style qwen3-tiny (qk-norm, head_dim apart
+from h / a) trains with equal losses at tp 1 and 2. All trials are children of one pool (one launch)."""
 from __future__ import annotations
 
 import dataclasses
@@ -99,6 +100,39 @@ def test_recompute_with_dropout_keeps_every_loss(trials):
     assert ref[0] != losses(trials, "tp2")[0]  # dropout is on
     for name in ("dropout_selective", "dropout_full"):
         assert losses(trials, name) == ref, name
+
+
+# lr 1e-3 (10x base.json's): a q/k-norm gradient left unsummed over tp shows in the losses. Measured
+# here (fp32): summed, tp 2 within 6.8e-8 of tp 1; unsummed (qk_norm.py's all-reduce taken out),
+# 1.6e-6 off by step 3. At lr 1e-4 unsummed stayed within 5.5e-7, under the 1e-6 used above.
+QWEN3_LR = {"optimizer": {"params": {"lr": 1e-3}}}
+QWEN3 = {"qwen3": dict(zero=1, ds=QWEN3_LR), "qwen3_tp2": dict(zero=1, parallel=TP2, ds=QWEN3_LR)}
+
+
+@pytest.fixture(scope="module")
+def qwen3_trials(pools, tmp_path_factory):
+    """qwen3-tiny at tp 1 (dp 2) and tp 2, ZeRO-1, children of the same pool: apart from `trials`,
+    so that this case alone launches only its own two."""
+    out = {}
+    for name, kw in QWEN3.items():
+        cfg = cpu_cfg("qwen3-tiny", **kw)
+        (res,) = run_launch(cfg, [Entry(2, "measure")], tmp_path_factory.mktemp(name), LaunchOptions(pools=pools))
+        out[name] = (cfg, res)
+    return out
+
+
+def test_qwen3_style_model_trains_and_tp2_keeps_its_losses(qwen3_trials):
+    """qwen3-tiny (qk-norm, 8 heads of 64 on h 256, 2 query groups, tied): each rank holds the
+    parameters params.py counts, it trains, and at tp 2 the losses equal tp 1's at every step: each
+    tp rank normalises its own heads, and the shared q/k-norm weights' gradients are summed over tp
+    (models/qk_norm.py), as megatron's own finalize_model_grads would (DeepSpeed runs none)."""
+    for name, (cfg, res) in qwen3_trials.items():
+        assert res.status == "ok", (name, res.reason)
+        local = [r.model_states["numel_local"] for r in res.ranks]
+        assert local == [cfg.model.params_per_shard(cfg.parallel.tp)] * len(local), name
+    ref = losses(qwen3_trials, "qwen3")
+    assert ref[-1] < ref[0]
+    assert max_rel_diff(losses(qwen3_trials, "qwen3_tp2"), ref) < 3e-7, (losses(qwen3_trials, "qwen3_tp2"), ref)
 
 
 def test_maxbatch_search_finds_a_confirmed_boundary(pools, tmp_path):

@@ -146,6 +146,27 @@ def test_modern_terms_by_hand():
     assert cpu["per_layer"] - x["per_layer"] == 2 * s * (8 * h - 2 * h)
 
 
+def test_qk_norm_and_head_dim_terms_by_hand():
+    """qwen3-tiny (8 heads of 64 on h 256, 2 groups: q 512, kv 128, qk-norm) against itself without
+    qk-norm, per token and layer. CPU fp32 (measured with benchmarks/activation_memory.py's
+    instrument: saved bytes exact): the query copy 4q, the fp32 normalised q and k, an rsqrt per head,
+    and the QKV output the key's view pins. GPU bf16 (fused RMSNorm, read from the code): the query
+    copy, rstd per head and the pinned QKV output."""
+    m = model("qwen3-tiny")
+    s, q, kv, rows = 256, 512, 128, 8 + 2
+    plain = dataclasses.replace(m, qk_norm=False)
+    cpu = [activation_bytes_per_sample(x, 1, "fp32", device="cpu")["per_layer"] for x in (m, plain)]
+    assert cpu[0] - cpu[1] == s * (4 * q + 4 * (q + kv) + 4 * rows + 4 * (q + 2 * kv)) == s * 7720
+    gpu = [activation_bytes_per_sample(x, 1, "bf16")["per_layer"] for x in (m, plain)]
+    assert gpu[0] - gpu[1] == s * (2 * q + 4 * rows + 2 * (q + 2 * kv))
+    # selective: the checkpoint's inputs already hold the QKV output; the norms' own tensors stay
+    sel = [activation_bytes_per_sample(x, 1, "fp32", "selective", device="cpu")["layers"] for x in (m, plain)]
+    assert sel[0] - sel[1] == 4 * s * (4 * q + 4 * (q + kv) + 4 * rows)
+    # the head width, not h / a, sizes Q, K, V and the context (q = 512 on h = 256)
+    assert activation_bytes_per_sample(plain, 1, "bf16")["per_layer"] == s * (
+        2 * (2 * 256 + 8) + 2 * 2 * 256 + 2 * (q + 2 * kv) + 4 * 8 + 2 * q + 5 * 768 * 2)
+
+
 def test_vocab_padded_like_megatron():
     m = bench("gpt345m").model
     assert m.vocab_size == 50257 and m.padded_vocab(1) == 50304 and m.padded_vocab(8) == 51200
@@ -250,7 +271,7 @@ def test_preflight_gpu_cannot_initialize():
 
 
 @pytest.mark.parametrize("name, count", [("Llama-3-8B", 8_030_261_248), ("Mistral-7B-v0.1", 7_241_732_096),
-                                         ("Qwen2.5-7B", 7_615_616_512)])
+                                         ("Qwen2.5-7B", 7_615_616_512), ("Qwen3-8B", 8_190_735_360)])
 def test_cli_estimates_a_hugging_face_config_with_its_published_count(tmp_path, name, count):
     r = _cli("estimate", "model=hf", f"model.hf_config={ROOT}/tests/data/hf/{name}/config.json", "model.seq_len=4096",
              "parallel=dp8", "hardware=h100_80gb", "--json", f"hydra.run.dir={tmp_path}")
@@ -268,5 +289,5 @@ def test_cli_refuses_an_unsupported_model_type_in_one_line(tmp_path):
     r = _cli("estimate", "model=hf", f"model.hf_config={path}", "model.seq_len=4096", f"hydra.run.dir={tmp_path}")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and r.stdout.strip() == ""
-    assert lines == ["zero_bench: error: model.hf_config: model_type=gemma2: zero_bench reads llama, mistral, qwen2 "
-                     "config.json files (other families are not modelled)"], r.stderr
+    assert lines == ["zero_bench: error: model.hf_config: model_type=gemma2: other families are not modelled; "
+                     "zero_bench reads llama, mistral, qwen2, qwen3 (nearest: qwen2)"], r.stderr

@@ -67,6 +67,14 @@ def test_llama_flops_count_the_output_layer_once():
     assert model_flops_per_seq(m) / 8192 == pytest.approx(6 * n + 12 * 32 * 4096 * 8192)
 
 
+def test_qwen3_flops_count_heads_of_head_dim():
+    """Qwen3-0.6B: 16 heads of 128 on h = 1024, so the attention term's a x d is 2048, not h; tied,
+    so N is num_params (qk-norm's 256 weights per layer inside it, as norms are)."""
+    m = model("qwen3-0.6b")
+    assert model_flops_per_seq(m) == convention_flops_per_seq(m.num_params, 28, 16 * 128, 4096)
+    assert model_flops_per_seq(m) / 4096 == pytest.approx(6 * m.num_params + 12 * 28 * 2048 * 4096)
+
+
 @pytest.mark.parametrize("name, precision, peak", [
     ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
     ("NVIDIA A100-PCIE-40GB", "fp16", 312e12),

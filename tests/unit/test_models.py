@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,13 +23,20 @@ from conftest import model
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "hf")
 HF_DIR = Path(__file__).resolve().parents[1] / "data" / "hf"
-# Parameter counts as published (model cards; Qwen2.5-0.5B: tied embeddings).
+# Parameter counts as published (model cards; Qwen2.5-0.5B: tied embeddings). Qwen3's and
+# Mistral-Nemo's cards round (MODEL_CARDS); the exact figures are their config.json's shapes summed,
+# which the live model checks below.
 PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,
-             "mistral-7b": 7_241_732_096, "qwen2.5-7b": 7_615_616_512}
+             "mistral-7b": 7_241_732_096, "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
+             "qwen3-0.6b": 596_049_920}
 HF_PUBLISHED = {"Llama-3-8B": (8_030_261_248, "llama3-8b"), "Llama-3.1-70B": (70_553_706_496, "llama3.1-70b"),
                 "Llama-3.1-405B": (405_853_388_800, "llama3.1-405b"),
                 "Mistral-7B-v0.1": (7_241_732_096, "mistral-7b"), "Qwen2.5-7B": (7_615_616_512, "qwen2.5-7b"),
-                "Qwen2.5-0.5B": (494_032_768, None)}
+                "Qwen2.5-0.5B": (494_032_768, None), "Qwen3-8B": (8_190_735_360, "qwen3-8b"),
+                "Qwen3-0.6B": (596_049_920, "qwen3-0.6b"), "Mistral-Nemo-Base-2407": (12_247_782_400, None)}
+# (total, non-embedding) in billions as the model cards print them: Qwen/Qwen3-8B "8.2B / 6.95B",
+# Qwen/Qwen3-0.6B "0.6B / 0.44B"; mistralai/Mistral-Nemo-Base-2407 "12B" (Hugging Face's page: 12.2B).
+MODEL_CARDS = {"Qwen3-8B": (8.2, 6.95), "Qwen3-0.6B": (0.6, 0.44), "Mistral-Nemo-Base-2407": (12.2, None)}
 
 
 @pytest.fixture
@@ -69,7 +77,7 @@ def test_param_list_is_the_live_models(tp, fake_tp):
             continue
         assert live_numels(m, tp) == param_numels(m, tp), name
         built += 1
-    assert built == {1: 15, 2: 15, 8: 10}[tp]
+    assert built == {1: 18, 2: 18, 8: 12}[tp]
 
 
 def test_published_counts():
@@ -98,7 +106,7 @@ def test_reference_table_presets_carry_their_time_s_defaults():
     for name in ("gpt345m", "gpt1.3b", "gpt2.5b", "gpt5.8b", "gpt8.3b"):
         m = model(name)
         assert (m.dropout, m.attention) == (0.1, "unfused"), name
-    for name in ("gpt-tiny", "gpt-mini", "gpt-small", "gpt-zero-demo", "llama-tiny"):
+    for name in ("gpt-tiny", "gpt-mini", "gpt-small", "gpt-zero-demo", "llama-tiny", "qwen3-tiny"):
         assert model(name).dropout == 0.0, name
 
 
@@ -139,7 +147,7 @@ def refusals(base: dict) -> list[tuple[str, dict]]:
     return [
         ("model_type=gemma2", alter(model_type="gemma2")),
         ("hidden_act=gelu_pytorch_tanh", alter(hidden_act="gelu_pytorch_tanh")),
-        ("head_dim=256", alter(head_dim=256)),
+        ("attention_bias=true", alter(model_type="qwen3", attention_bias=True)),  # Q, K, V and O, no MLP
         ("attention_bias=true", alter(attention_bias=True)),
         ("mlp_bias=true", alter(mlp_bias=True)),
         ("rope_scaling.rope_type=yarn", alter(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
@@ -174,6 +182,150 @@ def test_hf_keeps_the_users_keys_and_refuses_conflicting_ones():
         hf_bench(HF_DIR / "nope.json")
     with pytest.raises(ConfigError, match=r"parallel.tp=16: must divide the query groups"):
         hf_bench(HF_DIR / "Llama-3-8B", "parallel.tp=16")  # 32 heads, 8 query groups
+
+
+def test_model_cards_round_to_the_counts():
+    for name, (total, non_embedding) in MODEL_CARDS.items():
+        m = hf_bench(HF_DIR / name).model
+        embedding = m.padded_vocab(1) * m.hidden_size * (1 if m.tie_embeddings else 2)
+        assert round(m.num_params / 1e9, 1) == total, name
+        assert non_embedding is None or round((m.num_params - embedding) / 1e9, 2) == non_embedding, name
+
+
+@pytest.mark.parametrize("name, tps", [("Mistral-Nemo-Base-2407", (1, 8)), ("Qwen2.5-0.5B", (1, 2))])
+def test_hf_param_list_is_the_live_models(name, tps, fake_tp):
+    """The config.json files no preset mirrors (head_dim 128 on 5120 / 32 heads; tied with QKV bias)."""
+    m = hf_bench(HF_DIR / name).model
+    for tp in tps:
+        fake_tp(tp)
+        assert live_numels(m, tp) == param_numels(m, tp), (name, tp)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qk_norm_and_head_dim_on_layernorm_are_the_live_models(tp, fake_tp):
+    """LayerNorm's q/k norms have a bias too; heads of 48 on a 256-wide stream with 8 heads."""
+    fake_tp(tp)
+    m = dataclasses.replace(model("gpt-tiny"), hidden_size=256, num_heads=8, num_query_groups=2, head_dim=48,
+                            qk_norm=True)
+    assert live_numels(m, tp) == param_numels(m, tp)
+
+
+def hf_file(tmp_path, base: str, drop: tuple = (), **changes) -> Path:
+    """tests/data/hf/`base` without the keys `drop` and with `changes`, written under tmp_path."""
+    cfg = json.loads((HF_DIR / base / "config.json").read_text())
+    cfg = {**{k: v for k, v in cfg.items() if k not in drop}, **changes}
+    path = tmp_path / f"{base}-{len(list(tmp_path.iterdir()))}" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("base, drop, changes, expected", [
+    # MistralConfig(num_key_value_heads=8): not multi-head (8,053,329,920). Vocabulary 32768 is
+    # Mistral-7B-v0.3's, the figure issue 36 names: 7,248,023,552.
+    ("Mistral-7B-v0.1", ("num_key_value_heads",), {"vocab_size": 32768},
+     {"num_query_groups": 8, "num_params": 7_248_023_552}),
+    # LlamaConfig: num_key_value_heads None -> num_attention_heads; head_dim None -> h / a;
+    # rope_theta 10000, rms_norm_eps 1e-6, tie_word_embeddings false
+    ("Llama-3-8B", ("num_key_value_heads", "rope_theta", "rms_norm_eps", "tie_word_embeddings"), {},
+     {"num_query_groups": 32, "head_dim": None, "rope_base": 10000.0, "norm_eps": 1e-6, "tie_embeddings": False}),
+    # Qwen2Config(num_key_value_heads=32), whatever num_attention_heads; max_window_layers and the
+    # window only with use_sliding_window
+    ("Qwen2.5-7B", ("num_key_value_heads", "sliding_window"), {}, {"num_query_groups": 32, "qkv_bias": True}),
+    # Qwen3Config(head_dim=128, tie_word_embeddings=False); qk-norm always
+    ("Qwen3-0.6B", ("head_dim", "tie_word_embeddings"), {},
+     {"head_dim": 128, "tie_embeddings": False, "qk_norm": True}),
+    ("Qwen3-8B", ("head_dim", "num_key_value_heads"), {}, {"head_dim": None, "num_query_groups": 32}),  # 128 = 4096/32
+    # an explicit head_dim is honoured in every family (megatron's kv_channels): Q, K, V and O
+    # shrink by 32 layers x 2 x 4096 x (32 + 8) x 32 = 335,544,320 from Llama-3-8B's 8,030,261,248
+    ("Llama-3-8B", (), {"head_dim": 96}, {"head_dim": 96, "num_params": 7_694_716_928}),
+])
+def test_hf_absent_keys_take_transformers_defaults_per_model_type(tmp_path, base, drop, changes, expected):
+    from zero_bench.models.hf import read_hf_config
+
+    keys = read_hf_config(str(hf_file(tmp_path, base, drop, **changes)), 4096)
+    got = {k: keys[k] for k in expected if k != "num_params"}
+    assert got == {k: v for k, v in expected.items() if k != "num_params"}
+    if "num_params" in expected:
+        assert ModelConfig(name=base, seq_len=4096, **keys).num_params == expected["num_params"]
+
+
+def test_hf_mistral_window_defaults_to_4096_and_null_is_none(tmp_path):
+    """MistralConfig(sliding_window=4096): absent, a window shorter than seq_len 8192 is refused,
+    saying where 4096 came from; "sliding_window": null is full attention (Mistral-Nemo)."""
+    absent = hf_file(tmp_path, "Mistral-7B-v0.1", ("sliding_window",))
+    with pytest.raises(ConfigError) as e:
+        hf_bench(absent, "model.seq_len=8192")
+    assert "sliding_window=4096 (absent: transformers 4.57.1's default for mistral)" in str(e.value)
+    assert hf_bench(absent).model.seq_len == 4096
+    null = hf_file(tmp_path, "Mistral-7B-v0.1", sliding_window=None)
+    assert hf_bench(null, "model.seq_len=8192").model.seq_len == 8192
+
+
+@pytest.mark.parametrize("changes, line", [
+    ({"model_type": "olmo2"}, "model_type=olmo2: other families are not modelled; zero_bench reads llama, mistral, "
+                              "qwen2, qwen3 (nearest: llama)"),
+    ({"model_type": "qwen3_moe", "num_experts": 128},
+     "model_type=qwen3_moe: mixture-of-experts (num_experts) is not modelled; zero_bench reads llama, mistral, "
+     "qwen2, qwen3 (nearest: qwen3)"),
+])
+def test_hf_refuses_an_unmodelled_model_type_naming_the_modelled_and_the_nearest(tmp_path, changes, line):
+    with pytest.raises(ConfigError) as e:
+        hf_bench(hf_file(tmp_path, "Qwen3-8B", **changes))
+    assert str(e.value) == f"model.hf_config: {line}"
+
+
+def test_hf_seq_len_past_max_position_embeddings_is_one_warning_line(monkeypatch, capsys):
+    from zero_bench.models import hf
+
+    monkeypatch.setattr(hf, "_said", set())
+    overrides = ["model=hf", f"model.hf_config={HF_DIR / 'Qwen3-0.6B'}", "model.seq_len=65536"]
+    for _ in range(2):  # precheck and the job read the file again: said once
+        assert from_cfg(compose(overrides), here=False).model.seq_len == 65536
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"zero_bench: warning: model.seq_len=65536: longer than max_position_embeddings="
+                                f"40960 of model.hf_config={HF_DIR / 'Qwen3-0.6B'}; measured as asked"], err
+    hf_bench(HF_DIR / "Qwen3-0.6B")  # 4096 <= 40960: nothing said
+    assert capsys.readouterr().err == ""
+
+
+# -- --cfg job -------------------------------------------------------------------------------------
+
+def test_split_flags_keeps_each_flag_with_its_value():
+    from zero_bench.cli import split_flags
+
+    assert split_flags(["a=1", "--cfg", "job", "-m", "b=2", "--info", "c=3", "-i", "plugins", "--resolve"]) == (
+        ["--cfg", "job", "-m", "--info", "-i", "plugins", "--resolve"], ["a=1", "b=2", "c=3"])
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_cfg_job_anywhere_prints_what_config_json_resolved_to(where, monkeypatch, capsys):
+    """`--cfg job` before or after the overrides (after: argparse refused `command=estimate`), with
+    model=hf: the fields read from config.json, not the hf preset's placeholders."""
+    import yaml
+
+    from zero_bench import cli
+
+    monkeypatch.setattr(sys, "argv", ["zero_bench"])
+    ov = ["model=hf", f"model.hf_config={HF_DIR / 'Qwen3-0.6B'}", "model.seq_len=4096"]
+    cli.main(["estimate", *(["--cfg", "job", *ov] if where == "before" else [*ov, "--cfg", "job"])])
+    doc = yaml.safe_load(capsys.readouterr().out)
+    m = doc["model"]
+    assert doc["command"] == "estimate" and "hydra" not in doc
+    assert (m["name"], m["num_layers"], m["hidden_size"], m["head_dim"], m["qk_norm"], m["activation"],
+            m["normalization"], m["position_embedding"], m["tie_embeddings"]) == (
+        "Qwen3-0.6B", 28, 1024, 128, True, "swiglu", "rmsnorm", "rope", True)
+
+
+def test_cfg_job_after_the_overrides_without_hf_is_hydras(monkeypatch, capsys):
+    import yaml
+
+    from zero_bench import cli
+
+    monkeypatch.setattr(sys, "argv", ["zero_bench"])
+    cli.main(["estimate", "model=qwen3-tiny", "--cfg", "job"])
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert (doc["command"], doc["model"]["name"], doc["model"]["head_dim"]) == ("estimate", "Qwen3-tiny", 64)
 
 
 # -- one line per bad key ----------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from conftest import model
 
 # llama-tiny, shortened so that each build and step takes well under a second
 SMALL = dataclasses.replace(model("llama-tiny"), num_layers=2, seq_len=64)
+# qwen3-tiny likewise: qk-norm, 8 heads of 64 on a 256-wide stream, tied
+SMALL_QWEN3 = dataclasses.replace(model("qwen3-tiny"), num_layers=2, seq_len=64)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,14 +59,16 @@ def worst(a: list, b: list) -> float:
     return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
 
 
-def test_sdpa_equals_unfused_attention():
-    """Same weights, same tokens: loss and every gradient within fp32 rounding (GQA, RoPE, SwiGLU)."""
+@pytest.mark.parametrize("small", [SMALL, SMALL_QWEN3], ids=["llama", "qwen3"])
+def test_sdpa_equals_unfused_attention(small):
+    """Same weights, same tokens: loss and every gradient within fp32 rounding (GQA, RoPE, SwiGLU;
+    qwen3: qk-norm and head_dim apart from h / a)."""
     seed_cpu_rng(1234)
-    cfg = BenchConfig(model=dataclasses.replace(SMALL, attention="unfused"), hardware=HardwareConfig(device="cpu"),
+    cfg = BenchConfig(model=dataclasses.replace(small, attention="unfused"), hardware=HardwareConfig(device="cpu"),
                       precision="fp32")
     state = build_gpt(cfg, transformer_config(cfg, on_cpu=True), on_cpu=True).state_dict()
     ref_loss, ref = loss_and_grads(cfg.model, state=state)
-    loss, grads = loss_and_grads(dataclasses.replace(SMALL, attention="sdpa"), state=state)
+    loss, grads = loss_and_grads(dataclasses.replace(small, attention="sdpa"), state=state)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     assert worst(grads, ref) < 1e-5
 

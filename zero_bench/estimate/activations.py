@@ -45,9 +45,10 @@ from zero_bench.units import BYTES
 
 
 def _dims(m: ModelConfig, tp: int) -> dict:
-    d = m.kv_channels
+    d = m.kv_channels  # head_dim where set: q and kv follow the heads' width, not h
     return {"h": m.hidden_size, "q": m.num_heads * d // tp, "kv": m.query_groups * d // tp, "f": m.ffn // tp,
-            "A": m.num_heads * m.seq_len // tp, "heads": m.num_heads // tp, "rep": m.num_heads // m.query_groups}
+            "A": m.num_heads * m.seq_len // tp, "heads": m.num_heads // tp, "groups": m.query_groups // tp,
+            "rep": m.num_heads // m.query_groups}
 
 
 def _mask_bytes(B: int, device: str) -> int:
@@ -83,6 +84,35 @@ def attention_inputs_bytes(m: ModelConfig, tp: int, precision: str) -> float:
     return B * (qkv_out + (x["q"] + x["kv"] if m.position_embedding == "rope" else 0))
 
 
+def qkv_output_kept(m: ModelConfig, tp: int) -> bool:
+    """Whether the core attention already keeps the whole QKV output alive (unfused MHA: V, a view
+    of it, is saved by the bmm); sdpa and unfused GQA keep copies."""
+    return m.attention == "unfused" and _dims(m, tp)["rep"] == 1
+
+
+def qk_norm_terms(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
+    """Bytes per token the query and key norms keep (qk_norm; 0 without): {"qk_norm": their own
+    tensors, "qk_norm_qkv_output": the QKV output that K's saved input, a view of it, pins where
+    nothing else keeps it}. The key is a view of the QKV output; the query too with one head per
+    group (MHA), else megatron's reshape copies it (q*B). CPU RMSNorm (torch's composite, as
+    norm_bytes): the input upcast to fp32 (the input itself in fp32, so a view pins the QKV output;
+    in 16-bit a 4-byte copy), the fp32 normalised x and an fp32 rsqrt per head. GPU's fused RMSNorm
+    and LayerNorm: the input (B) and 4 or 8 bytes of statistics per head. Measured on CPU
+    (qwen3-tiny, GQA and MHA, fp32 and bf16, sdpa and unfused: to 0.1 %)."""
+    if not m.qk_norm:
+        return {"qk_norm": 0, "qk_norm_qkv_output": 0}
+    B, x = BYTES[precision], _dims(m, tp)
+    q, kv, rows, q_copy = x["q"], x["kv"], x["heads"] + x["groups"], x["rep"] > 1
+    if m.normalization == "rmsnorm" and device == "cpu":
+        upcast = B != 4  # a new fp32 tensor; in fp32 the saved input is the query copy / the view itself
+        own = 4 * (q + kv) + 4 * rows + (4 * q if upcast or q_copy else 0) + (4 * kv if upcast else 0)
+        pins = not upcast
+    else:
+        own, pins = (B * q if q_copy else 0) + (4 if m.normalization == "rmsnorm" else 8) * rows, True
+    pinned = B * (q + 2 * kv) if pins and not qkv_output_kept(m, tp) else 0
+    return {"qk_norm": own, "qk_norm_qkv_output": pinned}
+
+
 def core_attention_terms(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
     """Bytes per token of the core attention: {"qkv": Q/K/V storages it saves, "internal": what
     selective recompute drops besides them, "context": its output as linear_proj keeps it}."""
@@ -113,6 +143,7 @@ def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: st
     return {
         "input_norm": norm_bytes(m, precision, device),
         "qkv_input": B * h,
+        **qk_norm_terms(m, tp, precision, device),
         "attention_qkv": core["qkv"],
         "attention_internal": core["internal"],
         "attention_context": core["context"],
@@ -168,8 +199,10 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
             return 0.0, per_layer - kept, L * kept
         return L * kept, per_layer - kept, 0.0
     if recompute == "selective":
+        # the checkpoint's inputs (attention_inputs_bytes) hold the QKV output the key norm pins
         recomputed = terms["attention_qkv"] + terms["attention_internal"]
-        return L * (per_layer - recomputed + attention_inputs_bytes(m, tp, precision)), recomputed, 0.0
+        kept = per_layer - recomputed - terms["qk_norm_qkv_output"] + attention_inputs_bytes(m, tp, precision)
+        return L * kept, recomputed, 0.0
     return L * per_layer, 0.0, 0.0
 
 

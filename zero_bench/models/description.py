@@ -51,9 +51,9 @@ class ModelConfig:
     num_layers: int = MISSING
     """Transformer layers L."""
     hidden_size: int = MISSING
-    """Width h of the residual stream; divisible by num_heads and by tp."""
+    """Width h of the residual stream; divisible by tp (and by num_heads unless head_dim is set)."""
     num_heads: int = MISSING
-    """Query heads a; divisible by tp. Each head is hidden_size / num_heads wide."""
+    """Query heads a; divisible by tp. Each head is head_dim wide (default hidden_size / num_heads)."""
     seq_len: int = MISSING
     """Sequence length s of every sample: the length you train at, not a checkpoint's
     max_position_embeddings (with learned positions also the size of the position table)."""
@@ -68,6 +68,13 @@ class ModelConfig:
     num_query_groups: Optional[int] = None
     """Key/value heads g (grouped-query attention; 1 = multi-query); must divide num_heads, and tp
     must divide it; null: num_heads (multi-head attention)."""
+    head_dim: Optional[int] = None
+    """Width d of each query, key and value head (megatron's kv_channels); null: hidden_size /
+    num_heads. Set where a model's heads are not h/a wide: Mistral-Nemo (h 5120, 32 heads of 128),
+    Qwen3 (Qwen3-0.6B: h 1024, 16 heads of 128)."""
+    qk_norm: bool = False
+    """A norm (model.normalization's kind, one d-wide weight shared by the heads) on each query
+    and key head before RoPE: megatron's qk_layernorm, Qwen3's q_norm / k_norm."""
     activation: Activation = Activation.gelu
     """gelu: fc1 (h -> f), GeLU, fc2 (f -> h). swiglu: fc1 (h -> 2f, gate and up), SiLU(gate) * up, fc2."""
     normalization: Normalization = Normalization.layernorm
@@ -100,7 +107,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """Epsilon of every LayerNorm / RMSNorm."""
     hf_config: Optional[str] = None
-    """A local Hugging Face config.json (or its directory; model_type llama, mistral or qwen2): its
+    """A local Hugging Face config.json (or its directory; model_type llama, mistral, qwen2 or qwen3): its
     shape keys replace the ones above (configure.py reads it; no weights, no network). seq_len,
     dropout and attention stay yours (`model=hf model.hf_config=PATH model.seq_len=4096`)."""
 
@@ -133,7 +140,7 @@ class ModelConfig:
     @property
     def kv_channels(self) -> int:
         """Width d of one head."""
-        return self.hidden_size // self.num_heads
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
     @property
     def gated(self) -> bool:
@@ -165,7 +172,9 @@ def param_numels(model: ModelConfig, tp: int = 1) -> list[int]:
 
 def summary(m: ModelConfig) -> str:
     """One line a user checks the description by (an imported config.json especially)."""
-    heads = f"{m.num_heads} heads" + (f" / {m.query_groups} query groups" if m.query_groups != m.num_heads else "")
+    heads = f"{m.num_heads} heads" + (f" of {m.head_dim}" if m.head_dim is not None else "")
+    heads += (f" / {m.query_groups} query groups" if m.query_groups != m.num_heads else "")
+    heads += ", qk-norm" if m.qk_norm else ""
     biases = "biases" if m.add_bias else ("QKV bias" if m.qkv_bias else "no biases")
     rope = f"RoPE base {m.rope_base:g}" + (f" scaled x{m.rope_scaling_factor:g}" if m.rope_scaling_factor else "")
     return (f"{m.num_layers} layers, hidden {m.hidden_size}, {heads}, {m.activation} {m.ffn}, {m.normalization}, "
@@ -178,7 +187,7 @@ def summary(m: ModelConfig) -> str:
 # records ran, so they stay out of a configuration's key and old keys keep their value.
 LATER_FIELDS = ("ffn_hidden_size", "num_query_groups", "activation", "normalization", "position_embedding",
                 "rope_base", "rope_scaling_factor", "tie_embeddings", "add_bias", "qkv_bias", "dropout",
-                "attention", "norm_eps", "hf_config")
+                "attention", "norm_eps", "hf_config", "head_dim", "qk_norm")
 
 
 def key_fields(model: dict) -> dict:

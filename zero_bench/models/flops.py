@@ -6,11 +6,12 @@ input gradient, weight gradient) for MFU, and what recompute re-runs on top for 
 N counts the weights a token is multiplied by: every parameter of the model with the vocabulary
 matrix once. Tied (GPT-2) that is num_params, so every GPT preset keeps the figure it had; untied,
 the input embedding is a lookup (no FLOPs) and the output layer is the one counted. SwiGLU's three
-matrices (fc1 holds gate and up), GQA's smaller K/V projections and the output layer all come in
-through N. The attention term counts QK^T and attention x V over all a query heads whatever the
+matrices (fc1 holds gate and up), GQA's smaller K/V projections, heads of head_dim wide and the
+output layer all come in through N. The attention term counts QK^T and attention x V over all a query heads whatever the
 number of K/V groups, over the full s x s square (MPT's convention; causal flash kernels skip about
-half of it, so their hardware FLOPs are lower than counted). Norms, biases, RoPE and softmax are
-inside N or left out, as the convention does.
+half of it, so their hardware FLOPs are lower than counted); d is the head width (head_dim, or
+h / a). Norms (qk-norm's too), biases, RoPE and softmax are inside N or left out, as the convention
+does.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
 
 def convention_flops_per_seq(n_params: float, n_layers: int, attn_width: int, seq_len: int,
                              passes: float = 3) -> float:
-    """MPT's formula on plain numbers: `passes` x (2 N s + 4 L (a d) s^2). attn_width = a x d (the
-    model width for every model zero_bench builds)."""
+    """MPT's formula on plain numbers: `passes` x (2 N s + 4 L (a d) s^2). attn_width = a x d: the
+    model width h unless head_dim sets d apart (Qwen3-0.6B: 16 x 128 = 2048 on h = 1024)."""
     return passes * (2 * n_params * seq_len + 4 * n_layers * attn_width * seq_len ** 2)
 
 

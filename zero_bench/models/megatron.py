@@ -79,7 +79,8 @@ def model_args(m: ModelConfig) -> dict:
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_heads,
         num_query_groups=m.query_groups,
-        kv_channels=m.kv_channels,
+        kv_channels=m.kv_channels,  # head_dim, or h / a (megatron's own default)
+        qk_layernorm=m.qk_norm,
         ffn_hidden_size=m.ffn,
         normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=m.norm_eps,
@@ -121,16 +122,24 @@ def transformer_config(cfg: BenchConfig, on_cpu: bool, initialize: bool = True):
 
 def layer_spec(m: ModelConfig):
     """get_gpt_layer_local_spec with the description's norm and, for sdpa, models/sdpa.py's core
-    attention in place of megatron's DotProductAttention."""
+    attention in place of megatron's DotProductAttention; with qk_norm, models/qk_norm.py's query
+    and key norms (megatron's, with their gradient summed over tp, which DeepSpeed and FSDP2 miss)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
-                                    qk_layernorm=False)
+                                    qk_layernorm=m.qk_norm)
+    swaps = {}
     if m.attention == "sdpa":
         from zero_bench.models.sdpa import SDPAttention
 
+        swaps["core_attention"] = SDPAttention
+    if m.qk_norm:
+        from zero_bench.models.qk_norm import QKNorm
+
+        swaps.update(q_layernorm=QKNorm, k_layernorm=QKNorm)
+    if swaps:
         attn = spec.submodules.self_attention
-        attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPAttention)
+        attn_sub = dataclasses.replace(attn.submodules, **swaps)
         layer_sub = dataclasses.replace(spec.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub))
         spec = dataclasses.replace(spec, submodules=layer_sub)
     return spec

@@ -7,9 +7,11 @@ engine will.
 
 megatron's order: the word embedding, the position table (learned positions), then per layer the
 input norm, the attention output projection (Attention.__init__ builds it before SelfAttention adds
-the QKV projection), the QKV projection, the pre-MLP norm, fc1, fc2; then the final norm and, untied,
-the output layer. Column-parallel weights and biases (QKV, fc1, the vocabulary) are split over tp;
-row-parallel biases (projection, fc2), norms and the position table are replicated.
+the QKV projection), the QKV projection, the query and key norms (qk_norm), the pre-MLP norm, fc1,
+fc2; then the final norm and, untied, the output layer. Column-parallel weights and biases (QKV,
+fc1, the vocabulary) are split over tp; row-parallel biases (projection, fc2), norms and the
+position table are replicated. Every head is kv_channels wide (head_dim, or h / a), so Q, K, V and
+the projection follow it, not h.
 """
 from __future__ import annotations
 
@@ -25,6 +27,14 @@ def _norm(m: ModelConfig) -> list[int]:
     return [h, h] if m.normalization == "layernorm" else [h]
 
 
+def _qk_norms(m: ModelConfig) -> list[int]:
+    """q_layernorm and k_layernorm: one d-wide norm each, shared by the heads, replicated over tp."""
+    if not m.qk_norm:
+        return []
+    d = m.kv_channels
+    return 2 * ([d, d] if m.normalization == "layernorm" else [d])
+
+
 def layer_numels(m: ModelConfig, tp: int = 1) -> list[int]:
     """One transformer layer's parameters on one tp rank, in module order."""
     h, d, f = m.hidden_size, m.kv_channels, m.ffn
@@ -33,6 +43,7 @@ def layer_numels(m: ModelConfig, tp: int = 1) -> list[int]:
     out = _norm(m)
     out += [h * (m.num_heads * d // tp)] + ([h] if m.add_bias else [])  # linear_proj (row parallel)
     out += [qkv_out * h] + ([qkv_out] if m.has_qkv_bias else [])  # linear_qkv (column parallel)
+    out += _qk_norms(m)  # SelfAttention builds them after linear_qkv
     out += _norm(m)
     out += [fc1_out * h] + ([fc1_out] if m.add_bias else [])  # linear_fc1 (column parallel)
     out += [h * (f // tp)] + ([h] if m.add_bias else [])  # linear_fc2 (row parallel)
