@@ -17,7 +17,7 @@ from zero_bench.cli import COMMAND_NAMES, help_text, parse
 from zero_bench.commands import COMMANDS
 from zero_bench.configure import compose, from_cfg
 from zero_bench.estimate import CPU_RANK_OVERHEAD, estimate
-from zero_bench.estimate.gpu import CUBLAS_WORKSPACE, NCCL_COMMUNICATOR, fragmentation, outside_allocator
+from zero_bench.estimate.gpu import CUBLAS_HANDLES, CUBLAS_WORKSPACE, NCCL_COMMUNICATOR, fragmentation, outside_allocator
 from zero_bench.estimate_table import estimate_report
 from zero_bench.gpu import RankGpu, baseline
 from zero_bench.metrics import cpu_model
@@ -156,7 +156,7 @@ def test_another_card_or_module_loading_gets_the_published_ranges(gpus, hw):
 
 
 def calibration_free(b) -> int:
-    return outside_allocator(b.hardware.cuda_module_loading, b.parallel.tp, b.parallel.dp, 1).total + CUBLAS_WORKSPACE
+    return outside_allocator(b.hardware.cuda_module_loading, b.parallel.tp, b.parallel.dp, 1).total + CUBLAS_HANDLES * CUBLAS_WORKSPACE
 
 
 def test_a_group_size_not_calibrated_keeps_its_published_figure(gpus):

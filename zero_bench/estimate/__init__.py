@@ -41,7 +41,7 @@ from zero_bench.hosts import local_ranks
 from zero_bench.records import Seed
 from zero_bench.estimate.activations import activation_bytes_per_sample
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
-from zero_bench.estimate.gpu import (CUBLAS_WORKSPACE, communicator_bytes, communicators, fragmentation,
+from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communicator_bytes, communicators, fragmentation,
                                      outside_allocator)
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.units import BYTES
@@ -249,12 +249,13 @@ def fixed_terms(bench: BenchConfig) -> dict:
         return calibrated_gpu_terms(bench, cal)
     loading, tp, dp = bench.hardware.cuda_module_loading, bench.parallel.tp, bench.parallel.dp
     high, low = outside_allocator(loading, tp, dp, 1), outside_allocator(loading, tp, dp, 0)
-    # cuBLAS's workspace lives inside the allocator but is there from the first matmul on, whatever
-    # the batch: it is counted with the fixed terms
-    return {"overhead": high.total + CUBLAS_WORKSPACE, "overhead_low": low.total + CUBLAS_WORKSPACE,
+    # cuBLAS's workspaces live inside the allocator but are there from the first matmul on, whatever
+    # the batch: they are counted with the fixed terms
+    ws = CUBLAS_HANDLES * CUBLAS_WORKSPACE
+    return {"overhead": high.total + ws, "overhead_low": low.total + ws,
             "fragmentation": fragmentation(bench.zero, bench.engine), "calibration": PUBLISHED,
             "terms": {f"CUDA context ({loading} loading)": high.cuda_context, "NCCL buffers": high.nccl,
-                      "cuBLAS workspace": CUBLAS_WORKSPACE}}
+                      f"cuBLAS workspaces ({CUBLAS_HANDLES} handles)": ws}}
 
 
 def calibrated_gpu_terms(bench: BenchConfig, cal: Calibration) -> dict:
@@ -265,7 +266,7 @@ def calibrated_gpu_terms(bench: BenchConfig, cal: Calibration) -> dict:
     for n in communicators(bench.parallel.tp, bench.parallel.dp):
         got = cal.nccl_bytes.get(str(n))
         nccl["published" if got is None else "calibrated"] += communicator_bytes(n) if got is None else got
-    ws = CUBLAS_WORKSPACE if cal.cublas_workspace_bytes is None else cal.cublas_workspace_bytes
+    ws = CUBLAS_HANDLES * CUBLAS_WORKSPACE if cal.cublas_workspace_bytes is None else cal.cublas_workspace_bytes
     terms = {"CUDA context and kernels (calibrated)": cal.context_bytes}
     terms.update({f"NCCL buffers ({k})": v for k, v in nccl.items() if v or k == "calibrated"})
     terms["cuBLAS workspace" + ("" if cal.cublas_workspace_bytes is None else " (calibrated)")] = ws

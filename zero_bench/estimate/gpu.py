@@ -24,6 +24,9 @@ MB = 10**6  # NCCL's reports are in decimal megabytes
 # Eager loading (before CUDA 11.7 / torch 1.13, or CUDA_MODULE_LOADING=EAGER): 922-942 MiB on an
 # A100-80GB with torch 1.13 / 2.1, 1271 MiB on a V100-32GB, ~1573 MiB on an A100-40GB and 1823 MiB
 # on an A100-80GB with torch 1.10 (pytorch/pytorch issues on CUDA_MODULE_LOADING, forum threads).
+# Newer: 426 MiB for a bare lazy context with torch 2.10 + CUDA 13.0 on an RTX 6000 Ada
+# (unslothai/unsloth-zoo PR #1053). No figure for an H100 with torch 2.13 is published; Hopper's larger
+# kernel images may put it above 481 MiB: `zero_bench calibrate` measures it on the machine itself.
 CUDA_CONTEXT = {"lazy": (274 * MiB, 481 * MiB), "eager": (922 * MiB, 1823 * MiB)}
 
 # NCCL's buffers, outside the allocator, per communicator a rank belongs to, after its first
@@ -33,7 +36,11 @@ NCCL_COMMUNICATOR = {2: 544 * MB, "more": 688 * MB}
 
 # cuBLAS's workspace, allocated through torch's allocator, per handle: 4 MiB (torch 1.x), 8.125 MiB
 # (torch 2.x before Hopper), 32 MiB on sm90 (torch's CUDABlas workspace sizes). The larger is taken.
+# A training step has two handles on a device: torch hands each thread its own (the cuBLAS handle
+# pool, ATen/cuda/CublasHandlePool.cpp, keys workspaces by handle and stream), and autograd runs
+# backward on its own device thread, so forward's matmuls and backward's each hold a workspace.
 CUBLAS_WORKSPACE = 32 * MiB
+CUBLAS_HANDLES = 2  # the main thread's and autograd's device thread's
 
 # The caching allocator rounds requests (512 B in 2 MiB segments up to 1 MiB, 20 MiB segments up to
 # 10 MiB, larger ones to 2 MiB) and caches freed blocks: reserved / allocated at the peak, per ZeRO
@@ -57,7 +64,17 @@ def communicators(tp: int, dp: int) -> list[int]:
     """Sizes of the NCCL communicators a rank joins in a trial: the world (zero_bench's barriers and
     its over-capacity all-reduce, DeepSpeed's world collectives), the data-parallel group (ZeRO's
     reduce-scatter and all-gather; a group of its own even when it spans the world) and, with tp > 1,
-    the tensor-parallel group (megatron's all-reduces). A group of one rank needs no buffers."""
+    the tensor-parallel group (megatron's all-reduces). A group of one rank needs no buffers.
+
+    These are the groups that run collectives, so the ones whose buffers the published figures
+    measure. More communicators exist: DeepSpeed 0.19.8 binds device_id in init_process_group
+    (comm/torch.py), and with a bound device torch creates every later group eagerly, split from the
+    world's (distributed_c10d._new_process_group_helper, eager_connect_single_device), so each of
+    megatron's groups gets its own (17 NCCL groups for a rank at world 8, tp 2 in megatron-core
+    0.16.1's initialize_model_parallel, most of them never used). NCCL 2.22+ connects the
+    per-peer buffers at a communicator's first collective, so those idle ones hold only their
+    base structures, for which no figure is published: `zero_bench calibrate` measures them, as part
+    of the outside-the-allocator bytes its context term is derived from."""
     return [n for n in (tp * dp, dp, tp if tp > 1 else 1) if n > 1]
 
 
