@@ -1,0 +1,63 @@
+"""launch/gpu_validate.sh's query helper: one PASS/FAIL/INFO line per search and per estimated term,
+read from a store with the report's own code, so that the pack's verdicts are the workbook's figures."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from synthetic import GPT345, add_synthetic, measured
+
+from zero_bench.estimate import estimate
+from zero_bench.records import RankRecord, SearchResult
+from zero_bench.store import Store
+
+ROOT = Path(__file__).resolve().parents[2]
+QUERY = ROOT / "launch" / "validate_query.py"
+MiB = 2**20
+
+
+def query(store: Path, *args: str) -> list[str]:
+    out = subprocess.run([sys.executable, str(QUERY), str(store), *args], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    # the verdict lines, as the shell's relay reads them (importing DeepSpeed may log on stdout)
+    return [x for x in out.stdout.splitlines() if x.split(" ")[0] in ("PASS", "FAIL", "INFO", "SKIP")]
+
+
+def test_searches_pass_a_boundary_or_an_answer_and_fail_the_rest(tmp_path):
+    store = tmp_path / "v.sqlite"
+    add_synthetic(Store(store))
+    lines = query(store, "searches")
+    verdicts = {line.split(" ", 2)[2].split(":")[0]: line.split(" ")[0] for line in lines}
+    assert verdicts[GPT345.label()] == "PASS"  # done: b fits, b + g fails
+    assert any(v == "FAIL" and "error" in line for line, v in zip(lines, verdicts.values()))  # the NCCL timeout
+    assert sum(line.startswith("PASS search GPT-5.8B tp1 dp8 zero1") for line in lines) == 1  # does_not_fit: answered
+    assert all(line.split(" ")[0] in ("PASS", "FAIL") for line in lines)
+
+
+def test_device_peak_passes_within_tolerance_and_fails_outside(tmp_path):
+    """The estimate's device peak at the boundary against the measured NVML peak: the same figure
+    passes at a tolerance above its error and fails below it; the other terms are INFO."""
+    store_path = tmp_path / "v.sqlite"
+    est = estimate(GPT345.with_micro(8))
+    predicted = est.peak_bytes(8)
+    used = int(predicted * 1.10)  # the estimate 9.1 % below the measurement
+    m = measured(GPT345, 8, 1.0, [used // MiB] * 8)
+    m.ranks = [RankRecord(rank=i, event="end", nvml_peak_bytes=used, torch_peak_reserved=used - 900 * MiB,
+                          torch_peak_allocated=used - 1500 * MiB) for i in range(8)]
+    store = Store(store_path)
+    store.add_trial(m)
+    store.put_search(SearchResult(search_key=GPT345.search_key(), label=GPT345.label(), status="done", max_micro=8,
+                                  max_global_batch=64, first_fail_micro=9, config=GPT345.to_dict(), measure=m))
+    loose, tight = query(store_path, "terms", "15"), query(store_path, "terms", "5")
+    peak = [line for line in loose if "device peak" in line]
+    assert len(peak) == 1 and peak[0].startswith("PASS estimate") and "(-9.1 %)" in peak[0]
+    assert [line for line in tight if "device peak" in line][0].startswith("FAIL estimate")
+    assert all(line.startswith("INFO") for line in loose if "device peak" not in line)
+
+
+def test_an_empty_store_fails_in_one_line(tmp_path):
+    store = tmp_path / "empty.sqlite"
+    Store(store)
+    assert query(store, "searches") == [f"FAIL searches no search in {store}"]
