@@ -29,6 +29,16 @@ LEGEND = ("states/dev: params+grads+optimizer on the device; host/rank: offloade
           "same memory); peak@micro1 includes the fixed terms and buffers; max micro: predicted largest micro-batch "
           "per rank for the capacity ('?' when no capacity is known), with the fixed terms at the high end of their "
           "published ranges; (low end): the same at the low end (zero_bench/estimate/gpu.py names each term's source).")
+# the peak at the configured batch.micro, per rank: what a run at that micro measures (estimate.Estimate.at_micro)
+AT_MICRO_COLUMNS = {"gpu": {"allocated_bytes": "allocated GiB", "reserved_bytes": "reserved GiB",
+                            "device_peak_bytes": "device peak GiB"},
+                    "cpu": {"live_tensors_bytes": "live tensors GiB", "peak_rss_bytes": "peak RSS GiB"}}
+AT_MICRO_LEGEND = {
+    "gpu": "allocated: torch's max allocated; reserved: x the allocator's fragmentation; device peak: reserved + the "
+           "fixed terms (high end), what nvidia-smi shows; ",
+    "cpu": "live tensors: the tensors at the peak; peak RSS: + the runtime; "}
+AT_MICRO_TAIL = ("fits: the peak <= the capacity, true up to max micro; grad_accum runs each micro-batch's "
+                 "forward and backward in the same memory before the step.")
 
 
 def variants(bench: BenchConfig, explicit: frozenset) -> list[BenchConfig]:
@@ -67,17 +77,20 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     bench = from_cfg(cfg, here=False)
     ests = [(v, estimate(v)) for v in variants(bench, explicit)]
     rows = [{**e.row(), "measured_max_micro": measured_max_micro(cfg.get("store"), v)} for v, e in ests]
+    micro = bench.batch.micro
+    at = [{"config": r["config"], **e.at_micro(micro)} for r, (_, e) in zip(rows, ests)]
     first = ests[0][1] if ests else None
     if cfg.get("json", False):
-        return as_json(bench, first, rows, [e for _, e in ests])
+        return as_json(bench, first, rows, [e for _, e in ests], at)
     m = bench.model
     head = (f"zero_bench estimate: {m.name} ({m.num_params:,} params, "
             f"{m.params_per_shard(bench.parallel.tp):,} per TP shard) tp={bench.parallel.tp} "
-            f"dp={bench.parallel.dp} on {bench.hardware.device} {bench.precision}, micro x grad_accum "
+            f"dp={bench.parallel.dp} on {bench.hardware.device} {bench.precision}, micro {micro} x grad_accum "
             f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank"
             + (f"; fixed terms: {first.calibration}" if first else ""))
     return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first),
-                      format_table(rows), LEGEND])
+                      format_table(rows), LEGEND, "", at_micro_table(at, bench),
+                      AT_MICRO_LEGEND[_kind(bench)] + AT_MICRO_TAIL])
 
 
 def fixed_line(e: Optional[Estimate]) -> str:
@@ -90,16 +103,19 @@ def fixed_line(e: Optional[Estimate]) -> str:
     return f"fixed per rank: {terms}{frag}"
 
 
-def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], ests: list[Estimate]) -> str:
+def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], ests: list[Estimate],
+            at: list[dict]) -> str:
     return json.dumps({"model": bench.model.name, "description": bench.to_dict()["model"],
+                       "micro": bench.batch.micro, "grad_accum": bench.batch.grad_accum,
                        "num_params": bench.model.num_params,
                        "params_per_shard": bench.model.params_per_shard(bench.parallel.tp),
                        "tp": bench.parallel.tp, "dp": bench.parallel.dp, "device": bench.hardware.device,
                        "precision": bench.precision, "capacity_bytes": first.capacity if first else None,
                        "overhead_bytes": first.overhead if first else None,
                        "calibration": first.calibration if first else None, "terms": first.terms if first else {},
-                       "configs": [{**r, "buffers_detail": e.buffers, "activations": e.activations}
-                                   for r, e in zip(rows, ests)]}, indent=2)
+                       "configs": [{**r, "at_micro": {k: v for k, v in a.items() if k != "config"},
+                                    "buffers_detail": e.buffers, "activations": e.activations}
+                                   for r, e, a in zip(rows, ests, at)]}, indent=2)
 
 
 def _gib(x: Optional[float]) -> str:
@@ -124,3 +140,20 @@ def format_table(rows: list[dict]) -> str:
             df[k] = df[k].map(_count)
     keep = [k for k in COLUMNS if k in df]
     return df[keep].rename(columns=COLUMNS).to_string(index=False)
+
+
+def at_micro_table(at: list[dict], bench: BenchConfig) -> str:
+    """One line per configuration: the predicted peak at batch.micro and whether it fits."""
+    cols = AT_MICRO_COLUMNS[_kind(bench)]
+    lines = [{"config": a["config"], **{name: _gib(a[k]) for k, name in cols.items()},
+              "fits": "?" if a["fits"] is None else ("yes" if a["fits"] else "no")} for a in at]
+    title = f"peak per rank at batch.micro={bench.batch.micro} (grad_accum {bench.batch.grad_accum} does not change it):"
+    if not lines:
+        return title
+    import pandas as pd
+
+    return title + "\n" + pd.DataFrame(lines).to_string(index=False)
+
+
+def _kind(bench: BenchConfig) -> str:
+    return "cpu" if bench.hardware.device == "cpu" else "gpu"

@@ -178,6 +178,19 @@ class Estimate:
         """The max micro-batch at the high and at the low end of the fixed terms' published ranges."""
         return self.max_micro(capacity), self.max_micro(capacity, self.overhead_low)
 
+    def at_micro(self, micro: int) -> dict:
+        """The predicted peak per rank at this micro-batch (bytes), as a run would measure it, and
+        whether it fits the capacity (None: no capacity known). GPU: torch's max allocated, the
+        allocator's reserved (x fragmentation) and the device's peak as nvidia-smi shows it (reserved
+        + the fixed terms at their high end, peak_bytes); CPU: the peak live tensors and the peak RSS.
+        grad_accum does not enter: each micro-batch's forward/backward reuses the same memory."""
+        allocated, peak = self.allocated_bytes(micro), self.peak_bytes(micro)
+        figures = ({"live_tensors_bytes": allocated, "peak_rss_bytes": peak} if self.device == "cpu" else
+                   {"allocated_bytes": allocated, "reserved_bytes": int(self.fragmentation * allocated),
+                    "device_peak_bytes": peak})
+        return {"micro": micro, **figures, "capacity_bytes": self.capacity,
+                "fits": None if self.capacity is None else peak <= self.capacity}
+
     def host_bytes(self) -> int:
         """Host memory the offloaded states need on one node (all its ranks)."""
         return self.states["cpu"] * self.local_ranks
