@@ -60,6 +60,7 @@ def build(cfg: BenchConfig) -> dict:
         ds = merge(ds, load_template("offload_optimizer"))
     if cfg.offload_param:
         ds = merge(ds, load_template("offload_param"))
+    ds = merge(ds, unpinned_serial(cfg))
     ds = _with_preset(ds, cfg)
     on_cpu = cfg.hardware.device == "cpu"
     if on_cpu:
@@ -84,6 +85,26 @@ def build(cfg: BenchConfig) -> dict:
             keep = {k: v for k, v in keep.items() if not k.startswith("stage3")}
         ds = merge(ds, {"zero_optimization": keep})
     return with_buildable_adam(merge(ds, cfg.ds), cfg)
+
+
+def unpinned_serial(cfg: BenchConfig) -> dict:
+    """No overlap of ZeRO-2/3's gradient reduction with backward, no pinned host memory for offload:
+    what zero_bench's CPU figures were measured with (one reduction bucket alive, as
+    estimate/buffers.py counts it; pinning needs an accelerator) and what the reference preset ran
+    with before its own template. A GPU run on the default preset gets DeepSpeed 0.19.8's own
+    defaults instead (runtime/zero/config.py: overlap_comm None -> True for stage 3 only;
+    offload_config.py: pin_memory True), as DeepSpeed's users do. Merged before the preset's
+    templates, so megatron_deepspeed's own overlap_comm: true still wins."""
+    if cfg.hardware.device != "cpu" and cfg.ds_preset == "default":
+        return {}
+    zero: dict = {}
+    if cfg.zero >= 2:
+        zero["overlap_comm"] = False
+    if cfg.offload:
+        zero["offload_optimizer"] = {"pin_memory": False}
+    if cfg.offload_param:
+        zero["offload_param"] = {"pin_memory": False}
+    return {"zero_optimization": zero} if zero else {}
 
 
 def with_buildable_adam(ds: dict, cfg: BenchConfig) -> dict:
