@@ -49,7 +49,7 @@ __all__ = ["Entry", "LaunchOptions", "RunningRanks", "run_launch", "launcher_cmd
 
 # Variables a remote rank needs from this process. Over pdsh/ssh only PYTHON*/UCX*/MV2*/MLFLOW*
 # (and NCCL* on CUDA) pass by themselves; the rest must travel in the env file (DS_ENV_FILE).
-REMOTE_PASS = ("LD_LIBRARY_PATH", "CUDA_DEVICE_ORDER", "HF_HOME")
+REMOTE_PASS = ("LD_LIBRARY_PATH", "HF_HOME")  # CUDA_DEVICE_ORDER: gpu_order_env sets it everywhere
 # After a rank recorded a failure, how long its peers may take to end before the launch is ended.
 FAILURE_GRACE_S = 5.0
 
@@ -113,6 +113,7 @@ def trial_env(cfg: BenchConfig) -> dict:
     else:
         env["DS_ACCELERATOR"] = "cuda"
         env["CUDA_MODULE_LOADING"] = cfg.hardware.cuda_module_loading.upper()  # the context the estimate sizes
+        env.update(gpu_order_env(cfg))
         # TORCH_NCCL_ASYNC_ERROR_HANDLING stays torch's default (3, SkipCleanUp): its watchdog ends a
         # rank whose collective failed or timed out, without ncclCommAbort, which can itself hang
         # (ProcessGroupNCCL.hpp). No value makes a collective return early when a peer died: the
@@ -129,6 +130,25 @@ def trial_env(cfg: BenchConfig) -> dict:
         for k in REMOTE_PASS:
             if os.environ.get(k):
                 env[k] = os.environ[k]
+    return env
+
+
+def gpu_order_env(cfg: BenchConfig) -> dict:
+    """CUDA variables every GPU rank gets, whichever engine runs.
+
+    CUDA_DEVICE_ORDER=PCI_BUS_ID: a GPU index means what nvidia-smi and NVML mean by it. CUDA's
+    default order (FASTEST_FIRST) numbers mixed GPUs differently, while zero_bench resolves indices
+    with NVML (PCI order, nvml.Nvml.resolve), and GPU UUIDs become NVML indices (gpu.select_devices):
+    under one order for all three, a rank runs on, and is sampled on, the GPU the user named.
+    CUDA_DEVICE_MAX_CONNECTIONS=1 with tp > 1: megatron's tensor-parallel backward starts its
+    all-reduce of the input gradient asynchronously and relies on one hardware queue to run it
+    before the weight-gradient GEMM it overlaps with (tensor_parallel/layers.py,
+    LinearWithGradAccumulationAndAsyncCommunication.backward: "Here we rely on
+    CUDA_DEVICE_MAX_CONNECTIONS=1"); Megatron-LM's training scripts set it. A value the user
+    exported is kept."""
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    if cfg.parallel.tp > 1:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return env
 
 

@@ -108,16 +108,24 @@ def transformer_config(cfg: BenchConfig, on_cpu: bool, initialize: bool = True):
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
-        # Fusions off: the fused softmax / RoPE / LayerNorm need CUDA extensions (Apex, TE), and
-        # megatron's jit_fuser is torch.compile (megatron/core/jit.py), minutes of inductor on CPU.
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
+        **fusion_args(cfg.model, on_cpu),
         **recompute_args(cfg),
     )
+
+
+def fusion_args(m: ModelConfig, on_cpu: bool) -> dict:
+    """megatron's fusions that run here. Never: the fused masked softmax, RoPE, persistent LayerNorm
+    and the weight-gradient accumulation, which need CUDA extensions (megatron's fused kernels,
+    Apex, Transformer Engine >= 1.4) this install does not have. On GPU: bias-dropout-add and
+    bias-activation, which megatron-core 0.16.1 writes in plain torch under its jit_fuser
+    (torch.compile, megatron/core/jit.py) - what megatron's users train with (its GPT scripts
+    turn them on). Off on CPU, where that torch.compile costs minutes of inductor per shape.
+    bias_activation_fusion takes gelu only with a bias when not gated (TransformerConfig's check)."""
+    gpu = not on_cpu
+    return dict(bias_dropout_fusion=gpu,
+                bias_activation_fusion=gpu and (m.gated or m.add_bias),
+                masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+                persist_layer_norm=False, apply_rope_fusion=False)
 
 
 def layer_spec(m: ModelConfig):
