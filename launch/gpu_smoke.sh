@@ -53,11 +53,15 @@ else say SKIP 2-gpu "one GPU only"; fi
 
 if zb maxbatch model=gpt-small parallel=dp1 hardware=gpu hardware.memory_mib=4096 search.max=1024 \
      steps.warmup=1 steps.timed=2 hydra.run.dir="$OUT/oom" > "$OUT/oom.log" 2>&1; then
-  read -r status lo hi real tot <<<"$(query search)"
+  read -r status lo hi real tot forked fresh <<<"$(query search)"
   pools=$(ls -d "$OUT"/oom/pool/pool* 2>/dev/null | wc -l)
-  if [ "$status" = done ] && [ "$real" -ge 1 ] && [ "$tot" = 4096 ] && [ "$pools" = 1 ]; then
-    say PASS cuda-oom "max micro $lo, fails at $hi (fresh), $real real CUDA OOM(s), reported against $tot MiB, one pool"
-  else say FAIL cuda-oom "status=$status micro=$lo..$hi real_ooms=$real total=$tot MiB pools=$pools"; fi
+  refused=$(cat "$OUT"/oom/pool/pool*/refused 2>/dev/null | head -c 200)
+  # one pool that served: it did not refuse, and trials were forked from it (a refusing pool leaves
+  # its folder behind while every trial is launched fresh)
+  if [ "$status" = done ] && [ "$real" -ge 1 ] && [ "$tot" = 4096 ] && [ "$pools" = 1 ] && [ -z "$refused" ] \
+     && [ "$forked" -ge 1 ]; then
+    say PASS cuda-oom "max micro $lo, fails at $hi (fresh), $real real CUDA OOM(s), reported against $tot MiB, one pool: $forked trial(s) forked, $fresh launched"
+  else say FAIL cuda-oom "status=$status micro=$lo..$hi real_ooms=$real total=$tot MiB pools=$pools forked=$forked launched=$fresh refused=${refused:-no}"; fi
 else say FAIL cuda-oom "exit $?; tail: $(tail -c 300 "$OUT/oom.log")"; fi
 
 LAST=$((NGPU - 1))

@@ -2,6 +2,7 @@
 
   smoke_query.py STORE last_ok      the last ok trial: n_gpus uuids(comma-joined) time/it peak>0
   smoke_query.py STORE search       the last search: status max_micro first_fail real_ooms total_MiB
+                                    forked launched (its trials forked from a pool / launched fresh)
   smoke_query.py STORE gpu_mem      per rank of the last ok trial, the memory figures it recorded
   smoke_query.py - device INDEX     one GPU, a 1 GiB tensor alive: nvidia-smi, NVML v1/v2, CUDA, torch
 
@@ -22,6 +23,7 @@ from zero_bench.records import Status, TrialResult  # noqa: E402
 from zero_bench.store import Store  # noqa: E402
 
 MiB = 2**20
+POOL_REQUEST = "# request "  # in the command text of a trial a pool's ranks forked (zero_bench.pool)
 
 
 def mib(value: Optional[float]) -> str:
@@ -42,13 +44,16 @@ def last_ok(trials: list[TrialResult]) -> str:
 def last_search(store: Store, trials: list[TrialResult]) -> str:
     searches = store.searches()
     if not searches:
-        return "none - - 0 0"
+        return "none - - 0 0 0 0"
     s = searches[-1]
     ooms = [t for t in trials if t.search_key == s.search_key and t.status == Status.OOM]
     real = sum("out of memory" in t.reason.lower() for t in ooms)
     gpus = s.measure.devices_of("gpu") if s.measure else []
     total = gpus[0].total_bytes if gpus and gpus[0].total_bytes else 0
-    return f"{s.status} {s.max_micro or '-'} {s.first_fail_micro or '-'} {real} {total // MiB}"
+    mine = [t for t in trials if t.search_key == s.search_key]
+    forked = sum(POOL_REQUEST in (t.cmd or "") for t in mine)  # pool.Pool.submit's command text
+    return (f"{s.status} {s.max_micro or '-'} {s.first_fail_micro or '-'} {real} {total // MiB} "
+            f"{forked} {len(mine) - forked}")
 
 
 def gpu_mem(trials: list[TrialResult]) -> str:

@@ -51,7 +51,8 @@ def test_last_ok_reads_as_four_fields(tmp_path):
 
 def test_search_and_gpu_mem(tmp_path):
     store = store_with_a_2gpu_trial(tmp_path)
-    assert shell(f"{sys.executable} {QUERY} {store} search").split() == ["done", "8", "9", "0", "4096"]
+    # its one trial has no pool's command text: launched fresh, none forked
+    assert shell(f"{sys.executable} {QUERY} {store} search").split() == ["done", "8", "9", "0", "4096", "0", "1"]
     lines = shell(f"{sys.executable} {QUERY} {store} gpu_mem").strip().splitlines()
     assert len(lines) == 2 and lines[1].startswith(f"rank1 {UUIDS[1]} ")
     for field in ("v1_used=1700", "v2_used=1200", "nvml_reserved=500", "torch_peak_reserved=900",
@@ -61,3 +62,14 @@ def test_search_and_gpu_mem(tmp_path):
 
 def test_gpu_smoke_parses():
     shell("bash -n launch/gpu_smoke.sh")
+
+
+def test_search_counts_trials_forked_from_a_pool(tmp_path):
+    """The smoke test's "one pool" check: a pool that refused leaves its folder, and every trial is
+    then launched fresh; only a forked trial's command names the pool's request."""
+    path = store_with_a_2gpu_trial(tmp_path)
+    store = Store(path)
+    for n in (1, 2):
+        store.add_trial(TrialResult(search_key="k", trial_key=f"p{n}", label="l", micro=n, global_batch=2 * n,
+                                    status=Status.OK, cmd=f"deepspeed ... --pool  # request {n}: /x/trial.json, MASTER_PORT=1"))
+    assert shell(f"{sys.executable} {QUERY} {path} search").split()[-2:] == ["2", "1"]
