@@ -35,6 +35,42 @@ def capacity_bytes(cfg: BenchConfig) -> Optional[int]:
     return psutil.virtual_memory().total // local_ranks(cfg)
 
 
+def marketed_gb_warning(device: str, memory_gb: Optional[float]) -> Optional[str]:
+    """hardware.memory_gb is GiB, while a card sold as "40GB" exposes another total (an A100-40GB
+    40537 MiB in nvidia-smi, the reference table's cells, against 40 GiB = 40960): a capacity typed
+    as the card's marketed size emulates a card that does not exist. The line names the presets of
+    that size and their real totals (conf/hardware/*.yaml, the one place those figures live)."""
+    if device != "gpu" or not memory_gb:
+        return None
+    asked = int(memory_gb * GiB) // MiB
+    same = {name: mib for name, mib in preset_totals().items() if _marketed_gb(name) == memory_gb}
+    if not same or all(mib == asked for mib in same.values()):
+        return None
+    cards = " or ".join(f"hardware={name} ({mib} MiB)" for name, mib in sorted(same.items()))
+    return (f"hardware.memory_gb={memory_gb:g} is {asked} MiB (GiB), not what a {memory_gb:g}GB card shows in "
+            f"nvidia-smi: {cards}, or hardware.memory_mib=<its total>, emulates the card")
+
+
+def preset_totals() -> dict[str, int]:
+    """GPU preset -> its card's total in MiB, as nvidia-smi shows it (conf/hardware/*.yaml)."""
+    import yaml
+
+    from zero_bench.config import CONF_DIR
+
+    out = {}
+    for path in sorted((CONF_DIR / "hardware").glob("*.yaml")):
+        mib = (yaml.safe_load(path.read_text()) or {}).get("memory_mib")
+        if mib:
+            out[path.stem] = int(mib)
+    return out
+
+
+def _marketed_gb(preset: str) -> Optional[float]:
+    """The size in a preset's name ("a100_40gb" -> 40), None without one."""
+    tail = preset.rsplit("_", 1)[-1].lower()
+    return float(tail[:-2]) if tail.endswith("gb") and tail[:-2].isdigit() else None
+
+
 def card_totals(cfg: BenchConfig) -> list[int]:
     """CUDA's total bytes of each GPU the ranks of this node use, read with NVML so that the
     runner never starts a CUDA context: NVML's total minus the driver's reserve (nvml.h,

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from zero_bench import calibrate as calibration_run
 from zero_bench import cpu_features
-from zero_bench.capacity import with_cpu_budget
+from zero_bench.capacity import marketed_gb_warning, with_cpu_budget
 from zero_bench.config import BenchConfig, ConfigError, Precision
 from zero_bench.configure import from_cfg, report_from_cfg, search_from_cfg
 from zero_bench.doctor import doctor_checks, prebuild_ops
@@ -67,6 +67,12 @@ def warn_slow_bf16(bench: BenchConfig, inv: Invocation) -> None:
         warn_once(cpu_features.bf16_warning(features, fp32, bf16), inv)
 
 
+def warn_marketed_gb(device: str, memory_gb: Optional[float], inv: Invocation) -> None:
+    line = marketed_gb_warning(device, memory_gb)
+    if line:
+        warn_once(line, inv)
+
+
 def bench_here(cfg: DictConfig, out: Path) -> BenchConfig:
     """The trial config, checked against this machine (devices, DeepSpeed's view of `ds`, hostfile)."""
     bench = with_slurm_hostfile(from_cfg(cfg), out)
@@ -97,6 +103,7 @@ def run(cfg: DictConfig, inv: Invocation) -> int:
     """One trial at the configured batch with full timed steps."""
     bench = bench_here(cfg, inv.out)
     warn_slow_bf16(bench, inv)
+    warn_marketed_gb(bench.hardware.device, bench.hardware.memory_gb, inv)
     store = Store(store_path(cfg, inv))
     refused = preflight(bench, force=cfg.force)
     if refused:
@@ -147,6 +154,7 @@ def _maxbatch(cfg: DictConfig, inv: Invocation) -> SearchResult:
         print(f"zero_bench maxbatch: skipped {res.label}: {exc}", file=sys.stderr)
         return res
     warn_slow_bf16(bench, inv)
+    warn_marketed_gb(bench.hardware.device, bench.hardware.memory_gb, inv)
     store = Store(store_path(cfg, inv))
     refused = preflight(bench, force=cfg.force, micro=spec.min)
     if refused:
@@ -195,6 +203,7 @@ def status(cfg: DictConfig, inv: Invocation) -> int:
 
 def estimate(cfg: DictConfig, inv: Invocation) -> int:
     """`zero_bench estimate [overrides] [--json]`: predicted memory per rank, no launch."""
+    warn_marketed_gb(cfg.hardware.device, cfg.hardware.memory_gb, inv)
     print(estimate_report(cfg, inv.explicit))
     return OK
 

@@ -91,7 +91,8 @@ class HardwareConfig:
     holds the resolved device."""
     memory_gb: Optional[float] = None
     """Per-rank capacity in GiB (see capacity.py): on GPU an emulated smaller card, on CPU the budget
-    a rank's peak RSS is compared with; None: the card, or the host's RAM per rank."""
+    a rank's peak RSS is compared with; None: the card, or the host's RAM per rank. On GPU a card's
+    marketed size (40, 80, 141) is not its total: a warning names the preset that has it."""
     memory_mib: Optional[int] = None
     """Per-rank capacity in MiB as nvidia-smi shows a card's total (an A100-40GB: 40537); exclusive
     with memory_gb. On a larger card it is emulated (see capacity.py)."""
