@@ -34,6 +34,20 @@ def check_devices(b: BenchConfig) -> None:
         key = "hardware.devices" if b.hardware.devices is not None else "CUDA_VISIBLE_DEVICES"
         raise ConfigError(f"{key}={','.join(tokens)}: lists {len(tokens)} GPUs but {local_ranks(b)} ranks per node "
                           "need one each")
+    check_mig(b, tokens)
+
+
+def check_mig(b: BenchConfig, tokens: Optional[list[str]]) -> None:
+    """One rank per node on a MIG slice, never several: a CUDA process enumerates one MIG instance
+    only (NVIDIA's MIG user guide, "CUDA Device Enumeration"), so ranks past the first would select
+    an ordinal that does not exist, and MIG instances have no peer-to-peer or CUDA IPC between them
+    (the guide's "Application Considerations"), which NCCL's transports between local ranks use."""
+    n = local_ranks(b)
+    if not tokens or n < 2 or not any(t.upper().startswith("MIG-") for t in tokens[:n]):
+        return
+    key = "hardware.devices" if b.hardware.devices is not None else "CUDA_VISIBLE_DEVICES"
+    raise ConfigError(f"{key}: {n} ranks per node on MIG slices; a CUDA process sees one MIG instance and slices "
+                      "cannot talk to each other: one rank per node (parallel=dp1) on a slice, or whole GPUs")
 
 
 def validate_machine(b: BenchConfig) -> None:

@@ -255,3 +255,16 @@ def test_gpu_ops_are_built_once_before_any_trial(monkeypatch, offload, op):
     monkeypatch.setattr(doctor, "jit_cached", lambda name: None)
     with pytest.raises(ConfigError, match=rf"DeepSpeed op {op} cannot be built here .*nvcc not found"):
         doctor.prebuild_ops(cfg, say=lambda s: None)
+
+
+def test_several_ranks_on_mig_slices_is_one_line_one_rank_is_fine(monkeypatch):
+    """A CUDA process sees one MIG instance: rank 1 would ask for an ordinal that does not exist."""
+    from zero_bench.preflight import check_devices
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    two = gpu_cfg(dp=2, devices="MIG-aaaa,MIG-bbbb")
+    with pytest.raises(ConfigError) as e:
+        check_devices(two)
+    assert str(e.value).startswith("hardware.devices: 2 ranks per node on MIG slices") and "\n" not in str(e.value)
+    check_devices(gpu_cfg(dp=1, devices="MIG-aaaa"))  # one rank on one slice runs
+    check_devices(gpu_cfg(dp=2, devices="0,1"))  # whole GPUs
