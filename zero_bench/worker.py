@@ -264,6 +264,17 @@ class Rank:
                     phase = ph
         return secs, loss, base + peak, phase
 
+    def applied_profile(self, run: _EntrySteps, micro: int) -> tuple[float, int, str]:
+        """The profiled step, again while it overflowed (fp16, bounded): a skipped step runs no
+        optimizer step, so its peak would miss the update's temporaries, as time/it already leaves
+        such steps out. (seconds, peak live bytes, phase) of the last one."""
+        for _ in range(MAX_SKIPPED_STEPS + 1):
+            secs, loss, peak_live, phase = self.profiled_step(micro)
+            run.count(loss)
+            if self.applied:
+                break
+        return secs, peak_live, phase
+
     def memory_now(self) -> dict:
         out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "host": os.uname().nodename}
@@ -298,12 +309,13 @@ class Rank:
             run.step()
         if self.states is None:  # model states exist once the first optimizer step has run
             self.states = self.engine.model_states()
-        secs, loss, peak_live, phase = self.profiled_step(micro)
-        run.count(loss)
+        secs, peak_live, phase = self.applied_profile(run, micro)
         if not n_timed and self.applied:  # a probe's time: its profiled step, if that was applied
             run.times.append(secs)
         note = "" if run.times else ("fp16: every timed step overflowed, no time/it from a skipped step" if n_timed
                                      else "fp16: the profiled step overflowed, no time/it from a skipped step")
+        if not self.applied:
+            note = "; ".join(filter(None, [note, "fp16: memory from a skipped step (no optimizer step in it)"]))
         return RankRecord(rank=self.rank, event=Event.END, status=RankStatus.OK, micro=micro, mode=mode,
                           loss=run.losses[-1], losses=run.losses, step_times=run.times,
                           time_per_step=statistics.median(run.times) if run.times else None, time_note=note,

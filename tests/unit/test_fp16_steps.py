@@ -115,10 +115,36 @@ def test_no_time_from_a_skipped_step(tmp_path, monkeypatch):
     r = rank(AlwaysOverflowing(applied_at={1}), StepsConfig(warmup=1, timed=2, probe=1), tmp_path)
     rec = r.run_entry(4, Mode.MEASURE)
     assert rec.step_times == [] and rec.time_per_step is None
-    assert "every timed step overflowed" in rec.time_note and rec.skipped_steps == 2 + 4 + 1
+    # warm-up applied (step 1); 2 timed + 4 more skipped; the profiled step retried 4 times, skipped each time
+    assert "every timed step overflowed" in rec.time_note and rec.skipped_steps == 2 + 4 + 5
+    assert "memory from a skipped step" in rec.time_note
     # a probe whose profiled step overflowed: no time either
     rec = r.run_entry(8, Mode.PROBE)
     assert rec.time_per_step is None and "profiled step overflowed" in rec.time_note
+
+
+class PeakPerStep(OverflowingEngine):
+    """An applied step allocates its optimizer's temporaries (a 4 MiB tensor alive during the
+    step); a skipped one does not."""
+
+    def step(self, batches, mask, marks):
+        losses = super().step(batches, mask, marks)
+        if self.applied:
+            temp = torch.ones(1 << 20)  # noqa: F841 - alive while the profiler watches
+            del temp
+        return losses
+
+
+def test_the_profiled_step_is_an_applied_one(tmp_path):
+    """The profiled step overflows once: it is profiled again, so its peak holds the update's
+    temporaries, and no note says the memory came from a skipped step."""
+    eng = PeakPerStep(overflows=0)
+    r = rank(eng, StepsConfig(warmup=1, timed=1, probe=1), tmp_path)
+    r.run_entry(2, Mode.MEASURE)  # optimizer state exists; the next steps apply unless told otherwise
+    eng.overflows = eng.steps + 2  # the next probe step and its first profiled step overflow
+    rec = r.run_entry(2, Mode.PROBE)
+    assert rec.skipped_steps == 2 and rec.peak_live_bytes >= 4 * 2**20
+    assert "skipped step (no optimizer" not in rec.time_note and rec.time_per_step is not None
 
 
 def test_an_entry_without_time_is_ok_without_throughput():
