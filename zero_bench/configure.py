@@ -150,6 +150,30 @@ def check_model(m: ModelConfig) -> None:
         if m.position_embedding != "rope":
             raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor:g}: needs "
                               "model.position_embedding=rope")
+    check_moe(m)
+
+
+MOE_KEYS = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_dense_layers")
+
+
+def check_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts keys (models/description.py), one key per message."""
+    if m.num_experts is None:
+        for k in MOE_KEYS:
+            if getattr(m, k) is not None:
+                raise ConfigError(f"model.{k}={getattr(m, k)}: needs model.num_experts (a dense model has no experts)")
+        return
+    integer("model.num_experts", m.num_experts)
+    integer("model.moe_router_topk", m.moe_router_topk, hi=m.num_experts)
+    for k in MOE_KEYS[:2]:
+        if getattr(m, k) is not None:
+            integer(f"model.{k}", getattr(m, k))
+    layers = m.moe_dense_layers or []
+    if len(set(layers)) != len(layers) or not all(isinstance(i, int) and 0 <= i < m.num_layers for i in layers):
+        raise ConfigError(f"model.moe_dense_layers={layers}: must be distinct layer indices in "
+                          f"[0, {m.num_layers - 1}]")
+    if m.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff:g}: must be >= 0")
 
 
 def check_hardware(hw: HardwareConfig) -> None:
@@ -273,6 +297,9 @@ def validate_static(b: BenchConfig) -> None:
                           f"{m.query_groups})")
     if m.ffn % tp:
         raise ConfigError(f"parallel.tp={tp}: must divide model.ffn_hidden_size={m.ffn}")
+    if m.is_moe and tp > 1:  # moe_layer.py MoELayer.forward refuses tp > 1 without sequence parallelism
+        raise ConfigError(f"parallel.tp={tp}: megatron-core's MoE layer trains with tp > 1 only with sequence "
+                          "parallelism, which is not modelled; allowed with model.num_experts: parallel.tp=1")
     if b.recompute == "full" and m.num_layers % b.recompute_layers:
         raise ConfigError(f"recompute_layers={b.recompute_layers}: must divide model.num_layers={m.num_layers} "
                           "(megatron's uniform recompute)")

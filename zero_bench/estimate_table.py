@@ -83,7 +83,8 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     if cfg.get("json", False):
         return as_json(bench, first, rows, [e for _, e in ests], at)
     m = bench.model
-    head = (f"zero_bench estimate: {m.name} ({m.num_params:,} params, "
+    active = f", {m.active_params:,} active per token" if m.is_moe else ""  # MoE: FLOPs count these
+    head = (f"zero_bench estimate: {m.name} ({m.num_params:,} params{active}, "
             f"{m.params_per_shard(bench.parallel.tp):,} per TP shard) tp={bench.parallel.tp} "
             f"dp={bench.parallel.dp} on {bench.hardware.device} {bench.precision}, micro {micro} x grad_accum "
             f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank"
@@ -107,7 +108,7 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
             at: list[dict]) -> str:
     return json.dumps({"model": bench.model.name, "description": bench.to_dict()["model"],
                        "micro": bench.batch.micro, "grad_accum": bench.batch.grad_accum,
-                       "num_params": bench.model.num_params,
+                       "num_params": bench.model.num_params, "active_params": bench.model.active_params,
                        "params_per_shard": bench.model.params_per_shard(bench.parallel.tp),
                        "tp": bench.parallel.tp, "dp": bench.parallel.dp, "device": bench.hardware.device,
                        "precision": bench.precision, "capacity_bytes": first.capacity if first else None,

@@ -41,7 +41,11 @@ def check_mig(b: BenchConfig, tokens: Optional[list[str]]) -> None:
     """One rank per node on a MIG slice, never several: a CUDA process enumerates one MIG instance
     only (NVIDIA's MIG user guide, "CUDA Device Enumeration"), so ranks past the first would select
     an ordinal that does not exist, and MIG instances have no peer-to-peer or CUDA IPC between them
-    (the guide's "Application Considerations"), which NCCL's transports between local ranks use."""
+    (the guide's "Application Considerations"), which NCCL's transports between local ranks use.
+    Handing each rank its own slice would not help: NCCL does not support MIG (NVIDIA/nccl#1716,
+    its maintainer: a slice has no CUDA index of its own and NCCL's topology maps one PCI device to
+    one rank; nccl#431: NCCL refuses ranks on MIG slices). One rank per node on a slice runs; across
+    nodes NCCL talks over the network."""
     n = local_ranks(b)
     if not tokens or n < 2 or not any(t.upper().startswith("MIG-") for t in tokens[:n]):
         return
@@ -50,9 +54,18 @@ def check_mig(b: BenchConfig, tokens: Optional[list[str]]) -> None:
                       "cannot talk to each other: one rank per node (parallel=dp1) on a slice, or whole GPUs")
 
 
+def refuse_moe_trial(b: BenchConfig) -> None:
+    """Trials of mixture-of-experts models are the next step of issue 36 (megatron's router moves
+    its weight to CUDA in forward, so even CPU trials need work); `zero_bench estimate` takes them."""
+    if b.model.is_moe:
+        raise ConfigError(f"model.num_experts={b.model.num_experts}: trials of mixture-of-experts models come next "
+                          "(issue 36); `zero_bench estimate` estimates them now")
+
+
 def validate_machine(b: BenchConfig) -> None:
     """Checks against this machine: device count, bf16 support, hostfile, DeepSpeed's view of `ds`
     (engine=deepspeed)."""
+    refuse_moe_trial(b)
     if b.hardware.num_nodes > 1 and not b.hardware.hostfile:
         raise ConfigError(f"hardware.num_nodes={b.hardware.num_nodes}: needs hardware.hostfile (the nodes' hosts; "
                           "hardware.hostfile=slurm inside a Slurm allocation)")

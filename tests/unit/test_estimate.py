@@ -290,4 +290,42 @@ def test_cli_refuses_an_unsupported_model_type_in_one_line(tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and r.stdout.strip() == ""
     assert lines == ["zero_bench: error: model.hf_config: model_type=gemma2: other families are not modelled; "
-                     "zero_bench reads llama, mistral, qwen2, qwen3 (nearest: qwen2)"], r.stderr
+                     "zero_bench reads llama, mistral, qwen2, qwen3, mixtral, qwen3_moe (nearest: qwen2)"], r.stderr
+
+
+# -- mixture of experts ------------------------------------------------------------------------------
+
+def test_cli_estimates_mixtral_naming_total_and_active_parameters(tmp_path):
+    r = _cli("estimate", "model=mixtral-8x7b", "parallel=dp8", "hardware=h100_80gb", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    head = next(x for x in r.stdout.splitlines() if x.startswith("zero_bench estimate:"))  # after DeepSpeed's notice
+    assert head.startswith("zero_bench estimate: Mixtral-8x7B (46,702,792,704 params, 12,879,925,248 active per "
+                           "token, "), head
+
+
+@pytest.mark.parametrize("command", ["run", "maxbatch"])
+def test_cli_refuses_moe_trials_in_one_line(command, tmp_path):
+    r = _cli(command, "model=moe-tiny", f"hydra.run.dir={tmp_path}", f"store={tmp_path / 'runs.db'}")
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "[WARNING]" not in x]
+    assert r.returncode == 2 and r.stdout.strip() == "", (r.stdout, r.stderr)
+    assert lines == ["zero_bench: error: model.num_experts=8: trials of mixture-of-experts models come next "
+                     "(issue 36); `zero_bench estimate` estimates them now"], r.stderr
+    assert not (tmp_path / "runs.db").exists()
+
+
+def test_moe_activation_terms_by_hand():
+    """moe-tiny in bf16 on GPU (B 2, h 256, E 8, k 2, f_e 256, SwiGLU, aux loss on): per MoE layer
+    and token the router keeps its input 2h, indices 8k, the top-k fp32 softmax 4k and the aux
+    loss's softmax 4E; dispatch 2E + 8k; the k rows their input k*2h and k*(5 f_e + f_e + 1)*2."""
+    from zero_bench.estimate.activations import layer_terms, mlp_part
+
+    m = model("moe-tiny")
+    t = layer_terms(m, 1, "bf16", "gpu", moe=True)
+    moe = {k: t[k] for k in ("router_input", "router", "dispatch", "expert_inputs", "experts", "shared_expert")}
+    assert moe == {"router_input": 512, "router": 16 + 8 + 32, "dispatch": 16 + 16, "expert_inputs": 1024,
+                   "experts": 2 * (6 * 256 + 1) * 2, "shared_expert": 0}
+    dense = layer_terms(m, 1, "bf16", "gpu", moe=False)
+    assert mlp_part(t) - mlp_part(dense) == sum(moe.values()) - (512 + 5 * 704 * 2)
+    # every layer is MoE: the L layers keep L x the MoE layer's terms
+    act = activation_bytes_per_sample(m, 1, "bf16", "none", None, "gpu")
+    assert act["layers"] == m.num_layers * sum(t.values()) * m.seq_len

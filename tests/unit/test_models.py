@@ -33,7 +33,8 @@ HF_PUBLISHED = {"Llama-3-8B": (8_030_261_248, "llama3-8b"), "Llama-3.1-70B": (70
                 "Llama-3.1-405B": (405_853_388_800, "llama3.1-405b"),
                 "Mistral-7B-v0.1": (7_241_732_096, "mistral-7b"), "Qwen2.5-7B": (7_615_616_512, "qwen2.5-7b"),
                 "Qwen2.5-0.5B": (494_032_768, None), "Qwen3-8B": (8_190_735_360, "qwen3-8b"),
-                "Qwen3-0.6B": (596_049_920, "qwen3-0.6b"), "Mistral-Nemo-Base-2407": (12_247_782_400, None)}
+                "Qwen3-0.6B": (596_049_920, "qwen3-0.6b"), "Mistral-Nemo-Base-2407": (12_247_782_400, None),
+                "Mixtral-8x7B-v0.1": (46_702_792_704, "mixtral-8x7b"), "Qwen3-30B-A3B": (30_532_122_624, "qwen3-30b-a3b")}
 # (total, non-embedding) in billions as the model cards print them: Qwen/Qwen3-8B "8.2B / 6.95B",
 # Qwen/Qwen3-0.6B "0.6B / 0.44B"; mistralai/Mistral-Nemo-Base-2407 "12B" (Hugging Face's page: 12.2B).
 MODEL_CARDS = {"Qwen3-8B": (8.2, 6.95), "Qwen3-0.6B": (0.6, 0.44), "Mistral-Nemo-Base-2407": (12.2, None)}
@@ -73,11 +74,11 @@ def test_param_list_is_the_live_models(tp, fake_tp):
     built = 0
     for name in PRESETS:
         m = model(name)
-        if m.num_heads % tp or m.query_groups % tp:
+        if m.num_heads % tp or m.query_groups % tp or (m.is_moe and tp > 1):  # MoE: tp 1 (configure.py)
             continue
         assert live_numels(m, tp) == param_numels(m, tp), name
         built += 1
-    assert built == {1: 18, 2: 18, 8: 12}[tp]
+    assert built == {1: 21, 2: 18, 8: 12}[tp]
 
 
 def test_published_counts():
@@ -264,10 +265,10 @@ def test_hf_mistral_window_defaults_to_4096_and_null_is_none(tmp_path):
 
 @pytest.mark.parametrize("changes, line", [
     ({"model_type": "olmo2"}, "model_type=olmo2: other families are not modelled; zero_bench reads llama, mistral, "
-                              "qwen2, qwen3 (nearest: llama)"),
-    ({"model_type": "qwen3_moe", "num_experts": 128},
-     "model_type=qwen3_moe: mixture-of-experts (num_experts) is not modelled; zero_bench reads llama, mistral, "
-     "qwen2, qwen3 (nearest: qwen3)"),
+                              "qwen2, qwen3, mixtral, qwen3_moe (nearest: llama)"),
+    ({"model_type": "qwen2_moe", "num_experts": 60},
+     "model_type=qwen2_moe: mixture-of-experts (num_experts) of this family is not modelled; zero_bench reads "
+     "llama, mistral, qwen2, qwen3, mixtral, qwen3_moe (nearest: qwen3_moe)"),
 ])
 def test_hf_refuses_an_unmodelled_model_type_naming_the_modelled_and_the_nearest(tmp_path, changes, line):
     with pytest.raises(ConfigError) as e:
@@ -348,3 +349,93 @@ def test_bad_model_keys_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
         from_cfg(compose(["model=llama-tiny", *overrides]), here=False)
     assert str(e.value) == message
+
+
+# -- mixture of experts ------------------------------------------------------------------------------
+
+# (total, active) parameters. Mixtral: Mistral AI's announcement (46.7B / 12.9B); Qwen3-30B-A3B: its
+# model card (30.5B / 3.3B); exact: the config.json shapes summed (the live model agrees, above).
+# By hand, Mixtral per layer: attention 2 x 4096^2 + 2 x 4096 x 1024, 8 experts x 3 x 4096 x 14336,
+# router 8 x 4096, 2 norms; + 2 x 32000 x 4096 + 4096. Active: 2 experts of 8.
+MOE_COUNTS = {"mixtral-8x7b": (46_702_792_704, 12_879_925_248), "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
+              "moe-tiny": (7_481_600, 2_763_008)}
+MOE_ROUNDED = {"mixtral-8x7b": (46.7, 12.9), "qwen3-30b-a3b": (30.5, 3.4)}  # 3.35B: the card's "3.3B" truncates
+
+
+@pytest.mark.parametrize("name", sorted(MOE_COUNTS))
+def test_moe_total_and_active_counts(name):
+    m = model(name)
+    assert (m.num_params, m.active_params) == MOE_COUNTS[name]
+    if name in MOE_ROUNDED:
+        assert (round(m.num_params / 1e9, 1), round(m.active_params / 1e9, 1)) == MOE_ROUNDED[name]
+    h, E, k, L = m.hidden_size, m.num_experts, m.moe_router_topk, m.num_layers
+    assert m.expert_params(1) == 3 * h * m.moe_ffn  # SwiGLU, no biases
+    assert m.num_params - m.active_params == L * (E - k) * 3 * h * m.moe_ffn
+
+
+def test_hf_moe_imports(tmp_path):
+    """mixtral: router without bias, 8 experts of intermediate_size, always renormalised; qwen3_moe:
+    qk-norm, head_dim, moe_intermediate_size, norm_topk_prob; absent keys take transformers 4.57.1's
+    defaults (Qwen3MoeConfig: norm_topk_prob false, 128 experts top-8; mlp_only_layers /
+    decoder_sparse_step give the dense layers)."""
+    from zero_bench.models.hf import read_hf_config
+
+    mix = read_hf_config(str(HF_DIR / "Mixtral-8x7B-v0.1"), 4096)
+    assert (mix["num_experts"], mix["moe_router_topk"], mix["moe_ffn_hidden_size"], mix["norm_topk_prob"],
+            mix["add_bias"], mix["qk_norm"], mix["moe_aux_loss_coeff"]) == (8, 2, 14336, True, False, False, 0.0)
+    qwen = read_hf_config(str(hf_file(tmp_path, "Qwen3-30B-A3B", ("norm_topk_prob", "num_experts"),
+                                      decoder_sparse_step=2, mlp_only_layers=[5], output_router_logits=True)), 4096)
+    assert (qwen["num_experts"], qwen["moe_ffn_hidden_size"], qwen["head_dim"], qwen["qk_norm"],
+            qwen["norm_topk_prob"], qwen["moe_aux_loss_coeff"]) == (128, 768, 128, True, False, 0.001)
+    assert qwen["moe_dense_layers"] == [i for i in range(48) if i % 2 == 0 or i == 5]
+    m = ModelConfig(name="q", seq_len=4096, **qwen)
+    assert m.num_moe_layers == 23 and m.moe_layers[1] and not m.moe_layers[5]
+    with pytest.raises(ConfigError, match=r"^model.hf_config: router_jitter_noise=0.1: router input jitter"):
+        read_hf_config(str(hf_file(tmp_path, "Mixtral-8x7B-v0.1", router_jitter_noise=0.1)), 4096)
+
+
+def test_moe_tiny_and_variants_are_the_live_models(fake_tp):
+    """megatron-core 0.16.1's GPTModel with the MoE local spec (TopKRouter, SequentialMLP,
+    SharedExpertMLP), built on the meta device: every tensor, in order, with dense layers between,
+    a shared expert, biases (router bias too), GeLU, LayerNorm and qk-norm."""
+    fake_tp(1)
+    base = model("moe-tiny")
+    for m in (base, dataclasses.replace(base, moe_dense_layers=[0, 2], moe_shared_expert_intermediate_size=384),
+              dataclasses.replace(base, add_bias=True, activation="gelu", normalization="layernorm", qk_norm=True,
+                                  norm_topk_prob=False)):
+        assert live_numels(m, 1) == param_numels(m, 1)
+    assert sum(live_numels(base, 1)) == 7_481_600
+
+
+def test_flops_count_active_parameters():
+    """6 x active parameters per token (+ attention): Mixtral's MFU numerator is that of a 12.9B
+    model, not 46.7B; the breakdown adds up to the same forward FLOPs."""
+    from zero_bench.models.flops import attention_flops_per_seq, breakdown_per_token, flop_params, \
+        model_flops_per_seq
+
+    m = model("mixtral-8x7b")
+    assert flop_params(m) == 12_879_925_248 - 32000 * 4096  # the input embedding is a lookup
+    assert model_flops_per_seq(m) == 3 * (2 * flop_params(m) * m.seq_len + attention_flops_per_seq(m))
+    parts = breakdown_per_token(m)
+    norms = m.num_layers * 2 * m.hidden_size + m.hidden_size
+    assert sum(parts.values()) - parts["attention_scores"] == 2 * (flop_params(m) - norms)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.moe_router_topk=9"], "model.moe_router_topk=9: must be an integer in [1, 8]"),
+    (["model.num_experts=0"], "model.num_experts=0: must be an integer >= 1"),
+    (["model.moe_dense_layers=[4]"], "model.moe_dense_layers=[4]: must be distinct layer indices in [0, 3]"),
+    (["parallel.tp=2", "parallel.dp=1"], "parallel.tp=2: megatron-core's MoE layer trains with tp > 1 only with "
+                                         "sequence parallelism, which is not modelled; allowed with "
+                                         "model.num_experts: parallel.tp=1"),
+])
+def test_bad_moe_keys_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        from_cfg(compose(["model=moe-tiny", *overrides]), here=False)
+    assert str(e.value) == message
+
+
+def test_moe_keys_need_num_experts():
+    with pytest.raises(ConfigError) as e:
+        from_cfg(compose(["model=llama-tiny", "model.moe_ffn_hidden_size=64"]), here=False)
+    assert str(e.value) == "model.moe_ffn_hidden_size=64: needs model.num_experts (a dense model has no experts)"

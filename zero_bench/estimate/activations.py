@@ -32,9 +32,27 @@ Outside the layers: token ids, embedding dropout mask, the final norm, the outpu
 B*h, the logits' fp32 softmax 4V/t (the vocab-parallel cross entropy works on an fp32 copy; in
 fp32 on the logits themselves) and 13 bytes of loss bookkeeping; unfused attention also keeps one
 B*A scratch buffer (GlobalMemoryBuffer "mpu"), sized by the largest micro-batch seen.
+Mixture of experts (megatron-core 0.16.1's MoELayer, local spec, allgather dispatcher, ep 1, tp 1,
+dropless): an MoE layer keeps, in place of fc1's input and the MLP, per token (E experts, top-k,
+f_e = moe_ffn):
+  router          the gating linear's input B*h (router.py router_gating_linear); top-k indices
+                  8k (int64, topk and the scatter into the dense probs); the softmax over the top-k
+                  in fp32 4k (moe_utils.topk_routing_with_score_function; norm_topk_prob=false:
+                  the softmax over all E, 4E, instead); with the aux loss the fp32 softmax over
+                  all E scores 4E (router.py, aux_loss_load_balancing)
+  dispatch        the local routing map (bool E, the dispatcher's self.local_map) and its
+                  transposed copy masked_select keeps (E); the permutation indices 8k
+                  (moe_utils.permute, kept as reversed_local_input_permutation_mapping)
+  experts         per routed row (k per token): its input B*h (index_select's output, fc1's input),
+                  the MLP as dense (SwiGLU 5f_e, GeLU 2f_e) plus the activation scaled by its
+                  routing weight (mlp.py per_token_scale: the product's input and output, f_e more),
+                  and the weight B
+  unpermute       scatter_add_ keeps only the indices above; the shared expert keeps its MLP (its
+                  input is the router's)
 Measured against live tensors on CPU (benchmarks/activation_memory.py, docs/verified.md,
 "Activations of llama-tiny"): the saved bytes to 0.1 %, the step's peak within 5 %. The GPU-only
-terms (fused RMSNorm, 1-byte dropout masks, flash kernels) are read from the code, not measured here.
+terms (fused RMSNorm, 1-byte dropout masks, flash kernels) are read from the code, not measured here;
+so are the MoE terms (megatron's router moves its weight to CUDA in forward: no CPU run).
 """
 from __future__ import annotations
 
@@ -134,12 +152,35 @@ def core_attention_terms(m: ModelConfig, tp: int, precision: str, device: str) -
     return {"qkv": (q + 2 * kv_kept) * B, "internal": 4 * x["heads"], "context": q * B}
 
 
-def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu") -> dict:
-    """Bytes per token one layer keeps for backward without recompute, by term."""
+def mlp_bytes(m: ModelConfig, f: int, B: int) -> int:
+    """Bytes per token an MLP of width f (this rank's share) keeps besides its input."""
+    return (5 if m.gated else 2) * f * B
+
+
+def moe_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16") -> dict:
+    """Bytes per token an MoE layer keeps in place of fc1's input and the dense MLP (see the module
+    docstring): router, dispatch, the k experts' rows, the shared expert."""
+    B, h, E, k, f_e = BYTES[precision], m.hidden_size, m.num_experts, m.moe_router_topk, m.moe_ffn // tp
+    topk_softmax = 4 * k if m.norm_topk_prob else 4 * E  # fp32 softmax over the top-k, or over all E
+    shared = m.moe_shared_expert_intermediate_size
+    return {
+        "router_input": B * h,
+        "router": 8 * k + topk_softmax + (4 * E if m.moe_aux_loss_coeff > 0 else 0),
+        "dispatch": 2 * E + 8 * k,
+        "expert_inputs": k * B * h,
+        "experts": k * (mlp_bytes(m, f_e, B) + f_e * B + B),
+        "shared_expert": mlp_bytes(m, shared // tp, B) if shared else 0,
+    }
+
+
+def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu",
+                moe: bool = False) -> dict:
+    """Bytes per token one layer keeps for backward without recompute, by term (moe: an MoE layer)."""
     B, x = BYTES[precision], _dims(m, tp)
     h, f = x["h"], x["f"]
     mb = _mask_bytes(B, device) if m.dropout > 0 else 0
     core = core_attention_terms(m, tp, precision, device)
+    mlp = moe_terms(m, tp, precision) if moe else {"fc1_input": B * h, "mlp": mlp_bytes(m, f, B)}
     return {
         "input_norm": norm_bytes(m, precision, device),
         "qkv_input": B * h,
@@ -149,10 +190,18 @@ def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: st
         "attention_context": core["context"],
         "attention_dropout_mask": mb * h,
         "pre_mlp_norm": norm_bytes(m, precision, device),
-        "fc1_input": B * h,
-        "mlp": (5 if m.gated else 2) * f * B,
+        **mlp,
         "mlp_dropout_mask": mb * h,
     }
+
+
+ATTENTION_KEYS = ("input_norm", "qkv_input", "qk_norm", "qk_norm_qkv_output", "attention_qkv", "attention_internal",
+                  "attention_context", "attention_dropout_mask")
+
+
+def mlp_part(terms: dict) -> float:
+    """The MLP half of a layer's terms (pre-MLP norm to the MLP's dropout mask), dense or MoE."""
+    return sum(v for k, v in terms.items() if k not in ATTENTION_KEYS)
 
 
 def head_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu") -> dict:
@@ -180,30 +229,46 @@ def backward_transients(m: ModelConfig, tp: int, precision: str, device: str) ->
     cast. flash kernels: dq, dk, dv."""
     B, x = BYTES[precision], _dims(m, tp)
     core = core_attention_terms(m, tp, precision, device)
+    mlp = (2 if m.gated else 1) * x["f"] * B
+    if m.is_moe and m.moe_layers[-1]:
+        # the gradient of the k permuted rows, and one expert's two halves at a time (SequentialMLP
+        # runs its experts one by one; balanced routing: k/E of the rows each)
+        f_e = m.moe_ffn // tp
+        mlp = m.moe_router_topk * B * x["h"] + (2 if m.gated else 1) * f_e * B * m.moe_router_topk / m.num_experts
     if m.attention == "sdpa" and sdpa_kernel(m, device) == "math":
         attention = 4 * 4 * x["A"] - core["internal"]  # float intermediates whatever the dtype
     elif m.attention == "unfused":
         attention = 4 * 4 * x["A"] - core["internal"] if B == 4 else (4 + B) * x["A"]
     else:
         attention = core["qkv"]
-    return {"mlp": (2 if m.gated else 1) * x["f"] * B, "attention": attention}
+    return {"mlp": mlp, "attention": attention}
 
 
-def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping, terms: dict) -> tuple:
-    """(bytes the L layers keep, bytes one layer rebuilds in backward, bytes on the host) per token."""
+def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping, kinds: list) -> tuple:
+    """(bytes the L layers keep, bytes one layer rebuilds in backward (the last layer), bytes on
+    the host) per token. kinds: (number of layers, their terms) per kind of layer (dense, MoE);
+    the last layer's kind is last."""
     B, h, L = BYTES[precision], m.hidden_size, m.num_layers
-    per_layer = sum(terms.values())
+    last = sum(kinds[-1][1].values())
     if recompute == "full":
         kept = B * h / (tp if ck.get("partition_activations") else 1)
         if ck.get("partition_activations") and ck.get("cpu_checkpointing"):
-            return 0.0, per_layer - kept, L * kept
-        return L * kept, per_layer - kept, 0.0
+            return 0.0, last - kept, L * kept
+        return L * kept, last - kept, 0.0
     if recompute == "selective":
         # the checkpoint's inputs (attention_inputs_bytes) hold the QKV output the key norm pins
+        terms = kinds[-1][1]
         recomputed = terms["attention_qkv"] + terms["attention_internal"]
-        kept = per_layer - recomputed - terms["qk_norm_qkv_output"] + attention_inputs_bytes(m, tp, precision)
-        return L * kept, recomputed, 0.0
-    return L * per_layer, 0.0, 0.0
+        dropped = recomputed + terms["qk_norm_qkv_output"] - attention_inputs_bytes(m, tp, precision)
+        return sum(n * (sum(t.values()) - dropped) for n, t in kinds), recomputed, 0.0
+    return sum(n * sum(t.values()) for n, t in kinds), 0.0, 0.0
+
+
+def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str) -> list:
+    """[(layers, terms)] per kind of layer, the last layer's kind last (dense models: one kind)."""
+    flags = m.moe_layers
+    order = [not flags[-1], flags[-1]]
+    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe)) for moe in order if moe in flags]
 
 
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
@@ -227,8 +292,9 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     (unfused attention's buffer), host (cpu_checkpointing), saved, the three moments and total.
     """
     m, s, B, h = model, model.seq_len, BYTES[precision], model.hidden_size
-    terms = layer_terms(m, tp, precision, device)
-    layers, recomputed, host = _layers(m, tp, precision, recompute, checkpointing or {}, terms)
+    kinds = layer_kinds(m, tp, precision, device)
+    terms = kinds[-1][1]  # the last layer's, whose backward the moments below are about
+    layers, recomputed, host = _layers(m, tp, precision, recompute, checkpointing or {}, kinds)
     head = head_terms(m, tp, precision, device)
     logits = head.pop("logits_softmax_fp32") + head.pop("loss_bookkeeping")
     embedding = sum(head.values())
@@ -238,7 +304,6 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     # The last layer's backward: the output side (logits, final norm, output-layer input) is gone.
     released = logits + head["final_norm"] + head["output_layer_input"]
     grads = backward_transients(m, tp, precision, device)
-    mlp_part = terms["pre_mlp_norm"] + terms["fc1_input"] + terms["mlp"] + terms["mlp_dropout_mask"]
     # linear_proj's input is freed after its backward, unless the flash kernel saved the same tensor.
     flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash"
     context = 0 if (flash and recompute != "selective") else terms["attention_context"]
@@ -247,7 +312,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     moments = {
         "end_of_forward": saved + max(transient, incoming),
         "mlp_backward": saved - released + rebuilt_mlp + incoming + grads["mlp"],
-        "attention_backward": (saved - released - mlp_part - terms["attention_dropout_mask"] - context
+        "attention_backward": (saved - released - mlp_part(terms) - terms["attention_dropout_mask"] - context
                                + recomputed + incoming + grads["attention"]),
     }
     out = {"per_layer": sum(terms.values()), "layers": layers, "recomputed": recomputed, "embedding": embedding,

@@ -39,7 +39,7 @@ class Attention(StrEnum):
 
 ENUMS = {"activation": Activation, "normalization": Normalization, "position_embedding": PositionEmbedding,
          "attention": Attention}
-FLOATS = ("rope_base", "rope_scaling_factor", "dropout", "norm_eps")
+FLOATS = ("rope_base", "rope_scaling_factor", "dropout", "norm_eps", "moe_aux_loss_coeff")
 
 
 @dataclass
@@ -106,10 +106,37 @@ class ModelConfig:
     "What is modelled, and what is not"."""
     norm_eps: float = 1e-5
     """Epsilon of every LayerNorm / RMSNorm."""
+    num_experts: Optional[int] = None
+    """Routed experts E of every mixture-of-experts layer (megatron's num_moe_experts; Mixtral 8,
+    Qwen3-30B-A3B 128); null: a dense model. Each expert is an MLP of model.activation, moe_ffn wide;
+    all E are parameters of every rank (ZeRO and FSDP2 shard them like any tensor; no expert
+    parallelism)."""
+    moe_router_topk: int = 2
+    """Experts k each token is routed to (megatron's moe_router_topk, HF's num_experts_per_tok);
+    1 <= k <= num_experts. Routing is dropless (no capacity factor): k x tokens expert rows per layer."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Intermediate width of each routed expert (HF: Mixtral intermediate_size, Qwen3-MoE
+    moe_intermediate_size); null: ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of the shared expert every token also goes through (Qwen2-MoE style, megatron's
+    moe_shared_expert_intermediate_size; no gate); null: none (Mixtral, Qwen3-MoE)."""
+    moe_dense_layers: Optional[list[int]] = None
+    """0-based layers whose MLP stays dense (ffn_hidden_size wide); every other layer is an MoE
+    layer. From Qwen3-MoE's mlp_only_layers and decoder_sparse_step (layer i is MoE when
+    (i + 1) % step == 0); megatron builds it as a moe_layer_freq list. null: every layer is MoE."""
+    norm_topk_prob: bool = True
+    """The k routing weights are renormalised to sum 1 (softmax over the top-k logits: megatron's
+    moe_router_pre_softmax=false; Mixtral always, Qwen3-MoE's norm_topk_prob). false: softmax over
+    all experts, then top-k (moe_router_pre_softmax=true). The router has a bias iff add_bias
+    (megatron's router follows add_bias_linear)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (megatron's moe_aux_loss_coeff, HF's
+    router_aux_loss_coef); > 0 keeps the router's full fp32 softmax for backward."""
     hf_config: Optional[str] = None
-    """A local Hugging Face config.json (or its directory; model_type llama, mistral, qwen2 or qwen3): its
-    shape keys replace the ones above (configure.py reads it; no weights, no network). seq_len,
-    dropout and attention stay yours (`model=hf model.hf_config=PATH model.seq_len=4096`)."""
+    """A local Hugging Face config.json (or its directory; model_type llama, mistral, qwen2, qwen3,
+    mixtral or qwen3_moe): its shape keys replace the ones above (configure.py reads it; no
+    weights, no network). seq_len, dropout and attention stay yours (`model=hf
+    model.hf_config=PATH model.seq_len=4096`)."""
 
     def __post_init__(self) -> None:
         # Plain values (a YAML read directly, a stored record) become the types the schema has, so
@@ -151,11 +178,47 @@ class ModelConfig:
     def has_qkv_bias(self) -> bool:
         return self.add_bias or self.qkv_bias
 
+    # -- mixture of experts ---------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def moe_ffn(self) -> int:
+        """Intermediate width of one routed expert."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
+
+    @property
+    def moe_layers(self) -> list[bool]:
+        """Per layer (0-based): whether its MLP is an MoE layer."""
+        dense = set(self.moe_dense_layers or ())
+        return [self.is_moe and i not in dense for i in range(self.num_layers)]
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    def expert_params(self, tp: int = 1) -> int:
+        """Parameters of one routed expert on one tp rank (megatron's expert MLP: fc1, fc2, biases)."""
+        from zero_bench.models.params import mlp_numels
+
+        return sum(mlp_numels(self, self.moe_ffn, tp))
+
     # -- counts (models/params.py) --------------------------------------------------------------
     @property
     def num_params(self) -> int:
         """Parameters of the whole model (one tensor-parallel rank at tp 1)."""
         return sum(param_numels(self, 1))
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token is computed with (tp 1): everything but the E - k routed experts
+        it is not sent to in each MoE layer (router, shared expert, attention, embeddings
+        included); num_params for a dense model. Mixtral-8x7B: 12,879,925,248 of 46,702,792,704."""
+        if not self.is_moe:
+            return self.num_params
+        idle = self.num_experts - self.moe_router_topk
+        return self.num_params - idle * self.expert_params(1) * self.num_moe_layers
 
     def params_per_shard(self, tp: int) -> int:
         """Parameters one tensor-parallel rank holds (replicated norms and row biases included)."""
@@ -180,14 +243,26 @@ def summary(m: ModelConfig) -> str:
     return (f"{m.num_layers} layers, hidden {m.hidden_size}, {heads}, {m.activation} {m.ffn}, {m.normalization}, "
             f"{rope if m.position_embedding == 'rope' else 'learned positions'}, "
             f"{'tied' if m.tie_embeddings else 'untied'}, {biases}, {m.attention} attention, dropout {m.dropout:g}, "
-            f"seq {m.seq_len}, vocab {m.vocab_size} ({m.padded_vocab(1)} rows)")
+            f"seq {m.seq_len}, vocab {m.vocab_size} ({m.padded_vocab(1)} rows){moe_summary(m)}")
+
+
+def moe_summary(m: ModelConfig) -> str:
+    """The MoE part of summary(): experts, top-k, widths and the dense layers ("" when dense)."""
+    if not m.is_moe:
+        return ""
+    shared = (f" + shared {m.moe_shared_expert_intermediate_size}"
+              if m.moe_shared_expert_intermediate_size else "")
+    dense = f", dense MLP in layers {m.moe_dense_layers}" if m.moe_dense_layers else ""
+    return f", MoE {m.num_experts} experts of {m.moe_ffn} top-{m.moe_router_topk}{shared}{dense}"
 
 
 # Fields added after records were first stored: at their default they describe the GPT those
 # records ran, so they stay out of a configuration's key and old keys keep their value.
 LATER_FIELDS = ("ffn_hidden_size", "num_query_groups", "activation", "normalization", "position_embedding",
                 "rope_base", "rope_scaling_factor", "tie_embeddings", "add_bias", "qkv_bias", "dropout",
-                "attention", "norm_eps", "hf_config", "head_dim", "qk_norm")
+                "attention", "norm_eps", "hf_config", "head_dim", "qk_norm", "num_experts", "moe_router_topk",
+                "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_dense_layers", "norm_topk_prob",
+                "moe_aux_loss_coeff")
 
 
 def key_fields(model: dict) -> dict:

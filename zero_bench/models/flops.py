@@ -4,7 +4,9 @@ published tables: per sequence, passes x (2 x N x s + 4 x L x (a x d) x s^2), 3 
 input gradient, weight gradient) for MFU, and what recompute re-runs on top for HFU.
 
 N counts the weights a token is multiplied by: every parameter of the model with the vocabulary
-matrix once. Tied (GPT-2) that is num_params, so every GPT preset keeps the figure it had; untied,
+matrix once; in a mixture of experts only the ACTIVE parameters (ModelConfig.active_params: the
+top-k routed experts, the router, the shared expert and everything dense), as the MoE papers count
+"active parameters" (Mixtral: 12.9B of 46.7B). Tied (GPT-2) that is num_params, so every GPT preset keeps the figure it had; untied,
 the input embedding is a lookup (no FLOPs) and the output layer is the one counted. SwiGLU's three
 matrices (fc1 holds gate and up), GQA's smaller K/V projections, heads of head_dim wide and the
 output layer all come in through N. The attention term counts QK^T and attention x V over all a query heads whatever the
@@ -31,7 +33,7 @@ def convention_flops_per_seq(n_params: float, n_layers: int, attn_width: int, se
 def flop_params(m: ModelConfig) -> int:
     """N: parameters that cost 2 FLOPs per token in the forward pass (the vocabulary matrix once)."""
     untied_input_embedding = 0 if m.tie_embeddings else m.padded_vocab(1) * m.hidden_size
-    return m.num_params - untied_input_embedding
+    return m.active_params - untied_input_embedding
 
 
 def dense_flops_per_seq(m: ModelConfig) -> float:
@@ -63,11 +65,15 @@ def hardware_flops_per_seq(m: ModelConfig, recompute: str = "none") -> float:
 
 def breakdown_per_token(m: ModelConfig) -> dict:
     """Forward FLOPs per token by part (tp 1), for reading the totals."""
-    h, d, f, L = m.hidden_size, m.kv_channels, m.ffn, m.num_layers
+    h, d, L, n_moe = m.hidden_size, m.kv_channels, m.num_layers, m.num_moe_layers
+    mats = 3 if m.gated else 2
+    # per MoE layer a token passes the router and k experts (and the shared expert)
+    routed = m.moe_router_topk * m.moe_ffn + (m.moe_shared_expert_intermediate_size or 0) if m.is_moe else 0
     return {
         "qkv": 2 * L * h * (m.num_heads + 2 * m.query_groups) * d,
         "attention_proj": 2 * L * m.num_heads * d * h,
-        "mlp": 2 * L * h * f * (3 if m.gated else 2),
+        "mlp": 2 * h * mats * ((L - n_moe) * m.ffn + n_moe * routed),
+        "router": 2 * n_moe * h * (m.num_experts or 0),
         "output_layer": 2 * m.padded_vocab(1) * h,
         "attention_scores": attention_flops_per_seq(m) / m.seq_len,
     }

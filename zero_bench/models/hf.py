@@ -1,5 +1,5 @@
-"""A local Hugging Face config.json (model_type llama, mistral, qwen2, qwen3) -> the description's
-keys. No weights, no network: the model is built from the shapes with random weights.
+"""A local Hugging Face config.json (model_type llama, mistral, qwen2, qwen3, and the mixtures of
+experts mixtral, qwen3_moe) -> the description's keys. No weights, no network: the model is built from the shapes with random weights.
 
 Read as transformers reads it: a key the file leaves out takes transformers' default for that
 model_type (DEFAULTS: transformers 4.57.1's configuration_<type>.py, and where the model reads a
@@ -45,6 +45,22 @@ DEFAULTS: dict[str, dict[str, Any]] = {
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
               "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
               "max_window_layers": 28, "attention_bias": False},
+    # MixtralConfig: no head_dim default (None -> h / a, modeling_mixtral.py); the router (`gate`) and
+    # w1/w2/w3 have no bias; modeling_mixtral.py always renormalises the top-k weights.
+    "mixtral": {**_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                "sliding_window": None, "num_experts_per_tok": 2, "num_local_experts": 8,
+                "output_router_logits": False, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0},
+    # Qwen3MoeConfig: no head_dim parameter (modeling_qwen3_moe.py: getattr(config, "head_dim",
+    # h // a)); q_norm / k_norm as Qwen3; a layer is MoE unless in mlp_only_layers or
+    # (i + 1) % decoder_sparse_step != 0; the router (`gate`) has no bias.
+    "qwen3_moe": {**_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                  "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+                  "max_position_embeddings": 32768, "attention_bias": False, "use_sliding_window": False,
+                  "sliding_window": 4096, "decoder_sparse_step": 1, "moe_intermediate_size": 768,
+                  "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False,
+                  "output_router_logits": False, "router_aux_loss_coef": 0.001, "mlp_only_layers": []},
 }
 MODEL_TYPES = tuple(DEFAULTS)
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # mixture-of-experts configs
@@ -113,7 +129,7 @@ def read_hf_config(path: str, seq_len: int, dropout: float = 0.0) -> dict[str, A
         "num_heads": heads,
         "num_query_groups": groups,
         "head_dim": _head_dim(cfg, hidden, heads),
-        "qk_norm": cfg.model_type == "qwen3",  # Qwen3Attention's q_norm / k_norm: RMSNorm over head_dim
+        "qk_norm": cfg.model_type in ("qwen3", "qwen3_moe"),  # q_norm / k_norm: RMSNorm over head_dim
         "ffn_hidden_size": cfg.positive("intermediate_size"),
         "vocab_size": cfg.positive("vocab_size"),  # padded only if model.pad_vocab_to says so (default 1)
         "activation": "swiglu",
@@ -125,7 +141,37 @@ def read_hf_config(path: str, seq_len: int, dropout: float = 0.0) -> dict[str, A
         "tie_embeddings": bool(cfg.get("tie_word_embeddings")),
         "add_bias": add_bias,
         "qkv_bias": qkv_bias,
+        **_moe(cfg),
     }
+
+
+def _moe(cfg: HFConfig) -> dict[str, Any]:
+    """The description's MoE keys ({} for a dense family). The load-balancing loss is added in
+    training only with output_router_logits (MixtralForCausalLM / Qwen3MoeForCausalLM.forward)."""
+    if cfg.model_type not in ("mixtral", "qwen3_moe"):
+        return {}
+    if cfg.get("router_jitter_noise"):
+        raise HFConfigError(f"model.hf_config: {cfg.shown('router_jitter_noise')}: router input jitter is not "
+                            "modelled")
+    aux = float(cfg.get("router_aux_loss_coef")) if cfg.get("output_router_logits") else 0.0
+    if cfg.model_type == "mixtral":
+        return {"num_experts": cfg.positive("num_local_experts"), "moe_router_topk": cfg.positive("num_experts_per_tok"),
+                "moe_ffn_hidden_size": cfg.positive("intermediate_size"), "norm_topk_prob": True,
+                "moe_aux_loss_coeff": aux}
+    return {"num_experts": cfg.positive("num_experts"), "moe_router_topk": cfg.positive("num_experts_per_tok"),
+            "moe_ffn_hidden_size": cfg.positive("moe_intermediate_size"), "moe_dense_layers": _dense_layers(cfg),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob")), "moe_aux_loss_coeff": aux}
+
+
+def _dense_layers(cfg: HFConfig) -> Optional[list[int]]:
+    """Qwen3MoeDecoderLayer: layer i is MoE unless i is in mlp_only_layers or (i + 1) %
+    decoder_sparse_step != 0; null when every layer is."""
+    step, layers = cfg.positive("decoder_sparse_step"), cfg.positive("num_hidden_layers")
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise HFConfigError(f"model.hf_config: mlp_only_layers={only}: must be a list of layer indices")
+    dense = [i for i in range(layers) if i in only or (i + 1) % step]
+    return dense or None
 
 
 def _load(path: str) -> dict:
@@ -146,7 +192,7 @@ def _model_type(raw: dict) -> str:
         return model_type
     nearest = difflib.get_close_matches(str(model_type), MODEL_TYPES, n=1, cutoff=0.0)[0]
     moe = next((k for k in MOE_KEYS if k in raw), None)
-    why = f"mixture-of-experts ({moe}) is not modelled" if moe else "other families are not modelled"
+    why = f"mixture-of-experts ({moe}) of this family is not modelled" if moe else "other families are not modelled"
     raise HFConfigError(f"model.hf_config: model_type={model_type}: {why}; zero_bench reads "
                         f"{', '.join(MODEL_TYPES)} (nearest: {nearest})")
 
@@ -169,7 +215,7 @@ def _check_sliding_window(cfg: HFConfig, seq_len: int) -> None:
     use_sliding_window. A window at least as long as the sequence is the same computation as full
     causal attention, so only a shorter one is refused."""
     window = cfg.get("sliding_window")
-    if cfg.model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    if cfg.model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
         window = None
     elif cfg.model_type == "llama":
         window = None  # LlamaAttention has no window
@@ -204,11 +250,11 @@ def _biases(cfg: HFConfig) -> tuple[bool, bool]:
     """(add_bias, qkv_bias), as each family's modeling file builds its linears. megatron puts
     add_bias_linear on all four linears of a layer and add_qkv_bias on QKV alone. Llama:
     attention_bias covers Q, K, V and O, mlp_bias the MLP; Qwen3: attention_bias on Q, K, V and O,
-    never the MLP; Qwen2: Q, K, V always (hard-coded), never O or the MLP; Mistral: none (its
-    modeling file ignores both keys)."""
+    never the MLP (Qwen3-MoE likewise; its experts and router have none); Qwen2: Q, K, V always
+    (hard-coded), never O or the MLP; Mistral and Mixtral: none (their modeling files ignore both keys)."""
     if cfg.model_type == "qwen2":
         return False, True
-    if cfg.model_type == "mistral":
+    if cfg.model_type in ("mistral", "mixtral"):
         return False, False
     attention = bool(cfg.get("attention_bias"))
     mlp = bool(cfg.get("mlp_bias")) if cfg.model_type == "llama" else False

@@ -90,7 +90,20 @@ def model_args(m: ModelConfig) -> dict:
         add_qkv_bias=m.qkv_bias,
         hidden_dropout=m.dropout,
         attention_dropout=m.dropout,
+        **moe_args(m),
     )
+
+
+def moe_args(m: ModelConfig) -> dict:
+    """TransformerConfig's MoE keys ({} for a dense model): dropless top-k softmax routing, the
+    allgather dispatcher (megatron's default; ep 1), SequentialMLP experts (no grouped GEMM)."""
+    if not m.is_moe:
+        return {}
+    return dict(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+                moe_ffn_hidden_size=m.moe_ffn,
+                moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+                moe_router_pre_softmax=not m.norm_topk_prob, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+                moe_layer_freq=[int(x) for x in m.moe_layers], moe_grouped_gemm=False)
 
 
 def transformer_config(cfg: BenchConfig, on_cpu: bool, initialize: bool = True):
@@ -120,10 +133,12 @@ def fusion_args(m: ModelConfig, on_cpu: bool) -> dict:
     bias-activation, which megatron-core 0.16.1 writes in plain torch under its jit_fuser
     (torch.compile, megatron/core/jit.py) - what megatron's users train with (its GPT scripts
     turn them on). Off on CPU, where that torch.compile costs minutes of inductor per shape.
-    bias_activation_fusion takes gelu only with a bias when not gated (TransformerConfig's check)."""
+    bias_activation_fusion takes gelu only with a bias when not gated (TransformerConfig's check),
+    and never for MoE experts (SequentialMLP hands each expert its routing weights as
+    per_token_scale, and mlp.py fuses only SwiGLU with those: gelu raises ValueError)."""
     gpu = not on_cpu
     return dict(bias_dropout_fusion=gpu,
-                bias_activation_fusion=gpu and (m.gated or m.add_bias),
+                bias_activation_fusion=gpu and (m.gated or (m.add_bias and not m.is_moe)),
                 masked_softmax_fusion=False, gradient_accumulation_fusion=False,
                 persist_layer_norm=False, apply_rope_fusion=False)
 
@@ -134,8 +149,22 @@ def layer_spec(m: ModelConfig):
     and key norms (megatron's, with their gradient summed over tp, which DeepSpeed and FSDP2 miss)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
-                                    qk_layernorm=m.qk_norm)
+    norm = "RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm"
+    dense = _swapped(m, get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.qk_norm))
+    if not m.is_moe:
+        return dense
+    # MoE: one spec per layer, as get_gpt_decoder_layer_specs builds them from moe_layer_freq (the
+    # final norm is the block's LayerNormImpl, as for a single layer spec)
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    moe = _swapped(m, get_gpt_layer_local_spec(num_experts=m.num_experts, moe_grouped_gemm=False,
+                                               normalization=norm, qk_layernorm=m.qk_norm))
+    return TransformerBlockSubmodules(layer_specs=[moe if x else dense for x in m.moe_layers],
+                                      layer_norm=LayerNormImpl)
+
+
+def _swapped(m: ModelConfig, spec):
+    """`spec` with zero_bench's sdpa core attention and qk norms where the description asks."""
     swaps = {}
     if m.attention == "sdpa":
         from zero_bench.models.sdpa import SDPAttention
