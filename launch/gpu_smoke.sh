@@ -56,10 +56,10 @@ if zb maxbatch model=gpt-small parallel=dp1 hardware=gpu hardware.memory_mib=409
   read -r status lo hi real tot forked fresh <<<"$(query search)"
   pools=$(ls -d "$OUT"/oom/pool/pool* 2>/dev/null | wc -l)
   refused=$(cat "$OUT"/oom/pool/pool*/refused 2>/dev/null | head -c 200)
-  # one pool that served: it did not refuse, and trials were forked from it (a refusing pool leaves
-  # its folder behind while every trial is launched fresh)
+  # one pool that served: it did not refuse, and every trial was forked from it (a refusing pool
+  # leaves its folder behind while every trial is launched fresh)
   if [ "$status" = done ] && [ "$real" -ge 1 ] && [ "$tot" = 4096 ] && [ "$pools" = 1 ] && [ -z "$refused" ] \
-     && [ "$forked" -ge 1 ]; then
+     && [ "$forked" -ge 1 ] && [ "$fresh" = 0 ]; then
     say PASS cuda-oom "max micro $lo, fails at $hi (fresh), $real real CUDA OOM(s), reported against $tot MiB, one pool: $forked trial(s) forked, $fresh launched"
   else say FAIL cuda-oom "status=$status micro=$lo..$hi real_ooms=$real total=$tot MiB pools=$pools forked=$forked launched=$fresh refused=${refused:-no}"; fi
 else say FAIL cuda-oom "exit $?; tail: $(tail -c 300 "$OUT/oom.log")"; fi

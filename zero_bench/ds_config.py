@@ -20,6 +20,9 @@ from zero_bench.toolkit import TORCH_FUSED_ADAMW, fused_adam_fallback
 
 TEMPLATE_DIR = DS_TEMPLATES
 
+# zero_optimization values kept where serial_unpinned() says (see there).
+SERIAL = {"zero_optimization": {"overlap_comm": False}}
+UNPINNED = {"pin_memory": False}
 # DeepSpeed's defaults are sized for billion-parameter models; on a small model they dwarf the
 # partitions ZeRO saves (field notes: ZeRO-3 used more RSS than ZeRO-0 with them).
 BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
@@ -55,12 +58,15 @@ def scaled_buckets(num_params_per_rank: int) -> dict:
 
 
 def build(cfg: BenchConfig) -> dict:
+    serial = serial_unpinned(cfg)
     ds = merge(load_template("base"), load_template(f"zero{cfg.zero}"))
-    if cfg.offload:
-        ds = merge(ds, load_template("offload_optimizer"))
-    if cfg.offload_param:
-        ds = merge(ds, load_template("offload_param"))
-    ds = merge(ds, unpinned_serial(cfg))
+    if serial and cfg.zero >= 2:
+        ds = merge(ds, SERIAL)
+    for wanted, section in ((cfg.offload, "offload_optimizer"), (cfg.offload_param, "offload_param")):
+        if wanted:
+            ds = merge(ds, load_template(section))
+            if serial:
+                ds = merge(ds, {"zero_optimization": {section: UNPINNED}})
     ds = _with_preset(ds, cfg)
     on_cpu = cfg.hardware.device == "cpu"
     if on_cpu:
@@ -87,24 +93,16 @@ def build(cfg: BenchConfig) -> dict:
     return with_buildable_adam(merge(ds, cfg.ds), cfg)
 
 
-def unpinned_serial(cfg: BenchConfig) -> dict:
-    """No overlap of ZeRO-2/3's gradient reduction with backward, no pinned host memory for offload:
-    what zero_bench's CPU figures were measured with (one reduction bucket alive, as
-    estimate/buffers.py counts it; pinning needs an accelerator) and what the reference preset ran
-    with before its own template. A GPU run on the default preset gets DeepSpeed 0.19.8's own
-    defaults instead (runtime/zero/config.py: overlap_comm None -> True for stage 3 only;
-    offload_config.py: pin_memory True), as DeepSpeed's users do. Merged before the preset's
-    templates, so megatron_deepspeed's own overlap_comm: true still wins."""
-    if cfg.hardware.device != "cpu" and cfg.ds_preset == "default":
-        return {}
-    zero: dict = {}
-    if cfg.zero >= 2:
-        zero["overlap_comm"] = False
-    if cfg.offload:
-        zero["offload_optimizer"] = {"pin_memory": False}
-    if cfg.offload_param:
-        zero["offload_param"] = {"pin_memory": False}
-    return {"zero_optimization": zero} if zero else {}
+def serial_unpinned(cfg: BenchConfig) -> bool:
+    """Whether ZeRO-2/3 reduce gradients without overlapping backward (SERIAL) and offload uses
+    unpinned host memory (UNPINNED): what zero_bench's CPU figures were measured with (one
+    reduction bucket alive, as estimate/buffers.py counts it; pinning needs an accelerator) and
+    what the reference preset ran with before its own template (its overlap_comm: true still
+    wins). A GPU run on the default preset gets DeepSpeed 0.19.8's own defaults instead, as its
+    users do: runtime/zero/config.py overlap_comm None -> `self.stage == ZeroStageEnum.weights`
+    (on for ZeRO-3 only), offload_config.py pin_memory True. Merged right after the templates
+    these values used to sit in, so the CPU and preset JSON keep their bytes, key order included."""
+    return cfg.hardware.device == "cpu" or cfg.ds_preset != "default"
 
 
 def with_buildable_adam(ds: dict, cfg: BenchConfig) -> dict:

@@ -46,16 +46,17 @@ def select_devices(env: dict = os.environ) -> Optional[str]:
     CUDA accelerator runs int() on every CUDA_VISIBLE_DEVICES entry (cuda_accelerator.py,
     _get_nvml_gpu_id: `ids = list(map(int, ...split(",")))`), which a UUID would crash. MIG
     slices keep their UUIDs (CUDA names a slice no other way); RankGpu answers DeepSpeed's
-    available_memory for them instead. ZERO_BENCH_DEVICES keeps the user's spelling."""
+    available_memory for them instead. ZERO_BENCH_DEVICES keeps the user's spelling. Indices, the
+    user's too, are nvidia-smi's (PCI bus order), as the runner's NVML sampler resolves them: CUDA's
+    default FASTEST_FIRST would put another of mixed GPUs under the same index (launch.gpu_order_env
+    sets the same for every rank; set here too, where the index is chosen)."""
     devices = env.get(DEVICES_ENV)
     if not devices:
         return devices
     indices = nvml_indices(devices)
-    if indices is None:
-        env["CUDA_VISIBLE_DEVICES"] = devices
-    else:
+    if not any(t.strip().upper().startswith("MIG-") for t in devices.split(",")):
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, indices))
+    env["CUDA_VISIBLE_DEVICES"] = devices if indices is None else ",".join(map(str, indices))
     return devices
 
 

@@ -51,3 +51,13 @@ def test_ungated_gelu_without_bias_keeps_the_activation_unfused():
     m = dataclasses.replace(model("gpt-tiny"), add_bias=False)
     assert fusion_args(m, on_cpu=False)["bias_activation_fusion"] is False
     transformer_config(dataclasses.replace(cfg(), model=m), on_cpu=False, initialize=False)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_moe_experts_fuse_swiglu_only(name):
+    """SequentialMLP passes each expert its routing weights as per_token_scale; megatron's MLP then
+    fuses SwiGLU (weighted_bias_swiglu_impl) and raises ValueError for gelu (mlp.py)."""
+    m = dataclasses.replace(model(name), num_experts=4, moe_router_topk=2)
+    assert fusion_args(m, on_cpu=False)["bias_activation_fusion"] is m.gated
+    tc = transformer_config(dataclasses.replace(cfg(name=name), model=m), on_cpu=False, initialize=False)
+    assert tc.num_moe_experts == 4 and tc.bias_activation_fusion is m.gated

@@ -169,10 +169,11 @@ def test_uuid_devices_reach_deepspeed_as_indices(fake, monkeypatch):
                                              ("GPU-ffffffff", "GPU-ffffffff")])  # unknown: CUDA decides
 def test_select_devices_rewrites_only_what_needs_it(fake, devices, expect):
     fake()
-    env = {DEVICES_ENV: devices}
+    env = {DEVICES_ENV: devices, "CUDA_DEVICE_ORDER": "FASTEST_FIRST"}  # the user's shell
     select_devices(env)
     assert env["CUDA_VISIBLE_DEVICES"] == expect
-    assert ("CUDA_DEVICE_ORDER" in env) == (expect != devices)
+    # every index is nvidia-smi's (PCI order), as the runner's NVML sampler reads it; MIG: no order
+    assert env["CUDA_DEVICE_ORDER"] == ("FASTEST_FIRST" if devices.startswith("MIG-") else "PCI_BUS_ID")
 
 
 def test_without_nvml_uuids_stay(monkeypatch):
@@ -181,7 +182,7 @@ def test_without_nvml_uuids_stay(monkeypatch):
     monkeypatch.setattr(nvml, "nvml_module", missing)
     env = {DEVICES_ENV: EIGHT[4][1]}
     select_devices(env)
-    assert env["CUDA_VISIBLE_DEVICES"] == EIGHT[4][1] and "CUDA_DEVICE_ORDER" not in env
+    assert env["CUDA_VISIBLE_DEVICES"] == EIGHT[4][1] and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
 
 def test_mig_available_memory_answers_from_cuda(fake, monkeypatch):

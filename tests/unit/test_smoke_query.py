@@ -73,3 +73,25 @@ def test_search_counts_trials_forked_from_a_pool(tmp_path):
         store.add_trial(TrialResult(search_key="k", trial_key=f"p{n}", label="l", micro=n, global_batch=2 * n,
                                     status=Status.OK, cmd=f"deepspeed ... --pool  # request {n}: /x/trial.json, MASTER_PORT=1"))
     assert shell(f"{sys.executable} {QUERY} {path} search").split()[-2:] == ["2", "1"]
+
+
+def test_a_pool_trials_command_is_what_the_query_counts_as_forked(tmp_path):
+    """The "forked" count reads the command text the runner stores for a pool's child: ask
+    pool.Pool.submit itself (no launch: a Pool object without its process), so a change of its
+    text breaks this test, not the smoke test on the first GPU machine."""
+    import importlib.util
+    import types
+
+    from zero_bench.pool import Pool
+
+    spec = importlib.util.spec_from_file_location("smoke_query", QUERY)
+    query = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(query)
+    pool = object.__new__(Pool)
+    pool.dir, pool.n, pool.cmd_text = tmp_path / "pool01", 0, "deepspeed ... --pool /x/pool01"
+    pool.proc, pool.multi_node = types.SimpleNamespace(pid=0), False
+    pool.dir.mkdir()
+    run_dir = tmp_path / "trial"
+    run_dir.mkdir()
+    _, cmd = pool.submit(run_dir / "trial.json", run_dir, 29500)
+    assert query.POOL_REQUEST in cmd and query.POOL_REQUEST not in pool.cmd_text  # a launch's own text
