@@ -48,9 +48,14 @@ def pools(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trials(pools, tmp_path_factory):
     """One measured trial per variant (llama-tiny, fp32, micro 2: 1 warm-up, 2 timed and 1 profiled step)."""
+    return measured("llama-tiny", TRIALS, pools, tmp_path_factory)
+
+
+def measured(model_name: str, variants: dict, pools, tmp_path_factory) -> dict:
+    """name -> (config, result) of one measured micro-2 trial per variant, children of `pools`."""
     out = {}
-    for name, kw in TRIALS.items():
-        cfg = cpu_cfg("llama-tiny", **kw)
+    for name, kw in variants.items():
+        cfg = cpu_cfg(model_name, **kw)
         (res,) = run_launch(cfg, [Entry(2, "measure")], tmp_path_factory.mktemp(name), LaunchOptions(pools=pools))
         out[name] = (cfg, res)
     return out
@@ -113,12 +118,7 @@ QWEN3 = {"qwen3": dict(zero=1, ds=QWEN3_LR), "qwen3_tp2": dict(zero=1, parallel=
 def qwen3_trials(pools, tmp_path_factory):
     """qwen3-tiny at tp 1 (dp 2) and tp 2, ZeRO-1, children of the same pool: apart from `trials`,
     so that this case alone launches only its own two."""
-    out = {}
-    for name, kw in QWEN3.items():
-        cfg = cpu_cfg("qwen3-tiny", **kw)
-        (res,) = run_launch(cfg, [Entry(2, "measure")], tmp_path_factory.mktemp(name), LaunchOptions(pools=pools))
-        out[name] = (cfg, res)
-    return out
+    return measured("qwen3-tiny", QWEN3, pools, tmp_path_factory)
 
 
 def test_qwen3_style_model_trains_and_tp2_keeps_its_losses(qwen3_trials):
