@@ -7,10 +7,10 @@ import dataclasses
 import pandas as pd
 import pytest
 
-from zero_bench.config import ConfigError
+from zero_bench.config import CONF_DIR, ConfigError
 from zero_bench.configure import compose, from_cfg
 from zero_bench.estimate import estimate
-from zero_bench.estimate.fsdp2 import layer_phases, model_states, param_shapes
+from zero_bench.estimate.fsdp2 import groups, layer_phases, model_states
 from zero_bench.preflight import skipped_search
 from zero_bench.sweeps import sweep_size
 
@@ -96,10 +96,31 @@ def test_shards_are_padded_to_whole_rows_and_offload_moves_them_all():
     assert off["gpu"] == 0 and off["cpu"] == r0["gpu"]
 
 
-def test_shapes_are_the_described_model():
-    for name in ("gpt-tiny", "gpt-small", "gpt345m"):
-        for tp in (1, 2, 8):
-            param_shapes(model(name), tp)  # raises when they drift from models/description.py
+PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "hf")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_family_is_estimated_from_the_one_parameter_list(name):
+    """`estimate engine=fsdp2` used to exit with a traceback on every non-GPT preset: its shapes
+    were a second copy of GPT's. Now they are models/params.py's: each layer its own group, the
+    rest in the root, and the states at dp 8 are 16 bytes per parameter over 8 (+ padding)."""
+    m = model(name)
+    g = groups(m)
+    assert list(g) == ["root"] + [f"layer{i}" for i in range(m.num_layers)]
+    assert sum(p.numel for ps in g.values() for p in ps) == m.num_params
+    e = estimate(from_cfg(compose([f"model={name}", "engine=fsdp2", "zero=3", "parallel=dp8", "hardware=h100_80gb"]), here=False))
+    assert e.states_on_rank == pytest.approx(16 * m.num_params / 8, rel=0.002)
+    assert e.peak_bytes(1) > e.states_on_rank
+
+
+def test_untied_models_hold_the_output_layers_gradient_not_the_embeddings():
+    """FSDP2 reduce-scatters the root's gradients after the whole backward: the output layer's
+    unsharded gradient is held through it; an untied model's word embedding gets its own only at
+    the end. llama-tiny: V x h = 1024 x 256, plus the final RMSNorm's 256."""
+    e = estimate(cpu_cfg("llama-tiny", engine="fsdp2", zero=3))
+    assert e.buffers["root_grads"]["bytes"] == 4 * (1024 * 256 + 256)
+    tied = estimate(cpu_cfg("gpt-tiny", engine="fsdp2", zero=3))
+    assert tied.buffers["root_grads"]["bytes"] == 4 * (1024 * 64 + 2 * 64)  # word embedding + LayerNorm
 
 
 # Peak live tensor bytes of the profiled step (MiB, rank 0), measured by the prototype's harness,

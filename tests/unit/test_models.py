@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig, param_numels
 from zero_bench.models.description import from_stored
 from zero_bench.models.megatron import build_gpt, transformer_config
+from zero_bench.models.params import params
 
 from conftest import model
 
@@ -59,24 +61,30 @@ def fake_tp():
     torch.distributed.destroy_process_group()
 
 
-def live_numels(m: ModelConfig, tp: int) -> list[int]:
+def live_params(m: ModelConfig, tp: int) -> list[tuple]:
     cfg = BenchConfig(model=m, parallel=ParallelConfig(tp=tp, dp=1), hardware=HardwareConfig(device="cpu"),
                       precision="bf16")
-    with torch.device("meta"):
-        gpt = build_gpt(cfg, transformer_config(cfg, on_cpu=True, initialize=False), on_cpu=True)
-    return [p.numel() for p in gpt.parameters()]
+    with torch.device("meta"):  # initialised (on meta: no values), as only the init marks the splits
+        gpt = build_gpt(cfg, transformer_config(cfg, on_cpu=True), on_cpu=True)
+    # megatron marks what it splits over tp (layers.py set_tensor_model_parallel_attributes)
+    return [(n, tuple(p.shape), p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+            for n, p in gpt.named_parameters()]
+
+
+def listed(m: ModelConfig, tp: int) -> list[tuple]:
+    return [(p.name, p.shape, p.tp_dim) for p in params(m, tp)]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_param_list_is_the_live_models(tp, fake_tp):
-    """Element for element and in order, every preset the tp divides (405B included: meta device)."""
+    """Name for name, shape for shape and in order, every preset the tp divides (405B included: meta device)."""
     fake_tp(tp)
     built = 0
     for name in PRESETS:
         m = model(name)
         if m.num_heads % tp or m.query_groups % tp or (m.is_moe and tp > 1):  # MoE: tp 1 (configure.py)
             continue
-        assert live_numels(m, tp) == param_numels(m, tp), name
+        assert live_params(m, tp) == listed(m, tp), name
         built += 1
     assert built == {1: 21, 2: 18, 8: 12}[tp]
 
@@ -199,7 +207,7 @@ def test_hf_param_list_is_the_live_models(name, tps, fake_tp):
     m = hf_bench(HF_DIR / name).model
     for tp in tps:
         fake_tp(tp)
-        assert live_numels(m, tp) == param_numels(m, tp), (name, tp)
+        assert live_params(m, tp) == listed(m, tp), (name, tp)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -208,7 +216,7 @@ def test_qk_norm_and_head_dim_on_layernorm_are_the_live_models(tp, fake_tp):
     fake_tp(tp)
     m = dataclasses.replace(model("gpt-tiny"), hidden_size=256, num_heads=8, num_query_groups=2, head_dim=48,
                             qk_norm=True)
-    assert live_numels(m, tp) == param_numels(m, tp)
+    assert live_params(m, tp) == listed(m, tp)
 
 
 def hf_file(tmp_path, base: str, drop: tuple = (), **changes) -> Path:
@@ -403,8 +411,8 @@ def test_moe_tiny_and_variants_are_the_live_models(fake_tp):
     for m in (base, dataclasses.replace(base, moe_dense_layers=[0, 2], moe_shared_expert_intermediate_size=384),
               dataclasses.replace(base, add_bias=True, activation="gelu", normalization="layernorm", qk_norm=True,
                                   norm_topk_prob=False)):
-        assert live_numels(m, 1) == param_numels(m, 1)
-    assert sum(live_numels(base, 1)) == 7_481_600
+        assert live_params(m, 1) == listed(m, 1)
+    assert sum(math.prod(s) for _, s, _ in live_params(base, 1)) == 7_481_600
 
 
 def test_flops_count_active_parameters():

@@ -1,8 +1,9 @@
 """FSDP2's memory per rank (engine=fsdp2): exact model states and the phases of a step.
 
 Notation (elements of one tensor-parallel shard): P parameters; R the root group (word embedding
-V/tp x h, positions S x h, final LayerNorm 2h; the output layer reuses the word embedding); G one
-transformer layer; L layers; b the compute dtype's bytes (fp32 4, bf16 2); dp ranks.
+V/tp x h, learned positions S x h, the final norm, an untied output layer V/tp x h); G one
+transformer layer (the largest, where MoE and dense layers mix); L layers; b the compute dtype's
+bytes (fp32 4, bf16 2); dp ranks. Every shape is models/params.py's, for every model family.
 
 Model states (exact, what engines/fsdp2.count_states reports; FSDP2 pads each shard to
 ceil(dim0 / dp) rows):
@@ -12,16 +13,17 @@ ceil(dim0 / dp) rows):
   = 12P/dp between steps, 16P/dp at the step, fp32 and bf16 alike (no 16-bit copy persists).
 
 Transient, measured on CPU with FSDP2's record_function ranges (issue 29's prototype):
-- the root group is gathered through the whole forward and backward (b*R), and the tied word
-  embedding's unsharded gradient lives from the output layer's backward to the end (b*R);
+- the root group is gathered through the whole forward and backward (b*R), and the output layer's
+  unsharded gradient (tied: the word embedding's) with the final norm's lives from the output
+  layer's backward to the end (b*R_out; FSDP2 reduce-scatters the root's gradients last);
 - zero=3: in backward the layer being differentiated plus the one FSDP2 prefetches; on CPU, gloo's
   all_gather_into_tensor allocates a second output-sized buffer; the previous layer's
   reduce-scatter input (fp32, 4G) is held until the next reduce-scatter;
 - zero=2: every layer stays gathered from its forward to its own backward (b*P at forward's end).
 The peak is the largest of these phases (`phases`), on top of the persistent 12P/dp:
-  backward_start: 2bR + (z3: bG | z2: L*bG)              + activations of all layers + logits
+  backward_start: bR + bR_out + (z3: bG | z2: L*bG)              + activations of all layers + logits
   layer_i (i = L-1 .. 1, the pre-backward of layer i, which prefetches layer i-1):
-                  2bR + (z3: bG + bG (+ bG gloo) | z2: (i+1)*bG) + [i < L-1] 4G
+                  bR + bR_out + (z3: bG + bG (+ bG gloo) | z2: (i+1)*bG) + [i < L-1] 4G
                   + (L-1-i) * 4G/dp (sharded gradients of the layers above) + activations of layers 0..i
   step:           4P/dp (all sharded gradients) + AdamW's temporaries (CPU: single-tensor AdamW)
 Every layer phase is linear in i, so its maximum is at i = L-1, L-2 or 1: only those are kept.
@@ -33,35 +35,32 @@ How close this comes to CPU measurements: docs/engines.md, "The estimate for FSD
 """
 from __future__ import annotations
 
+import math
+
 from zero_bench.config import BenchConfig
 from zero_bench.estimate.activations import activation_bytes_per_sample
-from zero_bench.models import ModelConfig, param_numels
+from zero_bench.models import ModelConfig
+from zero_bench.models.params import ROOT, Param, params
 from zero_bench.units import BYTES
 
 LOGITS_BYTES = {"fp32": 4, "bf16": 8}  # per token and vocabulary row at the peak (see above)
 ADAM_TEMPORARIES = 2  # single-tensor AdamW: sqrt(v), then its quotient, of one parameter's shard
 
 
-def param_shapes(m: ModelConfig, tp: int = 1) -> dict[str, list[tuple[int, ...]]]:
-    """Shapes of one TP rank's parameters by FSDP2 group (megatron's GPT, local spec, tied
-    embedding). Column-parallel weights split dim 0, row-parallel ones dim 1 (their bias is whole)."""
-    h, V, S = m.hidden_size, m.padded_vocab(tp), m.seq_len
-    layer = [(h,), (h,), (3 * h // tp, h), (3 * h // tp,), (h, h // tp), (h,), (h,), (h,),
-             (4 * h // tp, h), (4 * h // tp,), (h, 4 * h // tp), (h,)]
-    shapes = {"root": [(V // tp, h), (S, h), (h,), (h,)], "layer": layer}
-    # The description (models/) is the one source of what is built: a family these shapes do not
-    # describe must fail here, not be estimated wrongly.
-    mine = sorted(_numel(s) for s in shapes["root"] + layer * m.num_layers)
-    if mine != sorted(param_numels(m, tp)):
-        raise ValueError(f"model {m.name}: its parameters are not megatron's GPT that estimate/fsdp2.py shards")
-    return shapes
+def groups(m: ModelConfig, tp: int = 1) -> dict[str, list[Param]]:
+    """One TP rank's parameters by FSDP2 group ("root", "layer0", ...), from models/params.py's list."""
+    out: dict[str, list[Param]] = {}
+    for p in params(m, tp):
+        out.setdefault(p.group, []).append(p)
+    return out
+
+
+def shapes(m: ModelConfig, tp: int = 1) -> list[tuple[int, ...]]:
+    return [p.shape for p in params(m, tp)]
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape)
 
 
 def shard_elems(shape: tuple[int, ...], dp: int, rank: int, padded: bool) -> int:
@@ -77,10 +76,9 @@ def model_states(m: ModelConfig, dp: int, tp: int = 1, precision: str = "fp32", 
     """Exact bytes of one rank's states (rank 0 holds the most), split as estimate/states.py splits
     ZeRO's: params, grads (at the step), master, moments, optimizer (master + moments), gpu, cpu.
     offload (CPUOffloadPolicy): all of them in host memory."""
-    g = param_shapes(m, tp)
-    shapes = g["root"] + g["layer"] * m.num_layers
-    held = 4 * sum(shard_elems(s, dp, rank, padded=True) for s in shapes)
-    moments = 8 * sum(shard_elems(s, dp, rank, padded=False) for s in shapes) + 4 * len(shapes)
+    every = shapes(m, tp)
+    held = 4 * sum(shard_elems(s, dp, rank, padded=True) for s in every)
+    moments = 8 * sum(shard_elems(s, dp, rank, padded=False) for s in every) + 4 * len(every)
     mixed = precision == "bf16"
     params, master = (0, held) if mixed else (held, 0)
     total = params + master + moments + held
@@ -104,16 +102,19 @@ def parts(bench: BenchConfig) -> dict:
     m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp
     on_cpu = bench.hardware.device == "cpu"
     states = model_states(m, dp, tp, bench.precision, bench.offload)
-    g = param_shapes(m, tp)
+    g = groups(m, tp)
+    root, layer = g.pop(ROOT), max(g.values(), key=lambda ps: sum(p.numel for p in ps))
     b, L = BYTES[bench.precision], m.num_layers
-    R, G = sum(map(_numel, g["root"])), sum(map(_numel, g["layer"]))
+    R, G = sum(p.numel for p in root), sum(p.numel for p in layer)
     layers = layer_phases(L)
     # Sharded gradients live in host memory with offload on a GPU: none on the device.
     dev_grads = 0 if bench.offload and not on_cpu else 1
-    layer_grads = dev_grads * 4 * sum(shard_elems(s, dp, 0, padded=True) for s in g["layer"])
+    layer_grads = dev_grads * 4 * sum(shard_elems(p.shape, dp, 0, padded=True) for p in layer)
     buffers = _buffers(bench, b, R, G, layers, on_cpu)
+    buffers["root_grads"] = (b * sum(p.numel for p in root if _graded_first(p, m.tie_embeddings)),
+                             buffers["root_gathered"][1])
     if on_cpu:  # fused AdamW (GPU) makes no temporaries
-        largest = max(shard_elems(s, dp, 0, padded=True) for s in g["root"] + g["layer"])
+        largest = max(shard_elems(p.shape, dp, 0, padded=True) for p in root + layer)
         buffers["adamw_temporaries"] = (ADAM_TEMPORARIES * 4 * largest, ["step"])
     grads_phase = {"backward_start": 0, **{n: (L - 1 - i) * layer_grads for n, i in layers.items()},
                    "step": dev_grads * states["grads"]}
@@ -123,20 +124,38 @@ def parts(bench: BenchConfig) -> dict:
     act_phase = {"backward_start": act["layers"] + act["embedding"] + logits,
                  **{n: (i + 1) * kept + act["recomputed"] + act["embedding"] for n, i in layers.items()},
                  "step": 0}
-    P = sum(param_numels(m, tp))
+    P = R + sum(p.numel for ps in g.values() for p in ps)
     return {"states": states, "buffers": {k: {"bytes": int(v), "phases": ph} for k, (v, ph) in buffers.items()},
             "activations": act, "act_per_sample": int(act_phase["backward_start"]),
             "grads_phase": {k: int(v) for k, v in grads_phase.items()},
             "act_phase": {k: int(v) for k, v in act_phase.items()},
-            # every rank builds the whole fp32 model; fully_shard then keeps one group's shard at a time
-            "init_peak": 4 * P + 4 * max(R, G) // dp}
+            "init_peak": init_peak(bench, R, G, P - R)}
+
+
+def init_peak(bench: BenchConfig, R: int, G: int, layers: int) -> int:
+    """The build's peak (engines/fsdp2: each layer sharded as megatron builds it, the root last), fp32:
+    the root whole (the embeddings are built first, the output layer last) and every layer's shard,
+    plus the larger of one layer whole while it is sharded and the root's own shards as they are
+    made. With offload on a GPU the shards go to the host: the device sees the root and one layer."""
+    dp = bench.parallel.dp
+    if bench.offload and bench.hardware.device != "cpu":
+        return 4 * (R + G)
+    return 4 * (R + layers // dp + max(G + G // dp, R // dp))
+
+
+def _graded_first(p: Param, tied: bool) -> bool:
+    """A root parameter whose unsharded gradient lives from the start of backward to its end (FSDP2
+    reduce-scatters the root's gradients after the whole backward): the output layer's weight (tied:
+    the word embedding it reuses) and the final norm. The embeddings' own gradients come last, when
+    the activations are gone."""
+    return not p.name.startswith("embedding.") or (tied and p.name == "embedding.word_embeddings.weight")
 
 
 def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[str, int], on_cpu: bool) -> dict:
     """Gathered parameters and unsharded gradients: name -> (bytes, phases alive)."""
     L, names, bR, bG = bench.model.num_layers, list(layers), b * R, b * G
     backward = ["backward_start"] + names
-    out = {"root_gathered": (bR, backward), "tied_embedding_grad": (bR, backward)}
+    out = {"root_gathered": (bR, backward)}
     if bench.zero == 3:
         out["layer_gathered"] = (bG, backward)
         out["layer_prefetched"] = (bG, names)

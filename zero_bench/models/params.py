@@ -1,85 +1,127 @@
-"""Parameter counts of megatron's GPTModel (local spec) from the description, per tensor-parallel rank.
+"""The parameter list of megatron's GPTModel (local spec) from the description, per tensor-parallel
+rank: every tensor's name, shape and FSDP2 group. The one list every consumer derives from: the
+counts (description.num_params), DeepSpeed's buffer arithmetic (largest parameter, persistence
+threshold), FSDP2's per-group shards and padding (estimate/fsdp2.py), and the live-model check.
 
-The list follows GPTModel.parameters() order exactly (tests/unit/test_models.py compares it with
-the live model built on the meta device, element for element, for every preset at tp 1, 2 and 8),
-so DeepSpeed's buffer arithmetic (largest parameter, persistence threshold) sees the tensors the
-engine will.
+The list follows GPTModel.named_parameters() exactly (tests/unit/test_models.py compares names and
+shapes with the live model built on the meta device, for every preset at tp 1, 2 and 8).
 
 megatron's order: the word embedding, the position table (learned positions), then per layer the
 input norm, the attention output projection (Attention.__init__ builds it before SelfAttention adds
 the QKV projection), the QKV projection, the query and key norms (qk_norm), the pre-MLP norm, fc1,
-fc2 (an MoE layer: moe_numels); then the final norm and, untied, the output layer. Column-parallel
-weights and biases (QKV, fc1, the vocabulary) are split over tp; row-parallel biases (projection, fc2), norms and the
-position table are replicated. Every head is kv_channels wide (head_dim, or h / a), so Q, K, V and
-the projection follow it, not h.
+fc2 (an MoE layer: moe_params); then the final norm and, untied, the output layer. Column-parallel
+weights and biases (QKV, fc1, the vocabulary) split dim 0 over tp, row-parallel weights dim 1; their
+biases, the norms and the position table are replicated. Every head is kv_channels wide (head_dim,
+or h / a), so Q, K, V and the projection follow it, not h.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from zero_bench.models.description import ModelConfig
 
+ROOT = "root"  # FSDP2's root group: everything outside the transformer layers
 
-def _norm(m: ModelConfig) -> list[int]:
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter as one tensor-parallel rank holds it."""
+    name: str
+    """megatron's named_parameters() name"""
+    shape: tuple[int, ...]
+    """the local shape (tp-split where megatron splits it); FSDP2 shards dim 0 of it"""
+    group: str
+    """the FSDP2 group it is gathered with: "root" or "layer{i}" (engines/fsdp2.py)"""
+    tp_dim: Optional[int] = None
+    """the dimension megatron splits over tp ranks (its partition_dim), None where every tp rank
+    holds it whole (norms, row-parallel biases, positions, the router)"""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+Spec = tuple  # (name, local shape, tp_dim)
+
+
+def _norm(m: ModelConfig, prefix: str, width: int | None = None) -> list[Spec]:
     """LayerNorm has a weight and a bias; RMSNorm a weight only."""
-    h = m.hidden_size
-    return [h, h] if m.normalization == "layernorm" else [h]
+    w = (width or m.hidden_size,)
+    return [(f"{prefix}.weight", w, None)] + ([(f"{prefix}.bias", w, None)] if m.normalization == "layernorm" else [])
 
 
-def _qk_norms(m: ModelConfig) -> list[int]:
-    """q_layernorm and k_layernorm: one d-wide norm each, shared by the heads, replicated over tp."""
-    if not m.qk_norm:
-        return []
-    d = m.kv_channels
-    return 2 * ([d, d] if m.normalization == "layernorm" else [d])
+def _linear(prefix: str, out: int, inp: int, bias: bool, tp_dim: Optional[int]) -> list[Spec]:
+    """A linear layer: column parallel (tp_dim 0: weight and bias split) or row parallel (tp_dim 1:
+    the bias whole, added after the all-reduce)."""
+    return ([(f"{prefix}.weight", (out, inp), tp_dim)]
+            + ([(f"{prefix}.bias", (out,), 0 if tp_dim == 0 else None)] if bias else []))
 
 
-def mlp_numels(m: ModelConfig, f: int, tp: int = 1) -> list[int]:
+def _mlp(m: ModelConfig, prefix: str, f: int, tp: int) -> list[Spec]:
     """megatron's MLP of width f on one tp rank: linear_fc1 (column parallel; gated: gate and up),
     linear_fc2 (row parallel, its bias whole). A routed or shared expert is the same module
     (experts.py SequentialMLP, shared_experts.py SharedExpertMLP: MLP subclasses)."""
-    h = m.hidden_size
-    fc1_out = (2 * f if m.gated else f) // tp
-    return [fc1_out * h] + ([fc1_out] if m.add_bias else []) + [h * (f // tp)] + ([h] if m.add_bias else [])
+    h, fc1_out = m.hidden_size, (2 * f if m.gated else f) // tp
+    return (_linear(f"{prefix}.linear_fc1", fc1_out, h, m.add_bias, 0)
+            + _linear(f"{prefix}.linear_fc2", h, f // tp, m.add_bias, 1))
 
 
-def moe_numels(m: ModelConfig, tp: int = 1) -> list[int]:
+def _moe(m: ModelConfig, prefix: str, tp: int) -> list[Spec]:
     """megatron-core 0.16.1's MoELayer with the local spec (moe_grouped_gemm=False), in the order
     MoELayer.__init__ builds it: the TopKRouter's weight [E, h] (fp32 at build, params_dtype after;
     replicated over tp; bias [E] with add_bias_linear: router.py Router), the E experts of
     SequentialMLP (local_experts.{i}: fc1, fc2, split over the expert tp, = tp; no expert
     parallelism), then SharedExpertMLP (moe_shared_expert_intermediate_size, no gate)."""
     E, h = m.num_experts, m.hidden_size
-    out = [E * h] + ([E] if m.add_bias else [])
-    out += mlp_numels(m, m.moe_ffn, tp) * E
+    out = _linear(f"{prefix}.router", E, h, m.add_bias, None)
+    for e in range(E):
+        out += _mlp(m, f"{prefix}.experts.local_experts.{e}", m.moe_ffn, tp)
     if m.moe_shared_expert_intermediate_size:
-        out += mlp_numels(m, m.moe_shared_expert_intermediate_size, tp)
+        out += _mlp(m, f"{prefix}.shared_experts", m.moe_shared_expert_intermediate_size, tp)
     return out
 
 
-def layer_numels(m: ModelConfig, tp: int = 1, moe: bool = False) -> list[int]:
-    """One transformer layer's parameters on one tp rank, in module order (moe: its MLP is the MoE layer)."""
-    h, d = m.hidden_size, m.kv_channels
+def _layer(m: ModelConfig, i: int, tp: int, moe: bool) -> list[Spec]:
+    h, d, p = m.hidden_size, m.kv_channels, f"decoder.layers.{i}"
     qkv_out = (m.num_heads + 2 * m.query_groups) * d // tp  # the a query heads, g key and g value heads
-    out = _norm(m)
-    out += [h * (m.num_heads * d // tp)] + ([h] if m.add_bias else [])  # linear_proj (row parallel)
-    out += [qkv_out * h] + ([qkv_out] if m.has_qkv_bias else [])  # linear_qkv (column parallel)
-    out += _qk_norms(m)  # SelfAttention builds them after linear_qkv
-    out += _norm(m)
-    out += moe_numels(m, tp) if moe else mlp_numels(m, m.ffn, tp)
+    out = _norm(m, f"{p}.input_layernorm")
+    out += _linear(f"{p}.self_attention.linear_proj", h, m.num_heads * d // tp, m.add_bias, 1)
+    out += _linear(f"{p}.self_attention.linear_qkv", qkv_out, h, m.has_qkv_bias, 0)
+    if m.qk_norm:  # SelfAttention builds them after linear_qkv; d wide, shared by the heads
+        out += _norm(m, f"{p}.self_attention.q_layernorm", d) + _norm(m, f"{p}.self_attention.k_layernorm", d)
+    out += _norm(m, f"{p}.pre_mlp_layernorm")
+    out += _moe(m, f"{p}.mlp", tp) if moe else _mlp(m, f"{p}.mlp", m.ffn, tp)
     return out
+
+
+def params(m: ModelConfig, tp: int = 1) -> list[Param]:
+    """Every parameter one tensor-parallel rank holds, in GPTModel.named_parameters() order."""
+    h, V = m.hidden_size, m.padded_vocab(tp)
+    root = [("embedding.word_embeddings.weight", (V // tp, h), 0)]  # vocab parallel
+    if m.position_embedding == "learned":
+        root.append(("embedding.position_embeddings.weight", (m.seq_len, h), None))
+    out = [Param(n, s, ROOT, d) for n, s, d in root]
+    for i, moe in enumerate(m.moe_layers):
+        out += [Param(n, s, f"layer{i}", d) for n, s, d in _layer(m, i, tp, moe)]
+    tail = _norm(m, "decoder.final_layernorm")
+    if not m.tie_embeddings:
+        tail.append(("output_layer.weight", (V // tp, h), 0))  # vocab parallel
+    return out + [Param(n, s, ROOT, d) for n, s, d in tail]
 
 
 def param_numels(m: ModelConfig, tp: int = 1) -> list[int]:
     """Element count of every parameter one tensor-parallel rank holds, in GPTModel.parameters() order."""
-    h, V = m.hidden_size, m.padded_vocab(tp)
-    out = [V // tp * h]  # word embeddings (vocab parallel)
-    if m.position_embedding == "learned":
-        out.append(m.seq_len * h)  # position table (replicated)
-    for moe in m.moe_layers:
-        out += layer_numels(m, tp, moe)
-    out += _norm(m)  # final norm
-    if not m.tie_embeddings:
-        out.append(V // tp * h)  # output layer (vocab parallel)
-    return out
+    return [p.numel for p in params(m, tp)]
+
+
+def layer_numels(m: ModelConfig, tp: int = 1, moe: bool = False) -> list[int]:
+    """One transformer layer's parameters on one tp rank, in module order (moe: its MLP is the MoE layer)."""
+    return [math.prod(s) for _, s, _ in _layer(m, 0, tp, moe)]
+
+
+def mlp_numels(m: ModelConfig, f: int, tp: int = 1) -> list[int]:
+    """One MLP of width f (a dense layer's, a routed or a shared expert's) on one tp rank."""
+    return [math.prod(s) for _, s, _ in _mlp(m, "mlp", f, tp)]
