@@ -203,6 +203,12 @@ class FakeCuda:
     def memory_allocated(self, i=None):
         return self.allocated
 
+    def reset_peak_memory_stats(self, i=None):
+        self.log.append(("reset_peak", ()))
+
+    def max_memory_allocated(self, i=None):
+        return self.allocated
+
     def empty_cache(self):
         self.log.append(("empty_cache", ()))
 

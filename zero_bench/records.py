@@ -191,7 +191,10 @@ class RankRecord:
     loss_scale: Optional[float] = None  # fp16's dynamic loss scale after the entry (None: no scaling)
     skipped_steps: Optional[int] = None  # optimizer steps of the entry skipped on overflow (excluded from time/it)
     compile_s: Optional[float] = None  # compile=true: the launch's first step beyond a steady step
-    zero_init: Optional[bool] = None  # the model's parameters were partitioned as it was built (deepspeed.zero.Init)
+    zero_init: Optional[bool] = None  # the model's parameters were partitioned as it was built
+    # (deepspeed.zero.Init; FSDP2: each layer sharded as soon as it is built)
+    build_bytes: Optional[int] = None  # the engine's build at its peak, above what the process held before
+    # it: torch's peak allocated on GPU; on CPU peak RSS (VmHWM) after it, an upper bound (worker.build_peak)
     model_states: dict = field(default_factory=dict)  # exact bytes: params / master / optimizer / grads
     offloaded: dict = field(default_factory=dict)  # what the engine holds off the device: optimizer / params
     torch_peak_allocated: Optional[int] = None

@@ -120,14 +120,35 @@ def start(spec: TrialSpec) -> "Rank":
         rank=rank, event=Event.START, pid=os.getpid(), host=os.uname().nodename, local_rank=local_rank,
         node_rank=int(os.environ.get("CROSS_RANK", 0)), runtime_bytes=runtime, **fixed,
         **(gpu.record() if gpu else {})))
+    before = build_peak_reset(on_cpu)
     engine = build_engine(spec, on_cpu)
+    built = build_peak(on_cpu) - before
     if gpu:
         gpu.emulate()  # again, now that NCCL's buffers exist
     if spec.config.compile:
         engine.compile()  # torch.compile runs lazily, in the first step of each new shape
     r = Rank(spec, engine, rank, marks, gpu)
-    r.runtime_bytes, r.fixed_terms = runtime, fixed
+    r.runtime_bytes, r.fixed_terms, r.build_bytes = runtime, fixed, built
     return r
+
+
+def build_peak_reset(on_cpu: bool) -> int:
+    """What the process holds before the model's build. GPU: torch's peak starts afresh here."""
+    if on_cpu:
+        return rss_now()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def build_peak(on_cpu: bool) -> int:
+    """The high-water mark after the build. CPU: VmHWM, which the build may not have moved (a forked
+    trial inherits its pool's mark; resetting it would change peak_rss_bytes), so the build's figure
+    is an upper bound there: a build shown below a size stayed below it."""
+    if on_cpu:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return kib * 1024
+    return torch.cuda.max_memory_allocated()
 
 
 def rss_now() -> int:
@@ -190,6 +211,7 @@ class Rank:
         self.states: Optional[dict] = None
         self.applied = self.applied_any = False  # was the last / any optimizer step applied
         self.runtime_bytes: Optional[int] = None  # the process before the model was built (start())
+        self.build_bytes: Optional[int] = None  # the build's peak above runtime_bytes (start())
         self.fixed_terms: dict = {}  # calibrate, GPU: FixedTermsProbe's figures (start()), on every END record
         self._mask = None
 
@@ -322,7 +344,8 @@ class Rank:
                           peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
                           loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,
                           zero_init=self.engine.zero_init, offloaded=self.engine.offloaded(),
-                          runtime_bytes=self.runtime_bytes, marks=self.marks.marks, **self.fixed_terms,
+                          runtime_bytes=self.runtime_bytes, build_bytes=self.build_bytes, marks=self.marks.marks,
+                          **self.fixed_terms,
                           **self.memory_now())
 
     def over_capacity(self, rec: RankRecord) -> bool:

@@ -1,8 +1,12 @@
 """PyTorch FSDP2 (torch.distributed.fsdp.fully_shard): the alternative to ZeRO a user weighs.
 
 The same megatron-core GPT as the DeepSpeed engine (models/), built with the same seed on every
-rank, then `fully_shard` on each transformer layer and on the root (embeddings, final LayerNorm,
-the tied output layer) over megatron's data-parallel group. In ZeRO's words:
+rank; `fully_shard` on each transformer layer as soon as megatron has built it (so no rank ever
+holds the whole unsharded model: the build's peak is one layer plus the shards so far, as under
+DeepSpeed's zero.Init), then on the root (embeddings, final norm, the output layer) over megatron's
+data-parallel group. Not torchtitan's meta-device build: that re-initialises the shards with its
+own init, and megatron's weights (the ones ZeRO trains from, drawn whole in construction order)
+would differ, so the engines' losses would no longer be comparable step by step. In ZeRO's words:
   zero=3: reshard_after_forward=True (parameters re-gathered in backward; FSDP1's FULL_SHARD)
   zero=2: reshard_after_forward=False (gathered parameters kept from forward to backward; FSDP1's
           SHARD_GRAD_OP). FSDP2 always reshards after backward: between steps both hold the same
@@ -29,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from zero_bench.config import BenchConfig, Precision
 from zero_bench.ds_config import load_template
 from zero_bench.models.megatron import build_gpt, init_parallel, transformer_config
+from zero_bench.models.params import params
 from zero_bench.models.shims import install_cpu_checkpoint
 from zero_bench.records import TrialSpec
 
@@ -50,7 +55,7 @@ class Fsdp2Engine:
     grad_accum for the backward, gradients reduce-scattered every micro-batch (as ZeRO-2/3 do),
     clipping, AdamW, gradients freed after the step."""
 
-    zero_init = False  # every rank builds the whole model, then fully_shard keeps its shard
+    zero_init = True  # each layer is sharded as it is built (build_gpt's on_layer)
 
     def __init__(self, spec: TrialSpec, on_cpu: bool):
         cfg = spec.config
@@ -62,9 +67,13 @@ class Fsdp2Engine:
             # the same function and composes with fully_shard, and cpu_checkpoint puts megatron's
             # tracker streams back for the recompute, so dropout masks equal the forward's.
             install_cpu_checkpoint()
-        model = build_gpt(cfg, compute_config(cfg, on_cpu), on_cpu)
-        self.tp_split = tp_split_names(model)
-        shard(model, dp_mesh(on_cpu), cfg, on_cpu)
+        kw = shard_options(dp_mesh(on_cpu), cfg, on_cpu)
+        model = build_gpt(cfg, compute_config(cfg, on_cpu), on_cpu, on_layer=lambda layer: fully_shard(layer, **kw))
+        fully_shard(model, **kw)  # the root: what no layer holds
+        if not on_cpu:
+            # the whole layers, each freed once sharded, stay cached; nvidia-smi would count them
+            torch.cuda.empty_cache()
+        self.tp_split = tp_split_names(cfg)
         self.module = model
         self.optimizer, self.clip = make_optimizer(model, on_cpu)
         from megatron.core import parallel_state
@@ -135,18 +144,16 @@ def dp_mesh(on_cpu: bool) -> DeviceMesh:
     return DeviceMesh.from_group(group, "cpu" if on_cpu else "cuda", mesh_dim_names=("dp",))
 
 
-def shard(model: torch.nn.Module, mesh: DeviceMesh, cfg: BenchConfig, on_cpu: bool) -> None:
-    """fully_shard bottom-up: each transformer layer is its own all-gather / reduce-scatter group,
-    the root holds the rest (word and position embeddings, final LayerNorm; the output layer reuses
-    the word embedding)."""
+def shard_options(mesh: DeviceMesh, cfg: BenchConfig, on_cpu: bool) -> dict:
+    """fully_shard's arguments, the same for every group: each transformer layer is its own
+    all-gather / reduce-scatter group, the root holds the rest (word and position embeddings, the
+    final norm, the output layer or, tied, the word embedding it reuses). FSDP2 moves each group to
+    the mesh's device as it shards it."""
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if cfg.precision == Precision.bf16 else MixedPrecisionPolicy())
     # pin_memory needs an accelerator: on CPU the "offload" copies CPU to CPU and only runs the path.
     offload = CPUOffloadPolicy(pin_memory=not on_cpu) if cfg.offload else OffloadPolicy()
-    kw = dict(mesh=mesh, reshard_after_forward=cfg.zero == 3, mp_policy=mp, offload_policy=offload)
-    for layer in model.decoder.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+    return dict(mesh=mesh, reshard_after_forward=cfg.zero == 3, mp_policy=mp, offload_policy=offload)
 
 
 def make_optimizer(model: torch.nn.Module, on_cpu: bool) -> tuple[torch.optim.Optimizer, float]:
@@ -160,11 +167,11 @@ def make_optimizer(model: torch.nn.Module, on_cpu: bool) -> tuple[torch.optim.Op
 
 # -- gradient clipping -----------------------------------------------------------------------------
 
-def tp_split_names(model: torch.nn.Module) -> frozenset:
-    """Parameters megatron splits over TP ranks (the others every TP rank holds whole: LayerNorms,
-    row-parallel biases, positions). Read before fully_shard: the DTensors it registers in their
-    place lose megatron's tensor_model_parallel attribute; the names stay."""
-    return frozenset(n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False))
+def tp_split_names(cfg: BenchConfig) -> frozenset:
+    """Parameters megatron splits over TP ranks (the others every TP rank holds whole: norms,
+    row-parallel biases, positions), from models/params.py's list: the DTensors fully_shard
+    registers lose megatron's tensor_model_parallel attribute (the live check: test_models.py)."""
+    return frozenset(p.name for p in params(cfg.model, cfg.parallel.tp) if p.tp_dim is not None)
 
 
 def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split: frozenset) -> float:

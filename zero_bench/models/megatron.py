@@ -9,6 +9,7 @@ models/shims.py are installed first.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -195,11 +196,32 @@ def gpt_model_args(m: ModelConfig, tp: int) -> dict:
     )
 
 
-def build_gpt(cfg: BenchConfig, config, on_cpu: bool) -> torch.nn.Module:
+def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callable] = None) -> torch.nn.Module:
     """GPTModel of `cfg.model` with megatron `config` (transformer_config, possibly adjusted by the
-    engine). Under `with torch.device("meta")` only shapes are made (parameter counts of 405B models)."""
+    engine). Under `with torch.device("meta")` only shapes are made (parameter counts of 405B models).
+
+    on_layer: called on each transformer layer as soon as megatron has built it, before the next one
+    draws its weights (FSDP2 shards it there, as zero.Init partitions each module; the weights are
+    megatron's, from the same generator in the same order). The caller then places the model itself."""
     from megatron.core.models.gpt import GPTModel
 
-    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg.model),
-                   **gpt_model_args(cfg.model, cfg.parallel.tp))
-    return gpt if on_cpu else gpt.cuda()
+    spec = layer_spec(cfg.model)
+    if on_layer is not None:
+        spec = _then(spec, on_layer)
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp))
+    return gpt if on_cpu or on_layer is not None else gpt.cuda()
+
+
+def _then(spec, hook: Callable):
+    """`spec` whose layer class calls `hook(layer)` at the end of its __init__ (a block spec: each layer's)."""
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=[_then(s, hook) for s in spec.layer_specs])
+    base = spec.module
+
+    class Built(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            hook(self)
+
+    Built.__name__, Built.__qualname__ = base.__name__, base.__qualname__
+    return dataclasses.replace(spec, module=Built)
