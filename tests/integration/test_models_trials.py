@@ -31,6 +31,7 @@ TRIALS = {
     "zero2": dict(zero=2),
     "zero3": dict(zero=3),
     "tp2": dict(zero=1, parallel=TP2),
+    "zero3_tp2": dict(zero=3, parallel=TP2),  # zero.Init over the DP group, not the world
     "unfused": dict(zero=2, model=dataclasses.replace(LLAMA, attention="unfused")),
     # dropout at tp 2: per-tp-rank attention-dropout streams, recomputed as drawn in the forward
     "dropout": dict(zero=1, parallel=TP2, model=DROPOUT),
@@ -78,8 +79,9 @@ def test_trial_runs_with_the_described_model(trials, name):
     cfg, res = trials[name]
     assert res.status == "ok", res.reason
     local = [r.model_states["numel_local"] for r in res.ranks]
-    if cfg.zero == 3:  # each rank holds a partition (the last one padded)
-        assert sum(local) == pytest.approx(LLAMA.num_params, abs=cfg.parallel.dp)
+    if cfg.zero == 3:  # each rank holds a partition of its TP slice over its DP group (the last one padded)
+        tp = cfg.parallel.tp
+        assert sum(local) == pytest.approx(tp * LLAMA.params_per_shard(tp), abs=cfg.parallel.world_size)
     else:
         assert local == [cfg.model.params_per_shard(cfg.parallel.tp)] * len(local)
 
@@ -90,7 +92,7 @@ def test_fp32_losses_equal_across_zero_stages_and_tp_at_every_step(trials):
     1.4e-7 at most, docs/verified.md)."""
     ref = losses(trials, "zero0")
     assert ref[-1] < ref[0]  # it trains
-    for name in ("zero1", "zero2", "zero3", "tp2"):
+    for name in ("zero1", "zero2", "zero3", "tp2", "zero3_tp2"):
         assert max_rel_diff(losses(trials, name), ref) < 1e-6, (name, losses(trials, name), ref)
 
 

@@ -32,7 +32,11 @@ class DeepSpeedEngine:
         if cfg.zero == 3:
             config.embedding_init_method = gathered(config.embedding_init_method)
         # ZeRO-3 partitions each parameter as its module is built: no rank ever holds the whole model.
-        with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu, enabled=cfg.zero == 3):
+        # Over the data-parallel group: zero.Init reads no group from mpu, and over its default (the
+        # world) it broadcasts world rank 0's tensor-parallel slice to every TP rank (0.19.8's
+        # _zero_init_param), so with tp > 1 the model trained was not the one built.
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu, enabled=cfg.zero == 3,
+                                 data_parallel_group=mpu.get_data_parallel_group()):
             model = build_gpt(cfg, config, on_cpu)
         self.zero_init = all(hasattr(p, "ds_id") for p in model.parameters())
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
