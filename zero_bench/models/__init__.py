@@ -2,7 +2,7 @@
 touches this package only; everything downstream reads the description.
 
 description.py  ModelConfig: the one description a preset or a Hugging Face config.json becomes
-params.py       its parameter list per tensor-parallel rank (GPTModel.parameters() order)
+params.py       its parameter list per tensor-parallel rank: name, shape, tp split, FSDP2 group
 flops.py        training FLOPs per sequence (MFU / HFU numerators; zero_bench.metrics divides)
 hf.py           a local config.json (llama, mistral, qwen2) -> the description's keys
 megatron.py     the description -> megatron-core's TransformerConfig and GPTModel (local spec)
