@@ -54,18 +54,9 @@ def check_mig(b: BenchConfig, tokens: Optional[list[str]]) -> None:
                       "cannot talk to each other: one rank per node (parallel=dp1) on a slice, or whole GPUs")
 
 
-def refuse_moe_trial(b: BenchConfig) -> None:
-    """Trials of mixture-of-experts models are the next step of issue 36 (megatron's router moves
-    its weight to CUDA in forward, so even CPU trials need work); `zero_bench estimate` takes them."""
-    if b.model.is_moe:
-        raise ConfigError(f"model.num_experts={b.model.num_experts}: trials of mixture-of-experts models come next "
-                          "(issue 36); `zero_bench estimate` estimates them now")
-
-
 def validate_machine(b: BenchConfig) -> None:
     """Checks against this machine: device count, bf16 support, hostfile, DeepSpeed's view of `ds`
     (engine=deepspeed)."""
-    refuse_moe_trial(b)
     if b.hardware.num_nodes > 1 and not b.hardware.hostfile:
         raise ConfigError(f"hardware.num_nodes={b.hardware.num_nodes}: needs hardware.hostfile (the nodes' hosts; "
                           "hardware.hostfile=slurm inside a Slurm allocation)")

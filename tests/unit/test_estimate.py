@@ -303,16 +303,6 @@ def test_cli_estimates_mixtral_naming_total_and_active_parameters(tmp_path):
                            "token, "), head
 
 
-@pytest.mark.parametrize("command", ["run", "maxbatch"])
-def test_cli_refuses_moe_trials_in_one_line(command, tmp_path):
-    r = _cli(command, "model=moe-tiny", f"hydra.run.dir={tmp_path}", f"store={tmp_path / 'runs.db'}")
-    lines = [x for x in r.stderr.splitlines() if x.strip() and "[WARNING]" not in x]
-    assert r.returncode == 2 and r.stdout.strip() == "", (r.stdout, r.stderr)
-    assert lines == ["zero_bench: error: model.num_experts=8: trials of mixture-of-experts models come next "
-                     "(issue 36); `zero_bench estimate` estimates them now"], r.stderr
-    assert not (tmp_path / "runs.db").exists()
-
-
 def test_moe_activation_terms_by_hand():
     """moe-tiny in bf16 on GPU (B 2, h 256, E 8, k 2, f_e 256, SwiGLU, aux loss on): per MoE layer
     and token the router keeps its input 2h, indices 8k, the top-k fp32 softmax 4k and the aux

@@ -205,11 +205,55 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
     megatron's, from the same generator in the same order). The caller then places the model itself."""
     from megatron.core.models.gpt import GPTModel
 
+    if cfg.model.is_moe:
+        _moe_without_te()
+        _moe_releases_dispatch_state()
     spec = layer_spec(cfg.model)
     if on_layer is not None:
         spec = _then(spec, on_layer)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp))
     return gpt if on_cpu or on_layer is not None else gpt.cuda()
+
+
+def _moe_without_te() -> None:
+    """megatron-core 0.16.1's moe_utils imports te_general_gemm from Transformer Engine in a try
+    block and RouterGatingLinearFunction tests `te_general_gemm is not None`: without TE (zero_bench
+    installs none, on either device) the name is undefined and every MoE forward raises NameError.
+    None is what the test means: the torch matmul path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _moe_releases_dispatch_state() -> None:
+    """MoELayer.forward, then its dispatcher's per-forward tensors dropped. megatron-core 0.16.1's
+    allgather dispatcher keeps local_probs, local_map and the permutation mapping as attributes
+    until the next forward (token_dispatcher.py dispatch_postprocess), and local_probs carries its
+    autograd history. Under torch's non-reentrant recompute (CPU, FSDP2) the attribute set by a
+    layer's recompute holds that recomputed graph - the layer's attention half and router, never
+    backpropagated - alive to the next step: measured on moe-tiny (CPU, fp32, recompute=full) the
+    backward peak held 5.9 MiB per sample more than one rebuilt layer, about 2 MiB per layer
+    already differentiated. Dropped after the layer's forward, where nothing reads them again, and
+    when a recompute is stopped early (torch's checkpoint raises out of it once it has what
+    backward needs, after the dispatcher has set them)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if getattr(MoELayer.forward, "_releases_dispatch_state", False):
+        return
+    forward = MoELayer.forward
+
+    def released(self, *args, **kwargs):
+        try:
+            return forward(self, *args, **kwargs)
+        finally:  # also when torch's checkpoint stops a recompute early (it raises out of the forward)
+            d = self.token_dispatcher
+            for name in ("local_probs", "local_map", "reversed_local_input_permutation_mapping"):
+                if hasattr(d, name):
+                    setattr(d, name, None)
+
+    released._releases_dispatch_state = True
+    MoELayer.forward = released
 
 
 def _then(spec, hook: Callable):

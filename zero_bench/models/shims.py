@@ -29,6 +29,7 @@ def install_cpu_shims() -> None:
     _global_memory_buffer_on_cpu()
     _rotary_embedding_stays_on_cpu()
     _default_causal_mask_on_cpu()
+    _router_stays_on_cpu()
     _installed = True
 
 
@@ -65,6 +66,19 @@ def _rotary_embedding_stays_on_cpu() -> None:
         return emb[:, None, None, :]
 
     RotaryEmbedding.get_emb = get_emb
+
+
+def _router_stays_on_cpu() -> None:
+    """transformer/moe/router.py Router.gating (lines 88-92) moves the router's weight and bias to
+    torch.cuda.current_device() at every forward where they are on the CPU. The same method without
+    the move."""
+    from megatron.core.transformer.moe import router
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        return router.router_gating_linear(input, self.weight, self.bias, router_dtype)
+
+    router.Router.gating = gating
 
 
 def _default_causal_mask_on_cpu() -> None:
