@@ -3,6 +3,7 @@
 Two real CPU searches (one module fixture, marked slow) give the measured rows; failed, skipped and
 GPU configurations are added to the store directly, since they only test how a report renders them.
 """
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -315,3 +316,36 @@ def test_predicted_vs_measured_names_the_term_that_is_off(synthetic):
     peak = df.loc["device peak (NVML used, as nvidia-smi)"]
     assert peak["error (%)"] == pytest.approx((peak["predicted MiB"] - 36074) / 36074 * 100)
     assert "NCCL buffers" in df.loc["outside the allocator (NVML used - reserved)", "predicted from"]
+
+
+def test_a_mixture_of_experts_names_its_active_parameters(tmp_path, monkeypatch):
+    """Total and active parameters side by side where a row is an MoE (FLOPs and MFU count the
+    active ones); a report of dense models keeps the reference table's columns."""
+    from zero_bench import report
+    from zero_bench.config import ReportConfig
+    from zero_bench.records import SearchResult
+    from zero_bench.store import Store
+
+    from conftest import model
+    from synthetic import GPT345, measured
+
+    monkeypatch.setenv("ZERO_BENCH_CACHE", str(tmp_path / "cache"))
+
+    def write(cfgs, name):
+        store = Store(tmp_path / f"{name}.sqlite")
+        for cfg in cfgs:
+            t = measured(cfg, 4, 2.0, [30000] * 8)
+            store.put_search(SearchResult(search_key=cfg.search_key(), label=cfg.label(), status="done", max_micro=4,
+                                          max_global_batch=t.global_batch, config=cfg.to_dict(), measure=t))
+        csv = report.write_reports(ReportConfig(runs=store.path, out=tmp_path / f"{name}.xlsx"))[1]
+        return pd.read_csv(csv)
+
+    dense = write([GPT345], "dense")
+    assert "active params" not in dense.columns
+    moe = dataclasses.replace(GPT345, model=model("mixtral-8x7b"))
+    both = write([GPT345, moe], "moe")
+    cols = list(both.columns)
+    assert cols.index("active params") == cols.index("num params") + 1
+    row = both[both["Model"] == "Mixtral-8x7B"].iloc[0]
+    assert (row["num params"], row["active params"]) == (46_702_792_704, 12_879_925_248)
+    assert pd.isna(both[both["Model"] != "Mixtral-8x7B"]["active params"]).all()

@@ -6,7 +6,7 @@ from typing import Optional
 
 # Excel number formats by header; compare columns ("x [a]", "x Δ") take the format of x.
 FORMATS = {"MFU": "0.00%", "HFU": "0.00%", "peak memory used": "0.0%", "scaling efficiency": "0.0%",
-           "num params": "#,##0", "Throughput (samples/sec)": "#,##0.00", "tokens/s": "#,##0",
+           "num params": "#,##0", "active params": "#,##0", "Throughput (samples/sec)": "#,##0.00", "tokens/s": "#,##0",
            "tokens/s per GPU": "#,##0", "model TFLOP/s per GPU": "0.000", "speedup": "0.00", "ideal speedup": "0.00",
            "duration (s)": "0.0", "peak FLOP/s per device": "0.00E+00", "created": "yyyy-mm-dd hh:mm:ss",
            "cost per hour": "#,##0.00", "cost per 1M tokens": "#,##0.000", "time to train (days)": "#,##0.0",

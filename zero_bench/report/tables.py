@@ -70,6 +70,12 @@ class Setup:
         d = self.description
         return d.num_params if d is not None else None
 
+    @property
+    def active_params(self) -> Optional[int]:
+        """Parameters one token is computed with; None for a dense model (it would repeat num params)."""
+        d = self.description
+        return d.active_params if d is not None and d.is_moe else None
+
 
 def setup_of(c: dict) -> Setup:
     par, hw, batch = c.get("parallel") or {}, c.get("hardware") or {}, c.get("batch") or {}
@@ -135,7 +141,10 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
     if df.empty:
         return pd.DataFrame(columns=SEED_COLUMNS + TAIL_COLUMNS)
     devs = sorted({c for rec in records for c in rec if c.startswith("Dev")}, key=_dev_order)
-    cols = SEED_COLUMNS + (REPEAT_COLUMNS if any(len(r.repeats) > 1 for r in rows) else [])
+    cols = list(SEED_COLUMNS)
+    if df["active params"].notna().any():  # a mixture of experts: what each token is computed with
+        cols.insert(cols.index("num params") + 1, "active params")
+    cols += REPEAT_COLUMNS if any(len(r.repeats) > 1 for r in rows) else []
     if df.get(ESTIMATE_COLUMNS[1]) is not None and df[ESTIMATE_COLUMNS[1]].notna().any():
         cols += ESTIMATE_COLUMNS
     cols += ["memory of"] + devs + ["peak memory used"] + TAIL_COLUMNS
@@ -157,8 +166,8 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
            "engine": s.engine, "ZeRO Stage": s.zero, "CPU Offload": _offload_text(s), "precision": s.precision,
            "recompute": s.recompute, "ds preset": s.ds_preset, "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
-           "num params": s.num_params, "Notes": r.note, "status": r.status, "device": s.device,
-           "config": r.label, "search key": r.key, "source": r.source}
+           "num params": s.num_params, "active params": s.active_params, "Notes": r.note, "status": r.status,
+           "device": s.device, "config": r.label, "search key": r.key, "source": r.source}
     if r.measure is not None and r.measure.samples_per_s:
         rec.update(_performance(r.measure, s, peaks))
         rec.update(_memory(r.measure))
