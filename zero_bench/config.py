@@ -46,6 +46,12 @@ class Recompute(StrEnum):
     full = "full"  # each layer's input kept, the layer recomputed in backward
 
 
+class States(StrEnum):
+    mixed = "mixed"  # fp32 master weights, fp32 AdamW moments (what precision=bf16/fp16 trained before)
+    bf16 = "bf16"  # pure bf16: weights, gradients and AdamW moments in bf16, no fp32 copy
+    adam8bit = "adam8bit"  # 8-bit AdamW moments (torchao's AdamW8bit); estimate only
+
+
 class EngineName(StrEnum):
     deepspeed = "deepspeed"  # DeepSpeed ZeRO 0-3 (deepspeed.initialize)
     fsdp2 = "fsdp2"  # PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), ZeRO 2/3 semantics
@@ -159,6 +165,14 @@ class BenchConfig:
     avx512_bf16 or amx_bf16 with torch's CPU capability AVX512 and ONEDNN_MAX_CPU_ISA, if set, naming
     a bf16 ISA; arm: bf16 in its Features; `zero_bench doctor` says which), else fp32; on GPU bf16
     where the card has it (compute capability 8.0+), else fp16. A BenchConfig holds the resolved one."""
+    states: States = States.mixed
+    """Where the precision of the model states lives (with precision=bf16; fp32 and fp16 train
+    `mixed`): mixed (fp32 master weights, gradients reduced in fp32, fp32 AdamW moments); bf16
+    (pure bf16 as torchtune and LitGPT's bf16-true train: weights, gradients and AdamW's moments in
+    bf16, no fp32 copy; engine=fsdp2 builds the model in bf16, engine=deepspeed sets DeepSpeed's
+    bf16_master_weights_and_grads and bf16_optimizer_states, ZeRO 1-3 without offload); adam8bit
+    (torchao's AdamW8bit: int8 moments with an fp32 scale per 256 values, fp32 master; estimated
+    only, torchao is not installed)."""
     recompute: Recompute = Recompute.none
     """Activation recompute (megatron-core's recompute_granularity): none; selective (core attention);
     full (every layer's input kept, the layer recomputed in backward, through DeepSpeed's
@@ -186,7 +200,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         # Values given as plain strings (tests, stored records) become the enums the schema types.
         self.precision, self.recompute = Precision(self.precision), Recompute(self.recompute)
-        self.engine = EngineName(self.engine)
+        self.engine, self.states = EngineName(self.engine), States(self.states)
 
     @property
     def global_batch(self) -> int:
@@ -224,17 +238,20 @@ class BenchConfig:
 
     def _key_dict(self) -> dict:
         """to_dict() without the keys added later while they hold their defaults (the model's later
-        fields, engine=deepspeed): a configuration keeps the key it had before they existed, so old
+        fields, engine=deepspeed, states=mixed): a configuration keeps the key it had before they existed, so old
         stores resume and their rows stay one row."""
         d = self.to_dict()
         d["model"] = key_fields(d["model"])
         if d["engine"] == EngineName.deepspeed:
             d.pop("engine")
+        if d["states"] == States.mixed:
+            d.pop("states")
         d["hardware"].pop("card", None)  # names the card for the estimate; the trial is the same
         return d
 
     def label(self) -> str:
-        extras = [f"recompute={self.recompute}" if self.recompute != "none" else "",
+        extras = [f"states={self.states}" if self.states != States.mixed else "",
+                  f"recompute={self.recompute}" if self.recompute != "none" else "",
                   "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else ""]
         return " ".join([make_label(self.model.name, self.parallel.tp, self.parallel.dp, self.zero,
                                     self.offload, self.precision, self.engine)] + [x for x in extras if x])

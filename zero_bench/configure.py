@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 from zero_bench import cpu_features
 from zero_bench.config import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
-                               HardwareConfig, Precision, ReportConfig, SearchConfig, composition_error, structured)
+                               HardwareConfig, Precision, ReportConfig, SearchConfig, States, composition_error,
+                               structured)
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
 from zero_bench.models.hf import display_name, read_hf_config
@@ -286,6 +287,7 @@ def validate_static(b: BenchConfig) -> None:
     m, tp = b.model, b.parallel.tp
     if b.engine == EngineName.fsdp2:
         check_fsdp2(b)
+    check_states(b)
     if m.num_heads % tp:
         raise ConfigError(f"parallel.tp={tp}: must divide model.num_heads={m.num_heads}")
     if m.hidden_size % tp:
@@ -312,6 +314,23 @@ def validate_static(b: BenchConfig) -> None:
         raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
     if b.precision == "fp16" and b.hardware.device == "cpu":
         raise ConfigError("precision=fp16: not supported by DeepSpeed's CPU accelerator; allowed on cpu: fp32, bf16")
+
+
+def check_states(b: BenchConfig) -> None:
+    """Where the states' precision lives: only bf16 training has a choice; each engine's limits."""
+    if b.states == States.mixed:
+        return
+    if b.precision != Precision.bf16:
+        raise ConfigError(f"states={b.states}: needs precision=bf16 (got {b.precision}); allowed with "
+                          f"precision={b.precision}: states=mixed")
+    if b.states == States.bf16 and b.engine == EngineName.deepspeed:
+        if b.zero == 0:
+            raise ConfigError("states=bf16: DeepSpeed keeps bf16 master weights and optimizer states with "
+                              "ZeRO 1-3 only (bf16_master_weights_and_grads); allowed with zero=0: states=mixed")
+        if b.offload:
+            raise ConfigError("states=bf16: DeepSpeed offloads bf16 optimizer states only to its CPUAdam "
+                              "(fp32_optimizer_states=false), which zero_bench does not run; allowed with "
+                              "offload=true: states=mixed")
 
 
 def check_fsdp2(b: BenchConfig) -> None:

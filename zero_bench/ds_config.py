@@ -57,6 +57,12 @@ def scaled_buckets(num_params_per_rank: int) -> dict:
     }
 
 
+# states=bf16: DeepSpeed 0.19.8's bf16 master weights, gradients and Adam moments (runtime/
+# precision_config.py; ZeRO 1-3, checked by configure.check_states). Nothing is added otherwise, so
+# every other config's JSON stays byte-identical.
+PURE_BF16 = {"bf16": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+
+
 def build(cfg: BenchConfig) -> dict:
     serial = serial_unpinned(cfg)
     ds = merge(load_template("base"), load_template(f"zero{cfg.zero}"))
@@ -75,7 +81,7 @@ def build(cfg: BenchConfig) -> dict:
         "train_micro_batch_size_per_gpu": cfg.batch.micro,
         "gradient_accumulation_steps": cfg.batch.grad_accum,
         "train_batch_size": cfg.global_batch,
-        "bf16": {"enabled": cfg.precision == "bf16"},
+        "bf16": {"enabled": cfg.precision == "bf16", **PURE_BF16.get(cfg.states, {})},
         "fp16": {"enabled": cfg.precision == "fp16"},
     })
     checkpoints = ds.get("activation_checkpointing") or {}

@@ -10,7 +10,7 @@ from typing import Optional
 import psutil
 
 from zero_bench.capacity import search_capacity
-from zero_bench.config import BenchConfig, ConfigError, EngineName, make_label
+from zero_bench.config import BenchConfig, ConfigError, EngineName, States, make_label
 from zero_bench.ds_config import check_with_deepspeed
 from zero_bench.estimate import estimate
 from zero_bench.hosts import check_hostfile, device_tokens, local_ranks
@@ -54,9 +54,17 @@ def check_mig(b: BenchConfig, tokens: Optional[list[str]]) -> None:
                       "cannot talk to each other: one rank per node (parallel=dp1) on a slice, or whole GPUs")
 
 
+def refuse_estimate_only(b: BenchConfig) -> None:
+    """What zero_bench estimates but cannot run: 8-bit AdamW needs torchao, not one of its dependencies."""
+    if b.states == States.adam8bit:
+        raise ConfigError("states=adam8bit: 8-bit AdamW needs torchao, which zero_bench does not install; "
+                          "`zero_bench estimate` models it; trials allowed with states=mixed or bf16")
+
+
 def validate_machine(b: BenchConfig) -> None:
     """Checks against this machine: device count, bf16 support, hostfile, DeepSpeed's view of `ds`
     (engine=deepspeed)."""
+    refuse_estimate_only(b)
     if b.hardware.num_nodes > 1 and not b.hardware.hostfile:
         raise ConfigError(f"hardware.num_nodes={b.hardware.num_nodes}: needs hardware.hostfile (the nodes' hosts; "
                           "hardware.hostfile=slurm inside a Slurm allocation)")

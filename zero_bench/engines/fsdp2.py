@@ -12,7 +12,8 @@ would differ, so the engines' losses would no longer be comparable step by step.
           SHARD_GRAD_OP). FSDP2 always reshards after backward: between steps both hold the same
           shards, only the peak differs.
   bf16:   MixedPrecisionPolicy(bf16 compute, fp32 reduce): the sharded fp32 parameters are the
-          master, no 16-bit copy persists.
+          master, no 16-bit copy persists. states=bf16: the model built in bf16, no policy (pure
+          bf16: bf16 shards, gradients reduced in bf16, AdamW's moments in bf16).
   offload: CPUOffloadPolicy (parameters, gradients and optimizer states; the step runs on the host).
 zero 0/1 and fp16 are refused by zero_bench.configure.check_fsdp2. Optimizer and clipping are
 ds_configs/base.json's (torch's AdamW, fused on GPU), so both engines train the same way: fp32
@@ -30,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from zero_bench.config import BenchConfig, Precision
+from zero_bench.config import BenchConfig, Precision, States
 from zero_bench.ds_config import load_template
 from zero_bench.models.megatron import build_gpt, init_parallel, transformer_config
 from zero_bench.models.params import params
@@ -59,7 +60,7 @@ class Fsdp2Engine:
 
     def __init__(self, spec: TrialSpec, on_cpu: bool):
         cfg = spec.config
-        self.mixed = cfg.precision == Precision.bf16
+        self.mixed = cfg.precision == Precision.bf16 and cfg.states == States.mixed
         init_parallel(cfg.parallel.tp, cfg.seed, on_cpu)
         if cfg.recompute != "none":
             # megatron's CheckpointFunction is reentrant (it hides the layer's forward from FSDP2's
@@ -68,8 +69,10 @@ class Fsdp2Engine:
             # tracker streams back for the recompute, so dropout masks equal the forward's.
             install_cpu_checkpoint()
         kw = shard_options(dp_mesh(on_cpu), cfg, on_cpu)
-        model = build_gpt(cfg, compute_config(cfg, on_cpu), on_cpu, on_layer=lambda layer: fully_shard(layer, **kw))
-        fully_shard(model, **kw)  # the root: what no layer holds
+        dtype = torch.bfloat16 if cfg.states == States.bf16 else None
+        model = build_gpt(cfg, compute_config(cfg, on_cpu), on_cpu,
+                          on_layer=lambda layer: fully_shard(as_dtype(layer, dtype), **kw))
+        fully_shard(as_dtype(model, dtype), **kw)  # the root: what no layer holds
         if not on_cpu:
             # the whole layers, each freed once sharded, stay cached; nvidia-smi would count them
             torch.cuda.empty_cache()
@@ -129,7 +132,11 @@ def compute_config(cfg: BenchConfig, on_cpu: bool):
     """megatron's TransformerConfig with fp32 parameters whatever the precision: FSDP2's sharded
     parameters are the fp32 master, and bf16 is only what MixedPrecisionPolicy gathers and computes
     in. config.bf16 is set anyway: megatron reads it (here) only to run the attention softmax in fp32
-    on bf16 inputs, as its own bf16 runs and DeepSpeed's do."""
+    on bf16 inputs, as its own bf16 runs and DeepSpeed's do. states=bf16 (pure bf16): the model is
+    built in bf16, and its shards, gradients and AdamW's moments (torch keeps them in the
+    parameter's dtype) stay bf16."""
+    if cfg.states == States.bf16:
+        return transformer_config(cfg, on_cpu)
     config = transformer_config(dataclasses.replace(cfg, precision=Precision.fp32), on_cpu)
     config.bf16 = cfg.precision == Precision.bf16
     return config
@@ -144,13 +151,26 @@ def dp_mesh(on_cpu: bool) -> DeviceMesh:
     return DeviceMesh.from_group(group, "cpu" if on_cpu else "cuda", mesh_dim_names=("dp",))
 
 
+def as_dtype(module: torch.nn.Module, dtype: Optional[torch.dtype]) -> torch.nn.Module:
+    """Pure bf16: every parameter not yet sharded in `dtype`. megatron builds its linear layers in
+    params_dtype but its norms (torch's RMSNorm / LayerNorm) in fp32, and FSDP2 wants one dtype per
+    group; DeepSpeed's bf16 engine casts the whole module the same way (module.bfloat16())."""
+    if dtype is not None:
+        for p in module.parameters():
+            if not isinstance(p, DTensor) and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return module
+
+
 def shard_options(mesh: DeviceMesh, cfg: BenchConfig, on_cpu: bool) -> dict:
     """fully_shard's arguments, the same for every group: each transformer layer is its own
     all-gather / reduce-scatter group, the root holds the rest (word and position embeddings, the
     final norm, the output layer or, tied, the word embedding it reuses). FSDP2 moves each group to
     the mesh's device as it shards it."""
+    # pure bf16 (states=bf16): the parameters are bf16 already; gradients are reduced in bf16
+    mixed = cfg.precision == Precision.bf16 and cfg.states == States.mixed
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if cfg.precision == Precision.bf16 else MixedPrecisionPolicy())
+          if mixed else MixedPrecisionPolicy())
     # pin_memory needs an accelerator: on CPU the "offload" copies CPU to CPU and only runs the path.
     offload = CPUOffloadPolicy(pin_memory=not on_cpu) if cfg.offload else OffloadPolicy()
     return dict(mesh=mesh, reshard_after_forward=cfg.zero == 3, mp_policy=mp, offload_policy=offload)

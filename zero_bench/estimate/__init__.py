@@ -230,7 +230,7 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     if bench.engine == EngineName.fsdp2:
         return Estimate(**common, **fsdp2.parts(bench))
     states = model_states_bytes(P, bench.zero, dp, 1, bench.precision,
-                                bench.offload, bench.offload_param and bench.zero == 3)
+                                bench.offload, bench.offload_param and bench.zero == 3, states=bench.states)
     checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing, bench.hardware.device)
     factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR

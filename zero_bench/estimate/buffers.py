@@ -6,8 +6,9 @@ from typing import Mapping, Optional
 
 from zero_bench import ds_config
 from zero_bench.config import BenchConfig
-from zero_bench.units import BYTES
+from zero_bench.estimate.states import master_bytes
 from zero_bench.models import param_numels
+from zero_bench.units import BYTES
 
 # DeepSpeed defaults for keys the ds_config leaves out (deepspeed/runtime/zero/config.py, engine.py).
 DS_DEFAULTS = {
@@ -52,6 +53,7 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     b = BYTES[bench.precision]
     P = bench.model.params_per_shard(tp)
     get = lambda k: int(float(zc.get(k, DS_DEFAULTS[k])))  # noqa: E731
+    mb = master_bytes(bench.states)  # the "fp32" partitions below are bf16 with states=bf16
     part = P // dp if stage >= 1 else P
     out: dict[str, tuple[int, tuple]] = {}
     if stage == 0:
@@ -62,13 +64,13 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
             out["fp32_grads"] = (8 * P, ("step",))
     elif stage in (1, 2):
         n = 2 if zc.get("overlap_comm") else 1
-        red_b = 4 if stage == 1 else b  # ZeRO-1 stages the fp32 accumulator
+        red_b = mb if stage == 1 else b  # ZeRO-1 stages the fp32 accumulator
         bucket = n * get("reduce_bucket_size") * red_b if zc.get("contiguous_gradients", True) else 0
         out["reduce_bucket"] = (bucket, ("act", "bwd_end"))
         out["allgather_bucket"] = (0, ("step",))
         if stage == 1 and not bench.offload:
-            out["grad_partition_fp32"] = (4 * part, ("bwd_end", "step"))
-        out["grad_flat_fp32"] = (4 * part, ("step",))
+            out["grad_partition_fp32"] = (mb * part, ("bwd_end", "step"))
+        out["grad_flat_fp32"] = (mb * part, ("step",))
     else:
         out["reduce_bucket"] = (get("reduce_bucket_size") * b, ("act", "bwd_end"))
         numels = param_numels(bench.model, tp)
@@ -83,7 +85,7 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
         out["persistent_params"] = (sum(x for x in numels if x <= thr) * b, ("act", "bwd_end", "step"))
     torch_adam = bool(((full.get("optimizer") or {}).get("params") or {}).get("torch_adam"))
     if ds is None and torch_adam:
-        out["adam_temp"] = (4 * part, ("step",))
+        out["adam_temp"] = (mb * part, ("step",))
     return {k: {"bytes": int(v), "phases": list(ph)} for k, (v, ph) in out.items()}
 
 

@@ -39,6 +39,7 @@ import math
 
 from zero_bench.config import BenchConfig
 from zero_bench.estimate.activations import activation_bytes_per_sample
+from zero_bench.estimate.states import moment_bytes
 from zero_bench.models import ModelConfig
 from zero_bench.models.params import ROOT, Param, params
 from zero_bench.units import BYTES
@@ -72,18 +73,20 @@ def shard_elems(shape: tuple[int, ...], dp: int, rank: int, padded: bool) -> int
 
 
 def model_states(m: ModelConfig, dp: int, tp: int = 1, precision: str = "fp32", offload: bool = False,
-                 rank: int = 0) -> dict:
+                 rank: int = 0, states: str = "mixed") -> dict:
     """Exact bytes of one rank's states (rank 0 holds the most), split as estimate/states.py splits
     ZeRO's: params, grads (at the step), master, moments, optimizer (master + moments), gpu, cpu.
-    offload (CPUOffloadPolicy): all of them in host memory."""
+    offload (CPUOffloadPolicy): all of them in host memory. states=bf16 (pure bf16): the shards,
+    gradients and AdamW's moments in bf16, no master; adam8bit: 8-bit moments, fp32 shards."""
     every = shapes(m, tp)
-    held = 4 * sum(shard_elems(s, dp, rank, padded=True) for s in every)
-    moments = 8 * sum(shard_elems(s, dp, rank, padded=False) for s in every) + 4 * len(every)
-    mixed = precision == "bf16"
+    w = 2 if states == "bf16" else 4  # the sharded parameters' dtype (the master with mixed bf16)
+    held = w * sum(shard_elems(s, dp, rank, padded=True) for s in every)
+    moments = sum(moment_bytes(shard_elems(s, dp, rank, padded=False), states, w) for s in every) + 4 * len(every)
+    mixed = precision == "bf16" and states != "bf16"
     params, master = (0, held) if mixed else (held, 0)
     total = params + master + moments + held
-    return {"params": params, "grads": held, "master": master, "moments": moments, "optimizer": master + moments,
-            "gpu": 0 if offload else total, "cpu": total if offload else 0}
+    return {"params": params, "grads": held, "master": master, "moments": int(moments), "optimizer": int(master + moments),
+            "gpu": 0 if offload else int(total), "cpu": int(total) if offload else 0}
 
 
 def layer_phases(L: int) -> dict[str, int]:
@@ -101,7 +104,7 @@ def parts(bench: BenchConfig) -> dict:
     sample of each phase, and the peak while the model is built."""
     m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp
     on_cpu = bench.hardware.device == "cpu"
-    states = model_states(m, dp, tp, bench.precision, bench.offload)
+    states = model_states(m, dp, tp, bench.precision, bench.offload, states=bench.states)
     g = groups(m, tp)
     root, layer = g.pop(ROOT), max(g.values(), key=lambda ps: sum(p.numel for p in ps))
     b, L = BYTES[bench.precision], m.num_layers
@@ -109,13 +112,14 @@ def parts(bench: BenchConfig) -> dict:
     layers = layer_phases(L)
     # Sharded gradients live in host memory with offload on a GPU: none on the device.
     dev_grads = 0 if bench.offload and not on_cpu else 1
-    layer_grads = dev_grads * 4 * sum(shard_elems(p.shape, dp, 0, padded=True) for p in layer)
+    w = 2 if bench.states == "bf16" else 4  # sharded parameters, gradients and the update: fp32 or pure bf16
+    layer_grads = dev_grads * w * sum(shard_elems(p.shape, dp, 0, padded=True) for p in layer)
     buffers = _buffers(bench, b, R, G, layers, on_cpu)
     buffers["root_grads"] = (b * sum(p.numel for p in root if _graded_first(p, m.tie_embeddings)),
                              buffers["root_gathered"][1])
     if on_cpu:  # fused AdamW (GPU) makes no temporaries
         largest = max(shard_elems(p.shape, dp, 0, padded=True) for p in root + layer)
-        buffers["adamw_temporaries"] = (ADAM_TEMPORARIES * 4 * largest, ["step"])
+        buffers["adamw_temporaries"] = (ADAM_TEMPORARIES * w * largest, ["step"])
     grads_phase = {"backward_start": 0, **{n: (L - 1 - i) * layer_grads for n, i in layers.items()},
                    "step": dev_grads * states["grads"]}
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, device=bench.hardware.device)
@@ -168,5 +172,6 @@ def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[str, int],
             out[f"layers_0_{L - 1}_gathered"] = (L * bG, ["backward_start"])
     held = [n for n, i in layers.items() if i < L - 1]
     if held:
-        out["held_reduce_scatter_input"] = (4 * G, held)  # reduced in fp32 whatever the compute dtype
+        # reduced in fp32 whatever the compute dtype; pure bf16 reduces in bf16
+        out["held_reduce_scatter_input"] = ((2 if bench.states == "bf16" else 4) * G, held)
     return out

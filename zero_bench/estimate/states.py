@@ -5,11 +5,29 @@ Source: the ZeRO paper (Rajbhandari et al. 2020), mixed-precision Adam, K = 12; 
 DeepSpeed allocates (checked against the worker's exact counts, see model_states_bytes)."""
 from __future__ import annotations
 
+import math
+
 from zero_bench.units import BYTES
 
 
+def moment_bytes(numel: float, states: str = "mixed", dtype_bytes: int = 4) -> float:
+    """AdamW's two moments of `numel` values: in `dtype_bytes` each, or (adam8bit) torchao's
+    AdamW8bit: int8 values with an fp32 scale per block of 256 (torchao/optim/subclass_8bit.py)."""
+    if states == "adam8bit":
+        return 2 * (numel + 4 * math.ceil(numel / ADAM8BIT_BLOCK))
+    return 2 * dtype_bytes * numel
+
+
+ADAM8BIT_BLOCK = 256
+
+
+def master_bytes(states: str = "mixed") -> int:
+    """Bytes per value of what the optimizer updates: the fp32 master, or bf16 with states=bf16."""
+    return 2 if states == "bf16" else 4
+
+
 def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1, precision: str = "bf16",
-                       offload_optimizer: bool = False, offload_param: bool = False) -> dict:
+                       offload_optimizer: bool = False, offload_param: bool = False, states: str = "mixed") -> dict:
     """Bytes of model states per rank for Adam, split as ZeRO partitions them.
 
     num_params: parameters of the WHOLE model (all tensor-parallel shards together); this function
@@ -36,6 +54,11 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
     (The field notes' 77.7M-parameter figures, 889 / 741 / 445 MiB, match stages 0-2; their stage-3
     figure, 6P, predates the master clone seen here.)
 
+    states=bf16 (precision bf16; DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states,
+    ZeRO 1-3): the master partition, the gradient partition and the moments in bf16: master 2P/dp,
+    moments 4P/dp. states=adam8bit: the moments int8 with an fp32 scale per 256 (~2.03P/dp), the
+    master fp32.
+
     Offload (stages 1-3): offload_optimizer moves the optimizer part (master + moments) to the host,
     together with the gradient partition the host optimizer reads, kept in fp32 (4P/dp; stage 1
     still holds its full gradients on the device); offload_param (stage 3) moves the parameter
@@ -55,9 +78,10 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
     mixed = b == 2
     params = b * P / (dp if zero_stage == 3 else 1)
     grads = b * P / (dp if zero_stage >= 2 else 1)
-    moments = 8 * P / (dp if zero_stage >= 1 else 1)
+    mb = master_bytes(states)
+    moments = moment_bytes(P / (dp if zero_stage >= 1 else 1), states, mb)
     if mixed:
-        master = 4 * P / (dp if zero_stage >= 1 else 1)
+        master = mb * P / (dp if zero_stage >= 1 else 1)
     elif zero_stage >= 1:
         master = 4 * P / dp
     else:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import EngineName
+from zero_bench.config import EngineName, States
 from zero_bench.estimate import model_states_bytes
 from zero_bench.estimate.fsdp2 import model_states as fsdp2_model_states
 from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu
@@ -55,6 +55,7 @@ class Setup:
     ds_preset: str
     compile: bool
     engine: str = EngineName.deepspeed
+    states: str = States.mixed
 
     @property
     def world(self) -> int:
@@ -84,7 +85,8 @@ def setup_of(c: dict) -> Setup:
                  offload_param=bool(c.get("offload_param") or False), precision=str(c.get("precision", "")),
                  device=str(hw.get("device", "")), grad_accum=int(batch.get("grad_accum", 1)),
                  recompute=str(c.get("recompute") or "none"), ds_preset=preset_name(c.get("ds_preset")),
-                 compile=bool(c.get("compile", False)), engine=str(c.get("engine") or EngineName.deepspeed))
+                 compile=bool(c.get("compile", False)), engine=str(c.get("engine") or EngineName.deepspeed),
+                 states=str(c.get("states") or States.mixed))
 
 
 
@@ -239,10 +241,10 @@ def estimate_or_error(s: Setup, with_grads: bool = True) -> tuple[Optional[int],
     """The estimate's model states for one rank, or None and why it could not answer."""
     try:
         if s.engine == EngineName.fsdp2:
-            est = fsdp2_model_states(ModelConfig(**s.model), s.dp, s.tp, s.precision, s.offload)
+            est = fsdp2_model_states(ModelConfig(**s.model), s.dp, s.tp, s.precision, s.offload, states=s.states)
         else:
             est = model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
-                                     offload_optimizer=s.offload, offload_param=s.offload_param)
+                                     offload_optimizer=s.offload, offload_param=s.offload_param, states=s.states)
         total = int(est["gpu"]) + int(est["cpu"])
         return (total if with_grads else total - int(est.get("grads", 0))), ""
     except Exception as exc:  # noqa: BLE001 - the row says so (Notes); its columns stay, empty
