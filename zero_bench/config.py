@@ -44,6 +44,7 @@ class Recompute(StrEnum):
     none = "none"
     selective = "selective"  # core attention
     full = "full"  # each layer's input kept, the layer recomputed in backward
+    block = "block"  # the first recompute_layers layers as full, the others keep everything
 
 
 class States(StrEnum):
@@ -176,9 +177,13 @@ class BenchConfig:
     recompute: Recompute = Recompute.none
     """Activation recompute (megatron-core's recompute_granularity): none; selective (core attention);
     full (every layer's input kept, the layer recomputed in backward, through DeepSpeed's
-    activation checkpointing so that ds.activation_checkpointing.* apply, as Megatron-DeepSpeed)."""
+    activation checkpointing so that ds.activation_checkpointing.* apply, as Megatron-DeepSpeed);
+    block (megatron's recompute_method=block: the first recompute_layers layers recomputed as with
+    full, the others keep everything; the memory of torchtitan's every-N-th-layer checkpointing
+    with recompute_layers = layers / N)."""
     recompute_layers: int = 1
-    """With recompute=full: layers per checkpoint (megatron's recompute_num_layers, method uniform)."""
+    """With recompute=full: layers per checkpoint (megatron's recompute_num_layers, method uniform);
+    with recompute=block: how many layers, from the first, are recomputed (method block)."""
     ds_preset: str = "default"
     """The ds_configs/ template set: default (buckets scaled to the model on CPU) or
     megatron_deepspeed (the reference table's buckets, overlap_comm, fp16 loss scaling, activation
@@ -251,7 +256,8 @@ class BenchConfig:
 
     def label(self) -> str:
         extras = [f"states={self.states}" if self.states != States.mixed else "",
-                  f"recompute={self.recompute}" if self.recompute != "none" else "",
+                  f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",
+                  f"recompute=block({self.recompute_layers})" if self.recompute == "block" else "",
                   "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else ""]
         return " ".join([make_label(self.model.name, self.parallel.tp, self.parallel.dp, self.zero,
                                     self.offload, self.precision, self.engine)] + [x for x in extras if x])

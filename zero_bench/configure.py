@@ -305,6 +305,9 @@ def validate_static(b: BenchConfig) -> None:
     if b.recompute == "full" and m.num_layers % b.recompute_layers:
         raise ConfigError(f"recompute_layers={b.recompute_layers}: must divide model.num_layers={m.num_layers} "
                           "(megatron's uniform recompute)")
+    if b.recompute == "block" and b.recompute_layers > m.num_layers:
+        raise ConfigError(f"recompute_layers={b.recompute_layers}: with recompute=block at most "
+                          f"model.num_layers={m.num_layers} layers are recomputed")
     if m.head_dim is None and m.hidden_size % m.num_heads:  # heads are h / a wide unless head_dim says
         raise ConfigError(f"model.num_heads={m.num_heads}: must divide model.hidden_size={m.hidden_size} "
                           "(or set model.head_dim)")

@@ -85,10 +85,10 @@ def build(cfg: BenchConfig) -> dict:
         "fp16": {"enabled": cfg.precision == "fp16"},
     })
     checkpoints = ds.get("activation_checkpointing") or {}
-    if cfg.recompute == "full" and checkpoints.get("contiguous_memory_optimization"):
+    if cfg.recompute in ("full", "block") and checkpoints.get("contiguous_memory_optimization"):
         # DeepSpeed sizes the contiguous buffer by the checkpoints one forward pass stores.
-        ds = merge(ds, {"activation_checkpointing": {
-            "number_checkpoints": cfg.model.num_layers // cfg.recompute_layers}})
+        n = cfg.model.num_layers // cfg.recompute_layers if cfg.recompute == "full" else cfg.recompute_layers
+        ds = merge(ds, {"activation_checkpointing": {"number_checkpoints": n}})
     user_zero = (cfg.ds.get("zero_optimization") or {})
     if on_cpu and cfg.zero > 0 and cfg.ds_preset == "default":
         buckets = scaled_buckets(cfg.model.params_per_shard(cfg.parallel.tp))

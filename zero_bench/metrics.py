@@ -48,11 +48,13 @@ def utilization(flops_per_seq: float, samples_per_sec: float, n_devices: int, pe
 
 
 def mfu_hfu(model: ModelConfig, samples_per_sec: float, n_gpus: int, peak_flops_per_gpu: float,
-            recompute: str = "none") -> tuple[float, float]:
+            recompute: str = "none", recompute_layers: int = 1) -> tuple[float, float]:
     """(MFU, HFU) as fractions of the peak, FLOPs from the description (models/flops.py): HFU
-    counts what recompute re-runs (full: the whole forward; selective: the core attention)."""
+    counts what recompute re-runs (full: the whole forward; block: recompute_layers of the layers'
+    forwards; selective: the core attention)."""
     mfu = utilization(model_flops_per_seq(model), samples_per_sec, n_gpus, peak_flops_per_gpu)
-    hfu = utilization(hardware_flops_per_seq(model, recompute), samples_per_sec, n_gpus, peak_flops_per_gpu)
+    hfu = utilization(hardware_flops_per_seq(model, recompute, recompute_layers), samples_per_sec, n_gpus,
+                      peak_flops_per_gpu)
     return mfu, hfu
 
 

@@ -79,7 +79,7 @@ def estimated_pace(cfg: BenchConfig, flops_per_s: Optional[float]) -> Optional[P
     ASSUMED_EFFICIENCY of `flops_per_s`, one rank's measured matmul rate (None: unknown)."""
     if not flops_per_s:
         return None
-    flops = hardware_flops_per_seq(cfg.model, cfg.recompute) / cfg.parallel.tp
+    flops = hardware_flops_per_seq(cfg.model, cfg.recompute, cfg.recompute_layers) / cfg.parallel.tp
     return Pace(flops / (flops_per_s * ASSUMED_EFFICIENCY), "estimated")
 
 

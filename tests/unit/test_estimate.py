@@ -14,11 +14,12 @@ import pytest
 import yaml
 
 from zero_bench.config import BenchConfig
-from zero_bench.configure import from_cfg
+from zero_bench.configure import compose, from_cfg
+from zero_bench.errors import ConfigError
 from zero_bench.estimate import (GiB, MiB, activation_bytes_per_sample, deepspeed_buffers, estimate,
                                  model_states_bytes, param_numels, seed_micro)
 
-from conftest import model
+from conftest import cpu_cfg, model
 
 ROOT = Path(__file__).resolve().parents[2]
 P = 1_000_000
@@ -319,3 +320,23 @@ def test_moe_activation_terms_by_hand():
     # every layer is MoE: the L layers keep L x the MoE layer's terms
     act = activation_bytes_per_sample(m, 1, "bf16", "none", None, "gpu")
     assert act["layers"] == m.num_layers * sum(t.values()) * m.seq_len
+
+
+def test_block_recompute_lies_between_none_and_full():
+    """recompute=block (megatron's method block): the first recompute_layers layers keep only their
+    input, the others everything; all of them is full. llama-tiny on CPU, measured against the same
+    terms (docs/verified.md, "Block recompute"): saved within 0.1 %, peak within 1.5 %."""
+    from zero_bench.models.flops import hardware_flops_per_seq
+
+    m = model("llama-tiny")
+    act = {n: activation_bytes_per_sample(m, 1, "fp32", "block", device="cpu", recompute_layers=n) for n in (1, 2, 3, 4)}
+    none = activation_bytes_per_sample(m, 1, "fp32", device="cpu")
+    full = activation_bytes_per_sample(m, 1, "fp32", "full", device="cpu")
+    assert none["saved"] > act[1]["saved"] > act[2]["saved"] > act[3]["saved"] > full["saved"] == act[4]["saved"]
+    per_layer = (none["saved"] - full["saved"]) / m.num_layers  # what recomputing one more layer saves
+    assert act[1]["saved"] - act[2]["saved"] == pytest.approx(per_layer, abs=m.seq_len)
+    assert act[3]["total"] == act[3]["block_rebuild"] > act[3]["end_of_forward"]  # the rebuilt layer decides
+    assert hardware_flops_per_seq(m, "none") < hardware_flops_per_seq(m, "block", 2) < hardware_flops_per_seq(m, "full")
+    with pytest.raises(ConfigError, match="^recompute_layers=5: with recompute=block at most model.num_layers=4"):
+        from_cfg(compose(["hardware=cpu", "model=llama-tiny", "recompute=block", "recompute_layers=5"]))
+    assert cpu_cfg("llama-tiny", recompute="block", recompute_layers=2).label().endswith("recompute=block(2)")

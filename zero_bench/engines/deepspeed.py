@@ -110,7 +110,7 @@ def model_state_bytes(engine) -> dict:
 
 def install_checkpointing(cfg: BenchConfig, mpu: MpuAdapter, ds_config: dict) -> None:
     """The checkpoint function megatron-core calls for `recompute` (selective on GPU: megatron's own)."""
-    if cfg.recompute == "full":
+    if cfg.recompute in ("full", "block"):
         use_deepspeed_checkpointing(mpu, ds_config, cfg.seed)
     elif cfg.recompute == "selective" and cfg.hardware.device == "cpu":
         install_cpu_checkpoint()  # megatron's saves CUDA's RNG state; this one the CPU tracker's

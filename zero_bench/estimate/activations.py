@@ -272,7 +272,8 @@ def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str) -> list:
 
 
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
-                                checkpointing: Optional[Mapping] = None, device: str = "gpu") -> dict:
+                                checkpointing: Optional[Mapping] = None, device: str = "gpu",
+                                recompute_layers: int = 1) -> dict:
     """Activation bytes one sample (sequence) adds to a rank.
 
     saved: what the forward leaves for backward (layers + embedding + logits + scratch); measured
@@ -284,6 +285,10 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
                           gradient B*h and the MLP's gradients
       attention_backward  the last layer's attention backward: its MLP part is freed too; selective
                           recompute has rebuilt the core attention; + the attention's gradients
+      block_rebuild       recompute=block: the backward of the last recomputed layer (the first
+                          recompute_layers are; the later ones keep everything, so the moments
+                          above are those of recompute=none): the recomputed layers' inputs, that
+                          layer rebuilt, its incoming gradient and the MLP's gradients
     checkpointing: ds_config's activation_checkpointing (recompute=full through DeepSpeed:
     partition_activations keeps 1/t of each input, cpu_checkpointing moves them to the host).
     device: "cpu" or "gpu" (torch keeps different tensors: RMSNorm, dropout masks, sdpa's kernel).
@@ -294,7 +299,17 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     m, s, B, h = model, model.seq_len, BYTES[precision], model.hidden_size
     kinds = layer_kinds(m, tp, precision, device)
     terms = kinds[-1][1]  # the last layer's, whose backward the moments below are about
-    layers, recomputed, host = _layers(m, tp, precision, recompute, checkpointing or {}, kinds)
+    ck, L = checkpointing or {}, m.num_layers
+    if recompute == "block" and recompute_layers >= L:
+        recompute = "full"  # every layer recomputed, one per checkpoint
+    block = recompute == "block"
+    if block:
+        n = recompute_layers
+        kept_inputs, recomputed, host = _layers(m, tp, precision, "full", ck, kinds)
+        kept_inputs, host = kept_inputs * n / L, host * n / L
+        layers = kept_inputs + _layers(m, tp, precision, "none", ck, kinds)[0] * (L - n) / L
+    else:
+        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds)
     head = head_terms(m, tp, precision, device)
     logits = head.pop("logits_softmax_fp32") + head.pop("loss_bookkeeping")
     embedding = sum(head.values())
@@ -313,8 +328,10 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
         "end_of_forward": saved + max(transient, incoming),
         "mlp_backward": saved - released + rebuilt_mlp + incoming + grads["mlp"],
         "attention_backward": (saved - released - mlp_part(terms) - terms["attention_dropout_mask"] - context
-                               + recomputed + incoming + grads["attention"]),
+                               + (0.0 if block else recomputed) + incoming + grads["attention"]),
     }
+    if block:
+        moments["block_rebuild"] = embedding + scratch + kept_inputs + recomputed + incoming + grads["mlp"]
     out = {"per_layer": sum(terms.values()), "layers": layers, "recomputed": recomputed, "embedding": embedding,
            "logits": logits, "logits_transient": transient, "scratch": scratch, "host": host, "saved": saved,
            **moments, "total": max(moments.values())}

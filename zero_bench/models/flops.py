@@ -51,13 +51,16 @@ def model_flops_per_seq(m: ModelConfig) -> float:
     return 3 * (dense_flops_per_seq(m) + attention_flops_per_seq(m))
 
 
-def hardware_flops_per_seq(m: ModelConfig, recompute: str = "none") -> float:
+def hardware_flops_per_seq(m: ModelConfig, recompute: str = "none", recompute_layers: int = 1) -> float:
     """HFU's numerator: what the hardware computes, recompute included. full re-runs every layer's
     forward (4 passes, as MPT counts activation checkpointing; the output layer is counted 4 times
-    too, as there); selective re-runs the core attention, the s^2 term, once more."""
+    too, as there); block re-runs recompute_layers of the layers' forwards; selective re-runs the
+    core attention, the s^2 term, once more."""
     dense, attn = dense_flops_per_seq(m), attention_flops_per_seq(m)
     if recompute == "full":
         return 4 * (dense + attn)
+    if recompute == "block":
+        return (3 + min(recompute_layers, m.num_layers) / m.num_layers) * (dense + attn)
     if recompute == "selective":
         return 3 * dense + 4 * attn
     return 3 * (dense + attn)

@@ -67,8 +67,9 @@ def recompute_args(cfg: BenchConfig) -> dict:
     Which checkpoint function runs is the engine's choice (engines/deepspeed.py install_checkpointing)."""
     if cfg.recompute == "selective":
         return {"recompute_granularity": "selective"}
-    if cfg.recompute == "full":
-        return {"recompute_granularity": "full", "recompute_method": "uniform",
+    if cfg.recompute in ("full", "block"):
+        method = "uniform" if cfg.recompute == "full" else "block"
+        return {"recompute_granularity": "full", "recompute_method": method,
                 "recompute_num_layers": cfg.recompute_layers}
     return {}
 

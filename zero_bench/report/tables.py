@@ -56,6 +56,7 @@ class Setup:
     compile: bool
     engine: str = EngineName.deepspeed
     states: str = States.mixed
+    recompute_layers: int = 1
 
     @property
     def world(self) -> int:
@@ -86,7 +87,7 @@ def setup_of(c: dict) -> Setup:
                  device=str(hw.get("device", "")), grad_accum=int(batch.get("grad_accum", 1)),
                  recompute=str(c.get("recompute") or "none"), ds_preset=preset_name(c.get("ds_preset")),
                  compile=bool(c.get("compile", False)), engine=str(c.get("engine") or EngineName.deepspeed),
-                 states=str(c.get("states") or States.mixed))
+                 states=str(c.get("states") or States.mixed), recompute_layers=int(c.get("recompute_layers") or 1))
 
 
 
@@ -189,7 +190,7 @@ def _performance(t: TrialResult, s: Setup, peaks: Peaks) -> dict:
            "compile time (s)": t.compile_s, "loss scale": t.loss_scale, "skipped steps": t.skipped_steps}
     peak = peaks.get(s.device, s.precision)
     if peak and m is not None:
-        out["MFU"], out["HFU"] = mfu_hfu(m, sps, s.world, peak, s.recompute)
+        out["MFU"], out["HFU"] = mfu_hfu(m, sps, s.world, peak, s.recompute, s.recompute_layers)
     return out
 
 
