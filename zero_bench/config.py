@@ -85,6 +85,11 @@ class ParallelConfig:
     """Tensor-parallel degree (megatron-core); must divide heads, hidden size and vocabulary."""
     dp: int = 2
     """Data-parallel degree (DeepSpeed); ZeRO partitions over these ranks."""
+    dp_shard: Optional[int] = None
+    """Hybrid sharding (torchtitan's data_parallel_shard_degree): shard the model states within
+    groups of dp_shard data-parallel ranks and replicate them across the dp / dp_shard groups, so
+    the all-gathers stay inside a group (a node) and only gradients cross it. engine=fsdp2 (a 2-D
+    device mesh, HSDP), tp 1; must divide dp. None: shard over all dp ranks."""
 
     @property
     def world_size(self) -> int:
@@ -252,10 +257,14 @@ class BenchConfig:
         if d["states"] == States.mixed:
             d.pop("states")
         d["hardware"].pop("card", None)  # names the card for the estimate; the trial is the same
+        if d["parallel"].get("dp_shard") is None:
+            d["parallel"].pop("dp_shard", None)
         return d
 
     def label(self) -> str:
-        extras = [f"states={self.states}" if self.states != States.mixed else "",
+        shard = self.parallel.dp_shard
+        extras = [f"dp_shard={shard}" if shard and shard != self.parallel.dp else "",
+                  f"states={self.states}" if self.states != States.mixed else "",
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",
                   f"recompute=block({self.recompute_layers})" if self.recompute == "block" else "",
                   "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else ""]

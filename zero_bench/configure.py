@@ -193,6 +193,8 @@ def check_bench(b: BenchConfig) -> None:
     check_hardware(b.hardware)
     integer("parallel.tp", b.parallel.tp)
     integer("parallel.dp", b.parallel.dp)
+    if b.parallel.dp_shard is not None:
+        integer("parallel.dp_shard", b.parallel.dp_shard)
     choice("zero", b.zero, ZERO_STAGES)
     integer("recompute_layers", b.recompute_layers)
     choice("ds_preset", b.ds_preset, ds_presets())
@@ -288,6 +290,7 @@ def validate_static(b: BenchConfig) -> None:
     if b.engine == EngineName.fsdp2:
         check_fsdp2(b)
     check_states(b)
+    check_hybrid(b)
     if m.num_heads % tp:
         raise ConfigError(f"parallel.tp={tp}: must divide model.num_heads={m.num_heads}")
     if m.hidden_size % tp:
@@ -317,6 +320,24 @@ def validate_static(b: BenchConfig) -> None:
         raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
     if b.precision == "fp16" and b.hardware.device == "cpu":
         raise ConfigError("precision=fp16: not supported by DeepSpeed's CPU accelerator; allowed on cpu: fp32, bf16")
+
+
+def check_hybrid(b: BenchConfig) -> None:
+    """parallel.dp_shard: FSDP2's hybrid sharding, over megatron's DP ranks at tp 1."""
+    shard, dp = b.parallel.dp_shard, b.parallel.dp
+    if shard is None or shard == dp:
+        return
+    if dp % shard:
+        raise ConfigError(f"parallel.dp_shard={shard}: must divide parallel.dp={dp} (groups of dp_shard ranks "
+                          "each hold one copy of the sharded states)")
+    if b.engine != EngineName.fsdp2:
+        raise ConfigError(f"parallel.dp_shard={shard}: hybrid sharding runs with engine=fsdp2 (a 2-D device mesh); "
+                          "DeepSpeed's MiCS / ZeRO++ hpZ are not wired in; allowed with engine=deepspeed: "
+                          "parallel.dp_shard=null")
+    if b.parallel.tp > 1:
+        raise ConfigError(f"parallel.dp_shard={shard}: hybrid sharding is modelled at parallel.tp=1 (megatron's "
+                          f"DP groups at tp {b.parallel.tp} are not one mesh); allowed with tp > 1: "
+                          "parallel.dp_shard=null")
 
 
 def check_states(b: BenchConfig) -> None:

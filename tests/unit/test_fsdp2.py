@@ -226,3 +226,24 @@ def test_fsdp2_process_group_backend(monkeypatch, device, offload, backend):
     calls.clear()
     init_distributed(cpu_cfg(zero=3), on_cpu=True)
     assert calls == {"deepspeed": True}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine=fsdp2", "parallel.dp=4", "parallel.dp_shard=3"], "parallel.dp_shard=3: must divide parallel.dp=4"),
+    (["parallel.dp=4", "parallel.dp_shard=2"], "parallel.dp_shard=2: hybrid sharding runs with engine=fsdp2"),
+    (["engine=fsdp2", "parallel=tp2dp2", "parallel.dp_shard=1"], "parallel.dp_shard=1: hybrid sharding is modelled "
+                                                                   "at parallel.tp=1"),
+])
+def test_hybrid_sharding_refusals(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        bench(*overrides)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_hybrid_sharding_keys_labels_and_states():
+    plain, hybrid = bench("engine=fsdp2", "parallel.dp=4"), bench("engine=fsdp2", "parallel.dp=4", "parallel.dp_shard=2")
+    assert "dp_shard" not in plain._key_dict()["parallel"] and hybrid._key_dict()["parallel"]["dp_shard"] == 2
+    assert hybrid.label().endswith("fsdp2 dp_shard=2") and "dp_shard" not in plain.label()
+    assert estimate(hybrid).states["params"] == 2 * estimate(plain).states["params"]
+    same = bench("engine=fsdp2", "parallel.dp=4", "parallel.dp_shard=4")  # one group: plain FSDP2
+    assert estimate(same).states == estimate(plain).states

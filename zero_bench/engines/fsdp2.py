@@ -68,7 +68,7 @@ class Fsdp2Engine:
             # the same function and composes with fully_shard, and cpu_checkpoint puts megatron's
             # tracker streams back for the recompute, so dropout masks equal the forward's.
             install_cpu_checkpoint()
-        kw = shard_options(dp_mesh(on_cpu), cfg, on_cpu)
+        kw = shard_options(dp_mesh(on_cpu, cfg.parallel.dp, cfg.parallel.dp_shard), cfg, on_cpu)
         dtype = torch.bfloat16 if cfg.states == States.bf16 else None
         model = build_gpt(cfg, compute_config(cfg, on_cpu), on_cpu,
                           on_layer=lambda layer: fully_shard(as_dtype(layer, dtype), **kw))
@@ -142,10 +142,18 @@ def compute_config(cfg: BenchConfig, on_cpu: bool):
     return config
 
 
-def dp_mesh(on_cpu: bool) -> DeviceMesh:
+def dp_mesh(on_cpu: bool, dp: int, dp_shard: Optional[int] = None) -> DeviceMesh:
     """A 1-D mesh over this rank's megatron data-parallel group. megatron's tensor parallelism is not
-    DTensor-based, so FSDP2 need see only the DP ranks; megatron's group keeps its TP x DP layout."""
+    DTensor-based, so FSDP2 need see only the DP ranks; megatron's group keeps its TP x DP layout.
+    Hybrid sharding (dp_shard < dp, tp 1, so the DP ranks are the world): a 2-D mesh, replicas x
+    shards; fully_shard then shards over the second dimension and all-reduces across the first
+    (HSDP). Consecutive ranks share a shard group, as torchtitan lays it out (a node's GPUs)."""
     from megatron.core import parallel_state
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dp_shard and dp_shard != dp:
+        return init_device_mesh("cpu" if on_cpu else "cuda", (dp // dp_shard, dp_shard),
+                                mesh_dim_names=("replicate", "shard"))
 
     group = parallel_state.get_data_parallel_group()
     return DeviceMesh.from_group(group, "cpu" if on_cpu else "cuda", mesh_dim_names=("dp",))

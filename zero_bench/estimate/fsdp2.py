@@ -102,7 +102,8 @@ def parts(bench: BenchConfig) -> dict:
     """The engine-specific fields of zero_bench.estimate.Estimate for engine=fsdp2: states, buffers
     (name -> bytes and the phases they are alive in), the gradients and the activation bytes per
     sample of each phase, and the peak while the model is built."""
-    m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp
+    # every state is sharded over the shard group (hybrid sharding: dp_shard ranks), not all dp ranks
+    m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp_shard or bench.parallel.dp
     on_cpu = bench.hardware.device == "cpu"
     states = model_states(m, dp, tp, bench.precision, bench.offload, states=bench.states)
     g = groups(m, tp)
@@ -142,7 +143,7 @@ def init_peak(bench: BenchConfig, R: int, G: int, layers: int) -> int:
     the root whole (the embeddings are built first, the output layer last) and every layer's shard,
     plus the larger of one layer whole while it is sharded and the root's own shards as they are
     made. With offload on a GPU the shards go to the host: the device sees the root and one layer."""
-    dp = bench.parallel.dp
+    dp = bench.parallel.dp_shard or bench.parallel.dp
     if bench.offload and bench.hardware.device != "cpu":
         return 4 * (R + G)
     return 4 * (R + layers // dp + max(G + G // dp, R // dp))

@@ -57,6 +57,7 @@ class Setup:
     engine: str = EngineName.deepspeed
     states: str = States.mixed
     recompute_layers: int = 1
+    dp_shard: Optional[int] = None
 
     @property
     def world(self) -> int:
@@ -87,7 +88,8 @@ def setup_of(c: dict) -> Setup:
                  device=str(hw.get("device", "")), grad_accum=int(batch.get("grad_accum", 1)),
                  recompute=str(c.get("recompute") or "none"), ds_preset=preset_name(c.get("ds_preset")),
                  compile=bool(c.get("compile", False)), engine=str(c.get("engine") or EngineName.deepspeed),
-                 states=str(c.get("states") or States.mixed), recompute_layers=int(c.get("recompute_layers") or 1))
+                 states=str(c.get("states") or States.mixed), recompute_layers=int(c.get("recompute_layers") or 1),
+                 dp_shard=par.get("dp_shard"))
 
 
 
@@ -242,7 +244,8 @@ def estimate_or_error(s: Setup, with_grads: bool = True) -> tuple[Optional[int],
     """The estimate's model states for one rank, or None and why it could not answer."""
     try:
         if s.engine == EngineName.fsdp2:
-            est = fsdp2_model_states(ModelConfig(**s.model), s.dp, s.tp, s.precision, s.offload, states=s.states)
+            est = fsdp2_model_states(ModelConfig(**s.model), s.dp_shard or s.dp, s.tp, s.precision, s.offload,
+                                     states=s.states)
         else:
             est = model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
                                      offload_optimizer=s.offload, offload_param=s.offload_param, states=s.states)
