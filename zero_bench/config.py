@@ -53,6 +53,13 @@ class States(StrEnum):
     adam8bit = "adam8bit"  # 8-bit AdamW moments (torchao's AdamW8bit); estimate only
 
 
+class Loss(StrEnum):
+    megatron = "megatron"  # megatron's vocab-parallel cross entropy, fp32 inside
+    bf16 = "bf16"  # torch's cross entropy on the logits as made (16-bit with bf16)
+    fp32 = "fp32"  # logits upcast to fp32, then torch's cross entropy (Hugging Face, torchtitan)
+    chunked = "chunked"  # output layer + loss a chunk of tokens at a time, checkpointed (Liger, torchtune)
+
+
 class EngineName(StrEnum):
     deepspeed = "deepspeed"  # DeepSpeed ZeRO 0-3 (deepspeed.initialize)
     fsdp2 = "fsdp2"  # PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), ZeRO 2/3 semantics
@@ -179,6 +186,13 @@ class BenchConfig:
     bf16_master_weights_and_grads and bf16_optimizer_states, ZeRO 1-3 without offload); adam8bit
     (torchao's AdamW8bit: int8 moments with an fp32 scale per 256 values, fp32 master; estimated
     only, torchao is not installed)."""
+    loss: Loss = Loss.megatron
+    """How the loop turns the last hidden states into the loss (zero_bench/models/loss.py): megatron
+    (its vocab-parallel cross entropy: 16-bit logits, the fp32 softmax kept); bf16 (torch's cross
+    entropy on the logits as made: a 16-bit log-softmax kept); fp32 (upcast first, Hugging Face's
+    and torchtitan's loops: an fp32 log-softmax kept); chunked (the output layer and the loss 256
+    tokens at a time under a checkpoint, Liger's and torchtune's way: no logits kept). tp 1 for all
+    but megatron."""
     recompute: Recompute = Recompute.none
     """Activation recompute (megatron-core's recompute_granularity): none; selective (core attention);
     full (every layer's input kept, the layer recomputed in backward, through DeepSpeed's
@@ -210,7 +224,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         # Values given as plain strings (tests, stored records) become the enums the schema types.
         self.precision, self.recompute = Precision(self.precision), Recompute(self.recompute)
-        self.engine, self.states = EngineName(self.engine), States(self.states)
+        self.engine, self.states, self.loss = EngineName(self.engine), States(self.states), Loss(self.loss)
 
     @property
     def global_batch(self) -> int:
@@ -256,6 +270,8 @@ class BenchConfig:
             d.pop("engine")
         if d["states"] == States.mixed:
             d.pop("states")
+        if d["loss"] == Loss.megatron:
+            d.pop("loss")
         d["hardware"].pop("card", None)  # names the card for the estimate; the trial is the same
         if d["parallel"].get("dp_shard") is None:
             d["parallel"].pop("dp_shard", None)
@@ -265,6 +281,7 @@ class BenchConfig:
         shard = self.parallel.dp_shard
         extras = [f"dp_shard={shard}" if shard and shard != self.parallel.dp else "",
                   f"states={self.states}" if self.states != States.mixed else "",
+                  f"loss={self.loss}" if self.loss != Loss.megatron else "",
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",
                   f"recompute=block({self.recompute_layers})" if self.recompute == "block" else "",
                   "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else ""]

@@ -291,6 +291,10 @@ def validate_static(b: BenchConfig) -> None:
         check_fsdp2(b)
     check_states(b)
     check_hybrid(b)
+    if b.loss != "megatron" and tp > 1:
+        raise ConfigError(f"loss={b.loss}: runs at parallel.tp=1 (at tp {tp} the vocabulary is split over the "
+                          "ranks and only megatron's vocab-parallel loss reads it); allowed with tp > 1: "
+                          "loss=megatron")
     if m.num_heads % tp:
         raise ConfigError(f"parallel.tp={tp}: must divide model.num_heads={m.num_heads}")
     if m.hidden_size % tp:

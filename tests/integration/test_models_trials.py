@@ -34,6 +34,8 @@ TRIALS = {
     "tp2": dict(zero=1, parallel=TP2),
     "zero3_tp2": dict(zero=3, parallel=TP2),  # zero.Init over the DP group, not the world
     "block": dict(zero=1, recompute="block", recompute_layers=2),  # layers 0-1 recomputed, 2-3 not
+    "loss_fp32": dict(zero=1, loss="fp32"),  # torch's cross entropy on upcast logits
+    "loss_chunked": dict(zero=3, loss="chunked"),  # ZeRO-3 gathers the output layer in each recompute
     "unfused": dict(zero=2, model=dataclasses.replace(LLAMA, attention="unfused")),
     # dropout at tp 2: per-tp-rank attention-dropout streams, recomputed as drawn in the forward
     "dropout": dict(zero=1, parallel=TP2, model=DROPOUT),
@@ -94,7 +96,7 @@ def test_fp32_losses_equal_across_zero_stages_and_tp_at_every_step(trials):
     1.4e-7 at most, docs/verified.md)."""
     ref = losses(trials, "zero0")
     assert ref[-1] < ref[0]  # it trains
-    for name in ("zero1", "zero2", "zero3", "tp2", "zero3_tp2", "block"):
+    for name in ("zero1", "zero2", "zero3", "tp2", "zero3_tp2", "block", "loss_fp32", "loss_chunked"):
         assert max_rel_diff(losses(trials, name), ref) < 1e-6, (name, losses(trials, name), ref)
 
 

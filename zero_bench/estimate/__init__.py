@@ -233,7 +233,7 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
                                 bench.offload, bench.offload_param and bench.zero == 3, states=bench.states)
     checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing, bench.hardware.device,
-                                      bench.recompute_layers)
+                                      bench.recompute_layers, bench.loss)
     factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
     per_sample = act["total"] + (act["host"] if on_cpu else 0)  # on CPU the host is the device
     b = BYTES[bench.precision]

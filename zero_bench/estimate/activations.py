@@ -204,17 +204,34 @@ def mlp_part(terms: dict) -> float:
     return sum(v for k, v in terms.items() if k not in ATTENTION_KEYS)
 
 
-def head_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu") -> dict:
-    """Bytes per token outside the layers (embedding, final norm, output layer, loss)."""
+def head_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu",
+               loss: str = "megatron") -> dict:
+    """Bytes per token outside the layers (embedding, final norm, output layer, loss). The loss's
+    softmax kept for backward (models/loss.py): megatron's fp32 softmax 4V/t; loss=bf16 torch's
+    log-softmax in the logits' dtype; fp32 its fp32 log-softmax; chunked none."""
     B, h, V = BYTES[precision], m.hidden_size, m.padded_vocab(tp)
+    softmax = {"megatron": 4 * V // tp, "bf16": B * V, "fp32": 4 * V, "chunked": 0}[loss]
     return {
         "token_ids": 8 + (1 if tp > 1 else 0),
         "embedding_dropout_mask": (_mask_bytes(B, device) * h) if m.dropout > 0 else 0,
         "final_norm": norm_bytes(m, precision, device),
         "output_layer_input": B * h,
-        "logits_softmax_fp32": 4 * V // tp,
+        "logits_softmax_fp32": softmax,
         "loss_bookkeeping": 13,  # target mask (bool), masked target (int64), per-token loss (fp32)
     }
+
+
+def logits_transient(m: ModelConfig, tp: int, B: int, loss: str) -> float:
+    """Bytes per token alive at the end of the forward beyond what it keeps: megatron's 16-bit
+    logits before its fp32 copy (none in fp32, where the copy is the logits); torch's losses the
+    logits while their log-softmax is made, and with loss=fp32 the fp32 copy too (none in fp32:
+    .float() returns the tensor itself); chunked one chunk only (a constant, not per sample)."""
+    V = m.padded_vocab(tp) // tp
+    if loss == "megatron":
+        return B * V if B != 4 else 0
+    if loss == "chunked":
+        return 0
+    return B * V + (4 * V if loss == "fp32" and B != 4 else 0)
 
 
 def backward_transients(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
@@ -273,7 +290,7 @@ def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str) -> list:
 
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
                                 checkpointing: Optional[Mapping] = None, device: str = "gpu",
-                                recompute_layers: int = 1) -> dict:
+                                recompute_layers: int = 1, loss: str = "megatron") -> dict:
     """Activation bytes one sample (sequence) adds to a rank.
 
     saved: what the forward leaves for backward (layers + embedding + logits + scratch); measured
@@ -285,6 +302,8 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
                           gradient B*h and the MLP's gradients
       attention_backward  the last layer's attention backward: its MLP part is freed too; selective
                           recompute has rebuilt the core attention; + the attention's gradients
+      loss_backward       loss=bf16 / fp32: the start of backward, torch's cross entropy holding
+                          the gradients of its log-probabilities and of the logits beside them
       block_rebuild       recompute=block: the backward of the last recomputed layer (the first
                           recompute_layers are; the later ones keep everything, so the moments
                           above are those of recompute=none): the recomputed layers' inputs, that
@@ -310,10 +329,10 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
         layers = kept_inputs + _layers(m, tp, precision, "none", ck, kinds)[0] * (L - n) / L
     else:
         layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds)
-    head = head_terms(m, tp, precision, device)
+    head = head_terms(m, tp, precision, device, loss)
     logits = head.pop("logits_softmax_fp32") + head.pop("loss_bookkeeping")
     embedding = sum(head.values())
-    transient = (B * m.padded_vocab(tp) // tp) if B != 4 else 0
+    transient = logits_transient(m, tp, B, loss)
     scratch = B * _dims(m, tp)["A"] if m.attention == "unfused" else 0
     saved = layers + embedding + logits + scratch
     # The last layer's backward: the output side (logits, final norm, output-layer input) is gone.
@@ -330,6 +349,10 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
         "attention_backward": (saved - released - mlp_part(terms) - terms["attention_dropout_mask"] - context
                                + (0.0 if block else recomputed) + incoming + grads["attention"]),
     }
+    if loss in ("bf16", "fp32"):
+        # torch's cross entropy differentiated: the log-probabilities' gradient and the logits'
+        # (megatron's loss writes its gradient into the softmax it kept; chunked, one chunk's)
+        moments["loss_backward"] = saved + 2 * (head_terms(m, tp, precision, device, loss)["logits_softmax_fp32"])
     if block:
         moments["block_rebuild"] = embedding + scratch + kept_inputs + recomputed + incoming + grads["mlp"]
     out = {"per_layer": sum(terms.values()), "layers": layers, "recomputed": recomputed, "embedding": embedding,

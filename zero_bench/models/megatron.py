@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from zero_bench.config import BenchConfig
 from zero_bench.models.description import ModelConfig
+from zero_bench.models.loss import install_loss
 from zero_bench.models.shims import install_cpu_shims, seed_cpu_rng
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -213,6 +214,7 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
     if on_layer is not None:
         spec = _then(spec, on_layer)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp))
+    install_loss(gpt, cfg.loss)
     return gpt if on_cpu or on_layer is not None else gpt.cuda()
 
 
