@@ -39,7 +39,7 @@ from zero_bench.config import BenchConfig, EngineName
 from zero_bench.estimate import fsdp2
 from zero_bench.hosts import local_ranks
 from zero_bench.records import Seed
-from zero_bench.estimate.activations import activation_bytes_per_sample
+from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
 from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communicator_bytes, communicators, fragmentation,
                                      outside_allocator)
@@ -243,7 +243,10 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     first = b * max(param_numels(m, tp))  # ZeRO-0/1: the (output) embedding's gradient comes first
     grads_phase = {"act": first if bench.zero <= 1 else grads, "bwd_end": grads,
                    "step": 0 if bench.zero == 1 and not bench.offload else grads}
-    return Estimate(**common, states=states, buffers=deepspeed_buffers(bench, ds), activations=act,
+    buffers = deepspeed_buffers(bench, ds)
+    if bench.loss == "chunked":
+        buffers["loss_chunk"] = {"bytes": loss_chunk_bytes(m, bench.precision), "phases": ["act"]}
+    return Estimate(**common, states=states, buffers=buffers, activations=act,
                     act_per_sample=int(per_sample * factor), init_peak=init_peak(bench, P),
                     grads_phase={k: int(v) for k, v in grads_phase.items()})
 

@@ -234,6 +234,15 @@ def logits_transient(m: ModelConfig, tp: int, B: int, loss: str) -> float:
     return B * V + (4 * V if loss == "fp32" and B != 4 else 0)
 
 
+def loss_chunk_bytes(m: ModelConfig, precision: str) -> int:
+    """loss=chunked: one chunk in flight (models/loss.py CHUNK_TOKENS tokens, not per sample): its
+    logits, their fp32 copy and log-softmax in forward; in backward the recomputed chunk's and two
+    fp32 gradients. The larger: CHUNK_TOKENS x V x (B + 4 + 4 + 4)."""
+    from zero_bench.models.loss import CHUNK_TOKENS
+
+    return CHUNK_TOKENS * m.padded_vocab(1) * (BYTES[precision] + 12)
+
+
 def backward_transients(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
     """Bytes per token a layer's backward allocates beyond what it had saved, at its worst moment.
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 
 from zero_bench.config import BenchConfig
-from zero_bench.estimate.activations import activation_bytes_per_sample
+from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
 from zero_bench.estimate.states import moment_bytes
 from zero_bench.models import ModelConfig
 from zero_bench.models.params import ROOT, Param, params
@@ -116,6 +116,8 @@ def parts(bench: BenchConfig) -> dict:
     w = 2 if bench.states == "bf16" else 4  # sharded parameters, gradients and the update: fp32 or pure bf16
     layer_grads = dev_grads * w * sum(shard_elems(p.shape, dp, 0, padded=True) for p in layer)
     buffers = _buffers(bench, b, R, G, layers, on_cpu)
+    if bench.loss == "chunked":
+        buffers["loss_chunk"] = (loss_chunk_bytes(m, bench.precision), ["backward_start"])
     buffers["root_grads"] = (b * sum(p.numel for p in root if _graded_first(p, m.tie_embeddings)),
                              buffers["root_gathered"][1])
     if on_cpu:  # fused AdamW (GPU) makes no temporaries
