@@ -7,6 +7,7 @@ flops.py        training FLOPs per sequence (MFU / HFU numerators; zero_bench.me
 hf.py           a local config.json (llama, mistral, qwen2) -> the description's keys
 megatron.py     the description -> megatron-core's TransformerConfig and GPTModel (local spec)
 sdpa.py         torch's scaled_dot_product_attention as megatron's core attention
+loss.py         the loss as a training loop builds it from the logits (megatron's, torch's, chunked)
 shims.py        what megatron-core needs on CPU (buffers, RoPE, causal mask, RNG streams, recompute)
 The activation bytes per sample, which also depend on precision, recompute and device, are
 zero_bench/estimate/activations.py's, from the same description.
