@@ -39,7 +39,7 @@ import math
 
 from zero_bench.config import BenchConfig
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
-from zero_bench.estimate.states import moment_bytes
+from zero_bench.estimate.states import master_bytes, moment_bytes
 from zero_bench.models import ModelConfig
 from zero_bench.models.params import ROOT, Param, params
 from zero_bench.units import BYTES
@@ -79,7 +79,7 @@ def model_states(m: ModelConfig, dp: int, tp: int = 1, precision: str = "fp32", 
     offload (CPUOffloadPolicy): all of them in host memory. states=bf16 (pure bf16): the shards,
     gradients and AdamW's moments in bf16, no master; adam8bit: 8-bit moments, fp32 shards."""
     every = shapes(m, tp)
-    w = 2 if states == "bf16" else 4  # the sharded parameters' dtype (the master with mixed bf16)
+    w = master_bytes(states)  # the sharded parameters' dtype (the master with mixed bf16)
     held = w * sum(shard_elems(s, dp, rank, padded=True) for s in every)
     moments = sum(moment_bytes(shard_elems(s, dp, rank, padded=False), states, w) for s in every) + 4 * len(every)
     mixed = precision == "bf16" and states != "bf16"
@@ -113,7 +113,7 @@ def parts(bench: BenchConfig) -> dict:
     layers = layer_phases(L)
     # Sharded gradients live in host memory with offload on a GPU: none on the device.
     dev_grads = 0 if bench.offload and not on_cpu else 1
-    w = 2 if bench.states == "bf16" else 4  # sharded parameters, gradients and the update: fp32 or pure bf16
+    w = master_bytes(bench.states)  # sharded parameters, gradients and the update: fp32 or pure bf16
     layer_grads = dev_grads * w * sum(shard_elems(p.shape, dp, 0, padded=True) for p in layer)
     buffers = _buffers(bench, b, R, G, layers, on_cpu)
     if bench.loss == "chunked":
@@ -177,5 +177,5 @@ def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[str, int],
     held = [n for n, i in layers.items() if i < L - 1]
     if held:
         # reduced in fp32 whatever the compute dtype; pure bf16 reduces in bf16
-        out["held_reduce_scatter_input"] = ((2 if bench.states == "bf16" else 4) * G, held)
+        out["held_reduce_scatter_input"] = (master_bytes(bench.states) * G, held)
     return out
