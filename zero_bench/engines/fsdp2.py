@@ -60,7 +60,7 @@ class Fsdp2Engine:
 
     def __init__(self, spec: TrialSpec, on_cpu: bool):
         cfg = spec.config
-        self.mixed = cfg.precision == Precision.bf16 and cfg.states == States.mixed
+        self.mixed = mixed_bf16(cfg)
         init_parallel(cfg.parallel.tp, cfg.seed, on_cpu)
         if cfg.recompute != "none":
             # megatron's CheckpointFunction is reentrant (it hides the layer's forward from FSDP2's
@@ -159,6 +159,11 @@ def dp_mesh(on_cpu: bool, dp: int, dp_shard: Optional[int] = None) -> DeviceMesh
     return DeviceMesh.from_group(group, "cpu" if on_cpu else "cuda", mesh_dim_names=("dp",))
 
 
+def mixed_bf16(cfg: BenchConfig) -> bool:
+    """bf16 compute over fp32 shards (the master); not pure bf16 (states=bf16), not fp32."""
+    return cfg.precision == Precision.bf16 and cfg.states == States.mixed
+
+
 def as_dtype(module: torch.nn.Module, dtype: Optional[torch.dtype]) -> torch.nn.Module:
     """Pure bf16: every parameter not yet sharded in `dtype`. megatron builds its linear layers in
     params_dtype but its norms (torch's RMSNorm / LayerNorm) in fp32, and FSDP2 wants one dtype per
@@ -176,9 +181,8 @@ def shard_options(mesh: DeviceMesh, cfg: BenchConfig, on_cpu: bool) -> dict:
     final norm, the output layer or, tied, the word embedding it reuses). FSDP2 moves each group to
     the mesh's device as it shards it."""
     # pure bf16 (states=bf16): the parameters are bf16 already; gradients are reduced in bf16
-    mixed = cfg.precision == Precision.bf16 and cfg.states == States.mixed
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if mixed else MixedPrecisionPolicy())
+          if mixed_bf16(cfg) else MixedPrecisionPolicy())
     # pin_memory needs an accelerator: on CPU the "offload" copies CPU to CPU and only runs the path.
     offload = CPUOffloadPolicy(pin_memory=not on_cpu) if cfg.offload else OffloadPolicy()
     return dict(mesh=mesh, reshard_after_forward=cfg.zero == 3, mp_policy=mp, offload_policy=offload)

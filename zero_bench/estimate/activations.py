@@ -339,7 +339,8 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     else:
         layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds)
     head = head_terms(m, tp, precision, device, loss)
-    logits = head.pop("logits_softmax_fp32") + head.pop("loss_bookkeeping")
+    softmax = head.pop("logits_softmax_fp32")
+    logits = softmax + head.pop("loss_bookkeeping")
     embedding = sum(head.values())
     transient = logits_transient(m, tp, B, loss)
     scratch = B * _dims(m, tp)["A"] if m.attention == "unfused" else 0
@@ -361,7 +362,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     if loss in ("bf16", "fp32"):
         # torch's cross entropy differentiated: the log-probabilities' gradient and the logits'
         # (megatron's loss writes its gradient into the softmax it kept; chunked, one chunk's)
-        moments["loss_backward"] = saved + 2 * (head_terms(m, tp, precision, device, loss)["logits_softmax_fp32"])
+        moments["loss_backward"] = saved + 2 * softmax
     if block:
         moments["block_rebuild"] = embedding + scratch + kept_inputs + recomputed + incoming + grads["mlp"]
     out = {"per_layer": sum(terms.values()), "layers": layers, "recomputed": recomputed, "embedding": embedding,
