@@ -45,6 +45,7 @@ class Recompute(StrEnum):
     selective = "selective"  # core attention
     full = "full"  # each layer's input kept, the layer recomputed in backward
     block = "block"  # the first recompute_layers layers as full, the others keep everything
+    op = "op"  # torchtitan's per-op selective policy: odd matmuls and attention kernels kept
 
 
 class States(StrEnum):
@@ -199,7 +200,10 @@ class BenchConfig:
     activation checkpointing so that ds.activation_checkpointing.* apply, as Megatron-DeepSpeed);
     block (megatron's recompute_method=block: the first recompute_layers layers recomputed as with
     full, the others keep everything; the memory of torchtitan's every-N-th-layer checkpointing
-    with recompute_layers = layers / N)."""
+    with recompute_layers = layers / N); op (torchtitan's per-op selective checkpointing, its
+    default `selective` option: each layer under torch's checkpoint keeps its input, the outputs of
+    every other matmul (QKV and fc1) and of the attention kernel, and recomputes the rest;
+    models/op_recompute.py)."""
     recompute_layers: int = 1
     """With recompute=full: layers per checkpoint (megatron's recompute_num_layers, method uniform);
     with recompute=block: how many layers, from the first, are recomputed (method block)."""

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 MICROS = (2, 6)
 # (attention, dropout, recompute): sdpa keeps no s x s scores, unfused does; dropout on CPU sends sdpa
 # to torch's math kernel (s x s again) and adds masks; full recompute keeps one layer's input.
-VARIANTS = [("sdpa", 0.0, "none"), ("unfused", 0.0, "none"), ("sdpa", 0.1, "none"), ("unfused", 0.1, "full")]
+VARIANTS = [("sdpa", 0.0, "none"), ("unfused", 0.0, "none"), ("sdpa", 0.1, "none"), ("unfused", 0.1, "full"),
+            ("sdpa", 0.0, "op")]
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +61,5 @@ def test_the_features_change_what_a_sample_keeps(slopes):
     assert s[("unfused", 0.0, "none")] > 1.3 * s[("sdpa", 0.0, "none")]
     assert s[("sdpa", 0.1, "none")] > 1.5 * s[("sdpa", 0.0, "none")]
     assert s[("unfused", 0.1, "full")] < 0.5 * s[("sdpa", 0.1, "none")]  # one layer kept, not four
+    # per-op: every layer keeps QKV, fc1 and the attention kernel's outputs; one layer rebuilt
+    assert 0.3 * s[("sdpa", 0.0, "none")] < s[("sdpa", 0.0, "op")] < 0.75 * s[("sdpa", 0.0, "none")]

@@ -39,6 +39,7 @@ FSDP2 = {
     "llama_zero3_offload": dict(name="llama-tiny", zero=3, offload=True, offload_param=True),
     "llama_zero3_full": dict(name="llama-tiny", zero=3, recompute="full"),
     "llama_zero3_block": dict(name="llama-tiny", zero=3, recompute="block", recompute_layers=2),
+    "llama_zero3_op": dict(name="llama-tiny", zero=3, recompute="op"),
     "llama_zero3_chunked": dict(name="llama-tiny", zero=3, loss="chunked"),
 }
 
@@ -133,7 +134,7 @@ def test_peaks_near_the_estimate(runs):
     recompute=full the gradients inside a recomputed layer's backward, which the model leaves out
     (-5 % on gpt-mini in the prototype). The 5 % live check is GPT-small's (test_estimate_vs_measured)."""
     for name in ("zero3", "zero2", "zero3_full", "zero3_selective", "llama_zero3", "llama_zero2", "llama_zero3_full",
-                 "llama_zero3_block", "llama_zero3_chunked"):
+                 "llama_zero3_block", "llama_zero3_op", "llama_zero3_chunked"):
         cfg, res, _ = runs[0][name]
         e = estimate(cfg)
         for r in res.ranks:

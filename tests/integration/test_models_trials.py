@@ -34,6 +34,7 @@ TRIALS = {
     "tp2": dict(zero=1, parallel=TP2),
     "zero3_tp2": dict(zero=3, parallel=TP2),  # zero.Init over the DP group, not the world
     "block": dict(zero=1, recompute="block", recompute_layers=2),  # layers 0-1 recomputed, 2-3 not
+    "op": dict(zero=3, recompute="op"),  # torch's selective checkpoint: ZeRO-3 gathers in each recompute
     "loss_fp32": dict(zero=1, loss="fp32"),  # torch's cross entropy on upcast logits
     "loss_chunked": dict(zero=3, loss="chunked"),  # ZeRO-3 gathers the output layer in each recompute
     "unfused": dict(zero=2, model=dataclasses.replace(LLAMA, attention="unfused")),
@@ -41,6 +42,7 @@ TRIALS = {
     "dropout": dict(zero=1, parallel=TP2, model=DROPOUT),
     "dropout_selective": dict(zero=1, parallel=TP2, model=DROPOUT, recompute="selective"),
     "dropout_full": dict(zero=1, parallel=TP2, model=DROPOUT, recompute="full"),
+    "dropout_op": dict(zero=1, parallel=TP2, model=DROPOUT, recompute="op"),
 }
 
 
@@ -96,7 +98,7 @@ def test_fp32_losses_equal_across_zero_stages_and_tp_at_every_step(trials):
     1.4e-7 at most, docs/verified.md)."""
     ref = losses(trials, "zero0")
     assert ref[-1] < ref[0]  # it trains
-    for name in ("zero1", "zero2", "zero3", "tp2", "zero3_tp2", "block", "loss_fp32", "loss_chunked"):
+    for name in ("zero1", "zero2", "zero3", "tp2", "zero3_tp2", "block", "op", "loss_fp32", "loss_chunked"):
         assert max_rel_diff(losses(trials, name), ref) < 1e-6, (name, losses(trials, name), ref)
 
 
@@ -109,7 +111,7 @@ def test_recompute_with_dropout_keeps_every_loss(trials):
     the losses are identical to the last bit."""
     ref = losses(trials, "dropout")
     assert ref[0] != losses(trials, "tp2")[0]  # dropout is on
-    for name in ("dropout_selective", "dropout_full"):
+    for name in ("dropout_selective", "dropout_full", "dropout_op"):
         assert losses(trials, name) == ref, name
 
 
@@ -149,6 +151,9 @@ MOE = {
     "zero2": dict(zero=2),
     "zero3": dict(zero=3),
     "fsdp2": dict(zero=3, engine="fsdp2"),
+    # per-op recompute: the router's matmul recomputed, the experts' fc1 outputs kept
+    "zero2_op": dict(zero=2, recompute="op"),
+    "fsdp2_op": dict(zero=3, engine="fsdp2", recompute="op"),
     "no_aux": dict(zero=0, model=dataclasses.replace(MOE_TINY, moe_aux_loss_coeff=0.0)),
 }
 
@@ -166,7 +171,7 @@ def test_moe_losses_equal_across_zero_stages_and_fsdp2_at_every_step(moe_trials)
     without it the losses part from the second step on (after the first update)."""
     ref = losses(moe_trials, "zero0")
     assert ref[-1] < ref[0]
-    for name in ("zero1", "zero2", "zero3", "fsdp2"):
+    for name in ("zero1", "zero2", "zero3", "fsdp2", "zero2_op", "fsdp2_op"):
         assert max_rel_diff(losses(moe_trials, name), ref) < 1e-6, (name, losses(moe_trials, name), ref)
     no_aux = losses(moe_trials, "no_aux")
     assert no_aux[0] == ref[0] and max_rel_diff(no_aux[1:], ref[1:]) > 1e-6, (no_aux, ref)
@@ -183,7 +188,7 @@ def test_moe_states_are_every_experts_and_peaks_near_the_estimate(moe_trials):
             assert r.model_states["numel_local"] * (1 if cfg.zero < 3 else cfg.parallel.dp) == pytest.approx(
                 MOE_TINY.num_params, abs=cfg.parallel.dp), name
             assert e.peak_bytes(2) == pytest.approx(r.peak_rss_bytes, rel=0.12), (name, r.rank)
-            if name in ("zero0", "zero3", "fsdp2"):
+            if name in ("zero0", "zero3", "fsdp2", "fsdp2_op"):
                 live = e.peak_bytes(2) - e.overhead
                 assert live == pytest.approx(r.peak_live_bytes, rel=0.06), (name, r.rank, live, r.peak_live_bytes)
     states = moe_trials["fsdp2"][1].ranks[0].model_states

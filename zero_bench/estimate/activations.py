@@ -270,12 +270,37 @@ def backward_transients(m: ModelConfig, tp: int, precision: str, device: str) ->
     return {"mlp": mlp, "attention": attention}
 
 
-def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping, kinds: list) -> tuple:
+def op_kept_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu",
+                  moe: bool = False) -> dict:
+    """Bytes per token one layer keeps under recompute=op (models/op_recompute.py: torchtitan's
+    per-op policy): the checkpoint's input, and the outputs of the ops the policy saves. In
+    megatron's layer the odd matmuls are linear_qkv's and each up projection (fc1: SwiGLU's gate
+    and up, 2f; an MoE layer's k routed rows through their expert's fc1 and the shared expert's fc1;
+    the router's matmul is not counted) and the attention kernel's output with its fp32
+    log-sum-exp (flash kernels only: unfused attention and torch's math kernel are recomputed)."""
+    B, x = BYTES[precision], _dims(m, tp)
+    up = 2 if m.gated else 1
+    if moe:
+        shared = m.moe_shared_expert_intermediate_size or 0
+        fc1 = m.moe_router_topk * up * (m.moe_ffn // tp) * B + up * (shared // tp) * B
+    else:
+        fc1 = up * x["f"] * B
+    flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash"
+    return {"layer_input": B * x["h"], "qkv_output": (x["q"] + 2 * x["kv"]) * B,
+            "attention_output": x["q"] * B + 4 * x["heads"] if flash else 0, "fc1_output": fc1}
+
+
+def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping, kinds: list,
+            device: str = "gpu") -> tuple:
     """(bytes the L layers keep, bytes one layer rebuilds in backward (the last layer), bytes on
-    the host) per token. kinds: (number of layers, their terms) per kind of layer (dense, MoE);
-    the last layer's kind is last."""
+    the host) per token. kinds: (number of layers, their terms, MoE or not) per kind of layer
+    (dense, MoE); the last layer's kind is last."""
     B, h, L = BYTES[precision], m.hidden_size, m.num_layers
     last = sum(kinds[-1][1].values())
+    if recompute == "op":
+        # the last layer's backward rebuilds what the policy did not keep
+        kept = [sum(op_kept_terms(m, tp, precision, device, moe).values()) for _, _, moe in kinds]
+        return sum(n * k for (n, _, _), k in zip(kinds, kept)), last - kept[-1], 0.0
     if recompute == "full":
         kept = B * h / (tp if ck.get("partition_activations") else 1)
         if ck.get("partition_activations") and ck.get("cpu_checkpointing"):
@@ -286,15 +311,15 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
         terms = kinds[-1][1]
         recomputed = terms["attention_qkv"] + terms["attention_internal"]
         dropped = recomputed + terms["qk_norm_qkv_output"] - attention_inputs_bytes(m, tp, precision)
-        return sum(n * (sum(t.values()) - dropped) for n, t in kinds), recomputed, 0.0
-    return sum(n * sum(t.values()) for n, t in kinds), 0.0, 0.0
+        return sum(n * (sum(t.values()) - dropped) for n, t, _ in kinds), recomputed, 0.0
+    return sum(n * sum(t.values()) for n, t, _ in kinds), 0.0, 0.0
 
 
 def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str) -> list:
-    """[(layers, terms)] per kind of layer, the last layer's kind last (dense models: one kind)."""
+    """[(layers, terms, MoE)] per kind of layer, the last layer's kind last (dense models: one kind)."""
     flags = m.moe_layers
     order = [not flags[-1], flags[-1]]
-    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe)) for moe in order if moe in flags]
+    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe), moe) for moe in order if moe in flags]
 
 
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
@@ -337,7 +362,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
         kept_inputs, host = kept_inputs * n / L, host * n / L
         layers = kept_inputs + _layers(m, tp, precision, "none", ck, kinds)[0] * (L - n) / L
     else:
-        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds)
+        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds, device)
     head = head_terms(m, tp, precision, device, loss)
     softmax = head.pop("logits_softmax_fp32")
     logits = softmax + head.pop("loss_bookkeeping")
@@ -351,7 +376,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     # linear_proj's input is freed after its backward, unless the flash kernel saved the same tensor.
     flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash"
     context = 0 if (flash and recompute != "selective") else terms["attention_context"]
-    rebuilt_mlp = recomputed if recompute == "full" else 0.0
+    rebuilt_mlp = recomputed if recompute in ("full", "op") else 0.0
     incoming = B * h  # the gradient of the layer's output, flowing into its backward
     moments = {
         "end_of_forward": saved + max(transient, incoming),

@@ -55,8 +55,15 @@ def hardware_flops_per_seq(m: ModelConfig, recompute: str = "none", recompute_la
     """HFU's numerator: what the hardware computes, recompute included. full re-runs every layer's
     forward (4 passes, as MPT counts activation checkpointing; the output layer is counted 4 times
     too, as there); block re-runs recompute_layers of the layers' forwards; selective re-runs the
-    core attention, the s^2 term, once more."""
+    core attention, the s^2 term, once more; op re-runs the matmuls its policy does not keep
+    (models/op_recompute.py: every second one, linear_proj and each down projection), and unfused
+    attention's scores, which no kept kernel output spares."""
     dense, attn = dense_flops_per_seq(m), attention_flops_per_seq(m)
+    if recompute == "op":
+        parts = breakdown_per_token(m)
+        down = parts["mlp"] / (3 if m.gated else 2)  # fc2 of the MLP's 3 (SwiGLU) or 2 matrices
+        scores = attn if m.attention == "unfused" else 0  # no flash kernel's output to keep: recomputed
+        return 3 * (dense + attn) + m.seq_len * (parts["attention_proj"] + down) + scores
     if recompute == "full":
         return 4 * (dense + attn)
     if recompute == "block":

@@ -215,6 +215,10 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
         spec = _then(spec, on_layer)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp))
     install_loss(gpt, cfg.loss)
+    if cfg.recompute == "op":
+        from zero_bench.models import op_recompute
+
+        op_recompute.apply(gpt, cfg.model)
     return gpt if on_cpu or on_layer is not None else gpt.cuda()
 
 

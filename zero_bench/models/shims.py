@@ -155,26 +155,30 @@ def cpu_checkpoint(function: Callable, distribute_saved_activations: bool, *args
 
     megatron's CheckpointFunction (tensor_parallel/random.py) saves torch.cuda's RNG state in
     forward. torch's checkpoint restores the CPU generator (hidden dropout) by itself; the tracker's
-    streams (attention dropout) are put back here, so the recomputed dropout masks equal the
-    forward's (plain torch checkpoint gave 30 % wrong gradients with dropout 0.1).
+    streams (attention dropout) are put back by tracker_as, so the recomputed dropout masks equal
+    the forward's (plain torch checkpoint gave 30 % wrong gradients with dropout 0.1).
     distribute_saved_activations (megatron's own partitioning) is not applied."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from torch.utils.checkpoint import checkpoint
 
-    tracker = get_cuda_rng_tracker()
-    at_forward = tracker.get_states()
-
-    @contextlib.contextmanager
-    def tracker_as_in_forward() -> Iterator[None]:
-        now = tracker.get_states()
-        tracker.set_states(at_forward)
-        try:
-            yield
-        finally:
-            tracker.set_states(now)
-
+    at_forward = get_cuda_rng_tracker().get_states()
     return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=lambda: (contextlib.nullcontext(), tracker_as_in_forward()))
+                      context_fn=lambda: (contextlib.nullcontext(), tracker_as(at_forward)))
+
+
+@contextlib.contextmanager
+def tracker_as(states: dict) -> Iterator[None]:
+    """megatron's RNG tracker streams set to `states` (those at a checkpointed forward) for its
+    recompute, then put back: torch's checkpoint restores only torch's own generators."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    now = tracker.get_states()
+    tracker.set_states(states)
+    try:
+        yield
+    finally:
+        tracker.set_states(now)
 
 
 def install_cpu_checkpoint() -> None:

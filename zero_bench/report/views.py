@@ -23,7 +23,7 @@ LEAD = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data paral
 # Keys "what each optimization buys" compares, and each one's order from baseline to most optimised.
 OPTIMIZATIONS = {"ZeRO Stage": [0, 1, 2, 3], "engine": ["deepspeed", "fsdp2"],
                  "CPU Offload": ["No", "Yes", "Yes (+params)"],
-                 "precision": ["fp32", "fp16", "bf16"], "recompute": ["none", "selective", "block", "full"],
+                 "precision": ["fp32", "fp16", "bf16"], "recompute": ["none", "selective", "op", "block", "full"],
                  "compile": ["No", "Yes"], "ds preset": ["default", "megatron_deepspeed"]}
 SAME = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "grad accum",
         "device"]

@@ -1,0 +1,61 @@
+"""recompute=op: torchtitan's per-op policy decides as torchtitan's does (odd matmuls and the
+attention kernels kept, the router's matmul recomputed and not counted), and the estimate keeps
+what that policy keeps on megatron's layer (measured on CPU: docs/verified.md, "Per-op recompute")."""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from zero_bench.estimate.activations import activation_bytes_per_sample, op_kept_terms
+from zero_bench.models.flops import hardware_flops_per_seq, model_flops_per_seq
+from zero_bench.models.op_recompute import gate_shapes, policy
+
+from conftest import model
+
+SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
+sdpa_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def decisions(calls, recompute=False, shapes=frozenset({(256, 8)})):
+    decide = policy(set(shapes))
+    ctx = SimpleNamespace(is_recompute=recompute)
+    return [decide(ctx, func, torch.empty(0), torch.empty(shape)) for func, shape in calls]
+
+
+def test_every_second_matmul_and_the_attention_kernel_are_kept():
+    # megatron's dense layer: linear_qkv, (attention), linear_proj, linear_fc1, linear_fc2
+    calls = [(mm, (256, 384)), (sdpa_cpu, (1,)), (add, (1,)), (mm, (256, 256)), (mm, (256, 1408)), (mm, (704, 256))]
+    assert decisions(calls) == [SAVE, SAVE, RECOMPUTE, RECOMPUTE, SAVE, RECOMPUTE]
+    # the recompute counts apart from the forward, so it makes the same choices
+    assert decisions(calls, recompute=True) == decisions(calls)
+
+
+def test_the_router_matmul_is_recomputed_and_not_counted():
+    # qkv, proj, router (h x E), expert fc1, expert fc2: the router leaves the parity alone
+    calls = [(mm, (256, 384)), (mm, (256, 256)), (mm, (256, 8)), (mm, (256, 512)), (mm, (256, 256))]
+    assert decisions(calls) == [SAVE, RECOMPUTE, RECOMPUTE, SAVE, RECOMPUTE]
+    assert gate_shapes(model("moe-tiny")) == {(256, 8)} and gate_shapes(model("llama-tiny")) == set()
+
+
+def test_a_llama_layer_keeps_its_input_qkv_attention_and_fc1_outputs():
+    """llama-tiny per token, fp32, CPU flash: 1024 + 1536 + (1024 + 32) + 5632 = 9248 bytes
+    (measured 9249); unfused or with dropout the scores are recomputed: 8192."""
+    m = model("llama-tiny")
+    assert sum(op_kept_terms(m, 1, "fp32", "cpu").values()) == 9248
+    assert sum(op_kept_terms(dataclasses.replace(m, attention="unfused"), 1, "fp32", "cpu").values()) == 8192
+    per = {r: activation_bytes_per_sample(m, 1, "fp32", r, device="cpu") for r in ("none", "op", "full")}
+    assert per["full"]["saved"] < per["op"]["saved"] < per["none"]["saved"]
+    assert per["full"]["total"] < per["op"]["total"] < per["none"]["total"]
+
+
+def test_hfu_counts_the_recomputed_down_projections():
+    """op re-runs linear_proj and fc2: more than none, far less than full's whole forward."""
+    m = model("llama3-8b")
+    ratio = hardware_flops_per_seq(m, "op") / model_flops_per_seq(m)
+    assert 1.0 < ratio < hardware_flops_per_seq(m, "full") / model_flops_per_seq(m)
+    parts = m.seq_len * (2 * m.num_layers * m.hidden_size * (m.hidden_size + m.ffn))  # proj + fc2 per sequence
+    assert hardware_flops_per_seq(m, "op") - model_flops_per_seq(m) == parts

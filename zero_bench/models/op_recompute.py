@@ -1,0 +1,99 @@
+"""recompute=op: per-op selective activation checkpointing, torchtitan's `op` policy
+(activation_checkpoint.py _apply_op_sac, selective_ac_option="op", as torchtitan 0.1-0.2 ship it
+in 2025 and its users train with).
+
+Each transformer layer runs under torch's non-reentrant checkpoint with a selective policy
+(torch.utils.checkpoint.create_selective_checkpoint_contexts). In the layer's forward the outputs
+of these ops are kept for backward; every other op is recomputed when backward reaches the layer:
+  - aten.mm, except every second one: the 1st, 3rd, 5th ... mm of the layer's forward are kept
+    (counted apart in the forward and in the recompute, so both make the same choice);
+  - the attention kernels: CUDA's flash, memory-efficient and cuDNN scaled_dot_product_attention
+    (torchtitan's list) and CPU's flash kernel (the same op on this machine: zero_bench's addition);
+  - reduce-scatter (sequence parallelism) and max (float8 scaling), as torchtitan lists them.
+The MoE router's gating matmul is always recomputed and not counted, as torchtitan's default
+per_op_sac_force_recompute_mm_shapes_by_fqns does for `moe.router.gate` (matched, as there, by the
+weight's shape).
+In megatron's layer the mms come as linear_qkv (1, kept), linear_proj (2), linear_fc1 (3, kept),
+linear_fc2 (4); an MoE layer's experts each run fc1 (kept) then fc2, and the shared expert after
+them, so every down projection is recomputed and every up projection kept. Unfused attention's
+baddbmm / bmm and torch's math kernel are not on the list: their scores are recomputed.
+What a layer keeps is estimate/activations.py op_kept_terms; measured on CPU in docs/estimate.md.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Callable, Iterator
+
+import torch
+
+from zero_bench.models.description import ModelConfig
+from zero_bench.models.shims import tracker_as
+
+
+def _saved_ops() -> set:
+    aten = torch.ops.aten
+    names = ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "max"]
+    ops = {aten.mm.default} | {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    if functional is not None and hasattr(functional, "reduce_scatter_tensor"):
+        ops.add(functional.reduce_scatter_tensor.default)
+    return ops
+
+
+def policy(gate_shapes: set) -> Callable:
+    """The selective policy for one checkpointed forward (and its recompute): a fresh mm count."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved, mm, count = _saved_ops(), torch.ops.aten.mm.default, defaultdict(int)
+
+    def decide(ctx, func, *args, **kwargs):
+        key = "recompute" if ctx.is_recompute else "forward"
+        if func == mm:
+            if tuple(args[1].shape) in gate_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            count[key] += 1
+        keep = func in saved and not (func == mm and count[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return decide
+
+
+def checkpointed(forward: Callable, gate_shapes: set) -> Callable:
+    """`forward` under torch's non-reentrant checkpoint with the op policy; megatron's RNG tracker
+    streams are put back for the recompute (shims.tracker_as), so dropout masks equal the forward's."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    def run(*args, **kwargs):
+        at_forward = get_cuda_rng_tracker().get_states()
+
+        def contexts():
+            in_forward, in_recompute = create_selective_checkpoint_contexts(policy(gate_shapes))
+
+            @contextlib.contextmanager
+            def recompute() -> Iterator[None]:
+                with tracker_as(at_forward), in_recompute:
+                    yield
+
+            return in_forward, recompute()
+
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts,
+                          **kwargs)
+
+    return run
+
+
+def gate_shapes(m: ModelConfig) -> set:
+    """The shapes the router's gating mm sees as its second argument (weight.t(): h x experts)."""
+    return {(m.hidden_size, m.num_experts)} if m.is_moe else set()
+
+
+def apply(gpt: torch.nn.Module, m: ModelConfig) -> None:
+    """Every transformer layer's forward checkpointed with the op policy. Inside the layer's call,
+    so the engines' module hooks (FSDP2's unshard, ZeRO-3's gathers) run around it as around any
+    forward, and again for the submodules the recompute calls."""
+    shapes = gate_shapes(m)
+    for layer in gpt.decoder.layers:
+        layer.forward = checkpointed(layer.forward, shapes)
