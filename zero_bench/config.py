@@ -98,6 +98,12 @@ class ParallelConfig:
     groups of dp_shard data-parallel ranks and replicate them across the dp / dp_shard groups, so
     the all-gathers stay inside a group (a node) and only gradients cross it. engine=fsdp2 (a 2-D
     device mesh, HSDP), tp 1; must divide dp. None: shard over all dp ranks."""
+    ep: int = 1
+    """Expert-parallel degree (megatron-core's expert_model_parallel_size) of a mixture of experts:
+    each group of ep data-parallel ranks splits the experts (num_experts / ep each) and exchanges
+    tokens by all-to-all (megatron's alltoall dispatcher); the ranks that hold the same experts
+    (dp / ep of them) shard those experts' states. Must divide dp and num_experts; tp 1; DeepSpeed
+    ZeRO 1-2 (its expert-data-parallel groups) and FSDP2 zero 2-3."""
 
     @property
     def world_size(self) -> int:
@@ -279,11 +285,14 @@ class BenchConfig:
         d["hardware"].pop("card", None)  # names the card for the estimate; the trial is the same
         if d["parallel"].get("dp_shard") is None:
             d["parallel"].pop("dp_shard", None)
+        if d["parallel"].get("ep") == 1:
+            d["parallel"].pop("ep")
         return d
 
     def label(self) -> str:
         shard = self.parallel.dp_shard
         extras = [f"dp_shard={shard}" if shard and shard != self.parallel.dp else "",
+                  f"ep={self.parallel.ep}" if self.parallel.ep > 1 else "",
                   f"states={self.states}" if self.states != States.mixed else "",
                   f"loss={self.loss}" if self.loss != Loss.megatron else "",
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",

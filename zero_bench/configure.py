@@ -195,6 +195,7 @@ def check_bench(b: BenchConfig) -> None:
     integer("parallel.dp", b.parallel.dp)
     if b.parallel.dp_shard is not None:
         integer("parallel.dp_shard", b.parallel.dp_shard)
+    integer("parallel.ep", b.parallel.ep)
     choice("zero", b.zero, ZERO_STAGES)
     integer("recompute_layers", b.recompute_layers)
     choice("ds_preset", b.ds_preset, ds_presets())
@@ -291,6 +292,7 @@ def validate_static(b: BenchConfig) -> None:
         check_fsdp2(b)
     check_states(b)
     check_hybrid(b)
+    check_expert_parallel(b)
     if b.loss != "megatron" and tp > 1:
         raise ConfigError(f"loss={b.loss}: runs at parallel.tp=1 (at tp {tp} the vocabulary is split over the "
                           "ranks and only megatron's vocab-parallel loss reads it); allowed with tp > 1: "
@@ -342,6 +344,31 @@ def check_hybrid(b: BenchConfig) -> None:
         raise ConfigError(f"parallel.dp_shard={shard}: hybrid sharding is modelled at parallel.tp=1 (megatron's "
                           f"DP groups at tp {b.parallel.tp} are not one mesh); allowed with tp > 1: "
                           "parallel.dp_shard=null")
+
+
+def check_expert_parallel(b: BenchConfig) -> None:
+    """parallel.ep: megatron's expert parallelism, over the DP ranks at tp 1, where each engine runs it."""
+    ep, dp, m = b.parallel.ep, b.parallel.dp, b.model
+    if ep == 1:
+        return
+    if not m.is_moe:
+        raise ConfigError(f"parallel.ep={ep}: expert parallelism splits a mixture of experts' experts; "
+                          f"{m.name or 'this model'} has none (model.num_experts is null); allowed: parallel.ep=1")
+    if m.num_experts % ep:
+        raise ConfigError(f"parallel.ep={ep}: must divide model.num_experts={m.num_experts}")
+    if dp % ep:
+        raise ConfigError(f"parallel.ep={ep}: must divide parallel.dp={dp} (the experts are split over "
+                          "ep of the data-parallel ranks)")
+    if b.parallel.dp_shard not in (None, dp):
+        raise ConfigError(f"parallel.ep={ep}: hybrid sharding with expert parallelism is not modelled; "
+                          "allowed with parallel.ep > 1: parallel.dp_shard=null")
+    if b.engine == EngineName.deepspeed and b.zero in (0, 3):
+        why = ("DeepSpeed refuses its MoE with ZeRO stage 3 (engine.py: 'Native DeepSpeed MoE is not "
+               "supported with ZeRO Stage 3')" if b.zero == 3 else
+               "DeepSpeed's ZeRO-0 clips the gradients by the ranks' averaged norm, not the whole "
+               "model's, when each rank holds other experts")
+        raise ConfigError(f"parallel.ep={ep}: {why}; allowed with parallel.ep > 1: zero=1, zero=2, "
+                          "or engine=fsdp2")
 
 
 def check_states(b: BenchConfig) -> None:

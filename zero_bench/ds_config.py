@@ -161,6 +161,23 @@ def check_with_deepspeed(cfg: BenchConfig) -> None:
         raise ConfigError(f"ds: DeepSpeed refuses the config: {_one_line(exc)}") from None
     finally:
         logger.setLevel(level)
+    check_moe_settings(cfg, ds.get("zero_optimization") or {})
+
+
+def check_moe_settings(cfg: BenchConfig, zero: dict) -> None:
+    """With expert parallelism DeepSpeed's ZeRO reduces the experts' gradients by reduce-scatter
+    into contiguous buffers only: runtime/zero/stage_1_and_2.py asserts both (lines 865, 870) in
+    every rank at initialize; said here instead, before any launch."""
+    if cfg.parallel.ep == 1:
+        return
+    if zero.get("reduce_scatter", True) is False:
+        raise ConfigError(f"ds.zero_optimization.reduce_scatter=false: DeepSpeed reduces expert-parallel "
+                          f"gradients only by reduce-scatter; allowed with parallel.ep={cfg.parallel.ep}: true")
+    offloaded = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+    if cfg.zero == 2 and zero.get("contiguous_gradients", True) is False and not offloaded:
+        raise ConfigError(f"ds.zero_optimization.contiguous_gradients=false: DeepSpeed's ZeRO-2 keeps "
+                          f"expert-parallel gradients only in contiguous buffers; allowed with "
+                          f"parallel.ep={cfg.parallel.ep}: true")
 
 
 def _one_line(exc: Exception) -> str:

@@ -8,6 +8,7 @@ models/shims.py are installed first.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Callable, Optional
 
@@ -46,13 +47,14 @@ class MpuAdapter:
         raise AttributeError(name)
 
 
-def init_parallel(tp: int, seed: int, on_cpu: bool) -> MpuAdapter:
-    """Create megatron's TP/DP groups on top of the already initialised torch.distributed, and seed
-    its RNG streams. use_cpu_initialization draws the weights from torch's default generator: it is
-    seeded here, or every run (and so every ZeRO stage compared) would start from other weights."""
+def init_parallel(tp: int, seed: int, on_cpu: bool, ep: int = 1) -> MpuAdapter:
+    """Create megatron's TP/DP (and, ep > 1, expert-parallel) groups on top of the already
+    initialised torch.distributed, and seed its RNG streams. use_cpu_initialization draws the weights
+    from torch's default generator: it is seeded here, or every run (and so every ZeRO stage
+    compared) would start from other weights."""
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     if on_cpu:
         install_cpu_shims()
         seed_cpu_rng(seed)  # megatron's tracker calls torch.cuda's RNG; the CPU one keeps its streams
@@ -109,6 +111,16 @@ def moe_args(m: ModelConfig) -> dict:
                 moe_layer_freq=[int(x) for x in m.moe_layers], moe_grouped_gemm=False)
 
 
+def expert_parallel_args(cfg: BenchConfig) -> dict:
+    """ep > 1: megatron's expert_model_parallel_size and its alltoall dispatcher, which sends each
+    token to the ranks that hold its experts (the allgather one would gather every token of the ep
+    group on every rank)."""
+    ep = cfg.parallel.ep
+    if ep == 1:
+        return {}
+    return dict(expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall")
+
+
 def transformer_config(cfg: BenchConfig, on_cpu: bool, initialize: bool = True):
     """megatron's TransformerConfig for the description, precision, tp and recompute of `cfg`.
     initialize=False: shapes only (a meta-device build for counting parameters)."""
@@ -117,6 +129,7 @@ def transformer_config(cfg: BenchConfig, on_cpu: bool, initialize: bool = True):
     dtype = DTYPES[cfg.precision]
     return TransformerConfig(
         **model_args(cfg.model),
+        **expert_parallel_args(cfg),
         tensor_model_parallel_size=cfg.parallel.tp,
         use_cpu_initialization=on_cpu,
         perform_initialization=initialize,
@@ -210,6 +223,7 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
     if cfg.model.is_moe:
         _moe_without_te()
         _moe_releases_dispatch_state()
+        _experts_drawn_as_at_ep1()
     spec = layer_spec(cfg.model)
     if on_layer is not None:
         spec = _then(spec, on_layer)
@@ -255,12 +269,54 @@ def _moe_releases_dispatch_state() -> None:
             return forward(self, *args, **kwargs)
         finally:  # also when torch's checkpoint stops a recompute early (it raises out of the forward)
             d = self.token_dispatcher
-            for name in ("local_probs", "local_map", "reversed_local_input_permutation_mapping"):
+            # allgather's, then alltoall's (ep > 1: probs and routing_map, with probs' history)
+            for name in ("local_probs", "local_map", "reversed_local_input_permutation_mapping", "probs",
+                         "routing_map"):
                 if hasattr(d, name):
                     setattr(d, name, None)
 
     released._releases_dispatch_state = True
     MoELayer.forward = released
+
+
+def _experts_drawn_as_at_ep1() -> None:
+    """With ep > 1 and use_cpu_initialization (CPU), each rank still builds ep=1's experts.
+
+    megatron-core 0.16.1 draws CPU-initialised weights whole from torch's default generator
+    (tensor_parallel/layers.py _initialize_affine_weight_cpu, lines 149-190), seeded alike on every
+    rank; its expert RNG stream is used on the GPU path only (lines 141-146). Each rank's
+    SequentialMLP (transformer/moe/experts.py) would then draw its num_experts / ep experts first:
+    every ep rank the same weights (rank 1's experts 4-7 equal to rank 0's 0-3), and the layers after
+    them other weights than at ep=1. So the other ranks' experts are drawn and dropped around this
+    rank's, and the weights equal ep=1's expert for expert: runs at ep 1 and 2 compare step by step.
+    On GPU megatron's own expert stream decides, as in its training."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    if getattr(SequentialMLP.__init__, "_drawn_as_at_ep1", False):
+        return
+    init = SequentialMLP.__init__
+
+    def drawn(self, num_local_experts, config, submodules, *args, **kwargs):
+        ep = ps.get_expert_model_parallel_world_size()
+        if ep == 1 or not config.use_cpu_initialization:
+            return init(self, num_local_experts, config, submodules, *args, **kwargs)
+        expert_config = copy.deepcopy(config)  # as SequentialMLP makes its own (no __post_init__ again)
+        expert_config.ffn_hidden_size = config.moe_ffn_hidden_size
+
+        def draw(n: int) -> None:
+            for _ in range(n):
+                MLP(expert_config, submodules, ffn_hidden_size=config.moe_ffn_hidden_size, is_expert=True,
+                    tp_group=ps.get_expert_tensor_parallel_group())
+
+        rank = ps.get_expert_model_parallel_rank()
+        draw(rank * num_local_experts)
+        init(self, num_local_experts, config, submodules, *args, **kwargs)
+        draw((ep - 1 - rank) * num_local_experts)
+
+    drawn._drawn_as_at_ep1 = True
+    SequentialMLP.__init__ = drawn
 
 
 def _then(spec, hook: Callable):

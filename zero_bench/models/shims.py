@@ -30,6 +30,7 @@ def install_cpu_shims() -> None:
     _rotary_embedding_stays_on_cpu()
     _default_causal_mask_on_cpu()
     _router_stays_on_cpu()
+    _expert_parallel_on_cpu()
     _installed = True
 
 
@@ -79,6 +80,53 @@ def _router_stays_on_cpu() -> None:
         return router.router_gating_linear(input, self.weight, self.bias, router_dtype)
 
     router.Router.gating = gating
+
+
+class _TorchOnCpu:
+    """torch, except that torch.cuda.current_device() is the CPU (for one module's globals)."""
+
+    class _Cuda:
+        def __getattr__(self, name: str):
+            return getattr(torch.cuda, name)
+
+        @staticmethod
+        def current_device() -> str:
+            return "cpu"
+
+    cuda = _Cuda()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def _expert_parallel_on_cpu() -> None:
+    """Expert parallelism (parallel.ep > 1: megatron's alltoall dispatcher) on CPU.
+
+    tensor_parallel/mappings.py allocates the outputs of its gathers, reduce-scatters and uneven
+    all-to-alls with device=torch.cuda.current_device() (lines 91, 141, 148, 181, 442); the
+    dispatcher gathers the token counts over the ep group and exchanges the tokens with them. That
+    module's `torch` answers the CPU there (gloo runs both collectives on host tensors).
+    transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher creates a class-wide
+    torch.cuda.Stream() in __init__ (line 445) and _maybe_dtoh_and_synchronize (lines 862-899)
+    copies the split sizes to the host on that stream: on CPU they are host tensors already, so the
+    same conversion runs without streams or events: the splits as numpy arrays (moe_utils
+    maybe_move_tensor_to_cpu converts only CUDA tensors; all_to_all_single takes no tensor splits)."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
+
+    mappings.torch = _TorchOnCpu()
+    Dispatcher.cuda_dtoh_stream = "cpu"  # not None: __init__ then creates no CUDA stream
+
+    def on_host(self, point: str, tokens_per_expert=None):
+        if self.drop_and_pad or point != self.cuda_dtoh_point:
+            return tokens_per_expert
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    Dispatcher._maybe_dtoh_and_synchronize = on_host
 
 
 def _default_causal_mask_on_cpu() -> None:
@@ -144,7 +192,8 @@ def seed_cpu_rng(seed: int) -> None:
     torch.manual_seed(seed)  # the data-parallel (default) stream: hidden and embedding dropout, weights
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + ps.get_tensor_model_parallel_rank())
-    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    # megatron's expert stream: + 100 per expert-parallel rank (random.py model_parallel_cuda_manual_seed)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ps.get_expert_model_parallel_rank())
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
