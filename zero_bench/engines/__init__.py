@@ -36,6 +36,9 @@ class Engine(Protocol):
     def loss_scale(self) -> Optional[float]:
         """fp16's dynamic loss scale now; None without one."""
 
+    def grad_norm(self) -> Optional[float]:
+        """The global gradient norm the last step clipped with (all ranks, the whole model)."""
+
     def model_states(self) -> dict:
         """Exact bytes of this rank's model states: params, master, optimizer, grads (+ numel_local)."""
 

@@ -1,7 +1,9 @@
 """DeepSpeed's engine: ZeRO 0-3, CPU offload, and recompute=full through DeepSpeed's activation
-checkpointing (so ds_config's activation_checkpointing applies, as in Megatron-DeepSpeed)."""
+checkpointing (so ds_config's activation_checkpointing applies, as in Megatron-DeepSpeed).
+parallel.ep > 1: megatron's experts trained as DeepSpeed's own MoE under ZeRO 1-2 (deepspeed_moe)."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,7 +27,7 @@ class DeepSpeedEngine:
 
     def __init__(self, spec: TrialSpec, on_cpu: bool):
         cfg = spec.config
-        mpu = init_parallel(cfg.parallel.tp, cfg.seed, on_cpu)
+        mpu = init_parallel(cfg.parallel.tp, cfg.seed, on_cpu, cfg.parallel.ep)
         ds_config = json.loads(Path(spec.ds_config).read_text())
         install_checkpointing(cfg, mpu, ds_config)
         config = transformer_config(cfg, on_cpu)
@@ -39,8 +41,9 @@ class DeepSpeedEngine:
                                  data_parallel_group=mpu.get_data_parallel_group()):
             model = build_gpt(cfg, config, on_cpu)
         self.zero_init = all(hasattr(p, "ds_id") for p in model.parameters())
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config, mpu=mpu)
+        with deepspeed_moe(model, cfg.parallel.ep) as parameters:
+            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters,
+                                                   config=ds_config, mpu=mpu)
 
     def step(self, batches: list, mask: torch.Tensor, marks: Callable[[str], None]) -> list[float]:
         losses = []
@@ -56,6 +59,10 @@ class DeepSpeedEngine:
 
     def was_step_applied(self) -> bool:
         return self.engine.was_step_applied()
+
+    def grad_norm(self) -> Optional[float]:
+        norm = self.engine.get_global_grad_norm()  # what the step clipped with (None: not computed)
+        return None if norm is None else float(norm)
 
     def loss_scale(self) -> Optional[float]:
         return float(self.engine.optimizer.loss_scale) if self.engine.fp16_enabled() else None
@@ -106,6 +113,77 @@ def model_state_bytes(engine) -> dict:
     return {"params": sum(p_map.values()), "master": sum(m_map.values()),
             "optimizer": sum(o_map.values()), "grads": sum(g_map.values()),
             "numel_local": sum(p.numel() for p in params)}
+
+
+# -- expert parallelism (parallel.ep > 1) ----------------------------------------------------------
+
+@contextlib.contextmanager
+def deepspeed_moe(model: torch.nn.Module, ep: int):
+    """The parameters to hand deepspeed.initialize, under which DeepSpeed 0.19.8's ZeRO 1-2 reduce
+    megatron's expert gradients over its expert-data-parallel group (the ranks holding the same
+    experts), the rest over the data-parallel group. ep == 1: model.parameters(), nothing patched.
+
+    ep > 1: megatron builds only this rank's experts and marks their parameters allreduce=False;
+    DeepSpeed knows an expert parameter by that mark (moe/utils.py:27-30 is_moe_param) but takes
+    its groups from the parameter's group_name (stage_1_and_2.py:1641, engine.py:2055) and only
+    splits them into their own optimizer groups when it counted a layer of its own MoE class
+    (engine.py:2100-2107 has_moe_layers; 2330 configure_moe_param_groups, which asserts a list:
+    moe/utils.py:157). Without all that every rank's different experts were averaged over the
+    data-parallel group as if they were one. The class test is widened to megatron's MoELayer for
+    deepspeed.initialize only (engine.py reads it at 2102 and, ZeRO-3, 2209; configure refuses
+    ZeRO-3 with ep > 1), then put back: the module is the process's, and nothing after this
+    engine's build should count megatron's layers as DeepSpeed's."""
+    if ep == 1:
+        yield model.parameters()
+        return
+    import deepspeed.runtime.engine as ds_runtime_engine
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    name = register_expert_groups(ep, ps.get_expert_model_parallel_group(),
+                                  ps.get_expert_data_parallel_group())
+    tag_expert_params(model, name)
+    counted = ds_runtime_engine.MoE
+    ds_runtime_engine.MoE = (counted, MoELayer)
+    try:
+        yield list(model.parameters())
+    finally:
+        ds_runtime_engine.MoE = counted
+
+
+def register_expert_groups(ep: int, ep_group, expert_dp_group) -> str:
+    """megatron's expert-parallel and expert-data-parallel groups as DeepSpeed's, under the name
+    DeepSpeed gives them (`ep_size_{ep}`: utils/groups.py:664-677 reads the size back from it).
+    No new groups: megatron's alltoall dispatcher exchanges tokens over the same ranks ZeRO then
+    reduces over. The tables are replaced, not added to: a forked trial inherits its parent's, and
+    DeepSpeed reads every name in them (groups.py:664 the largest size, bf16_optimizer.py:148)."""
+    from deepspeed.utils import groups
+
+    name = f"ep_size_{ep}"
+    tables = ((groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS, ep_group),
+              (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, expert_dp_group))
+    for table, ranks, group in tables:
+        table.clear()
+        ranks.clear()
+        table[name] = group
+        ranks[name] = torch.distributed.get_process_group_ranks(group)
+    return name
+
+
+def tag_expert_params(model: torch.nn.Module, name: str) -> int:
+    """Name the expert group of every parameter megatron marked allreduce=False (its experts at
+    ep > 1: tensor_parallel/layers.py:886, 1209), as DeepSpeed's own MoE does (moe/experts.py:26);
+    give each megatron MoELayer the expert count DeepSpeed's engine lists (engine.py:2104).
+    Returns how many parameters were tagged."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.num_experts = module.config.num_moe_experts
+    tagged = [p for p in model.parameters() if getattr(p, "allreduce", True) is False]
+    for p in tagged:
+        p.group_name = name
+    return len(tagged)
 
 
 def install_checkpointing(cfg: BenchConfig, mpu: MpuAdapter, ds_config: dict) -> None:

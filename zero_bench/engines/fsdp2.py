@@ -15,6 +15,9 @@ would differ, so the engines' losses would no longer be comparable step by step.
           master, no 16-bit copy persists. states=bf16: the model built in bf16, no policy (pure
           bf16: bf16 shards, gradients reduced in bf16, AdamW's moments in bf16).
   offload: CPUOffloadPolicy (parameters, gradients and optimizer states; the step runs on the host).
+  ep > 1: each MoE layer's experts (this rank's num_experts / ep) their own group, sharded over
+          megatron's expert-data-parallel ranks (torchtitan's llama4 way), the rest of the layer
+          over the data-parallel ones (shard_layer).
 zero 0/1 and fp16 are refused by zero_bench.configure.check_fsdp2. Optimizer and clipping are
 ds_configs/base.json's (torch's AdamW, fused on GPU), so both engines train the same way: fp32
 losses equal ZeRO-3's within rounding (tests/integration/test_fsdp2_trials.py).
@@ -61,7 +64,7 @@ class Fsdp2Engine:
     def __init__(self, spec: TrialSpec, on_cpu: bool):
         cfg = spec.config
         self.mixed = mixed_bf16(cfg)
-        init_parallel(cfg.parallel.tp, cfg.seed, on_cpu)
+        init_parallel(cfg.parallel.tp, cfg.seed, on_cpu, cfg.parallel.ep)
         if cfg.recompute != "none":
             # megatron's CheckpointFunction is reentrant (it hides the layer's forward from FSDP2's
             # backward hooks) and saves CUDA's RNG state; torch's non-reentrant checkpoint recomputes
@@ -69,9 +72,10 @@ class Fsdp2Engine:
             # tracker streams back for the recompute, so dropout masks equal the forward's.
             install_cpu_checkpoint()
         kw = shard_options(dp_mesh(on_cpu, cfg.parallel.dp, cfg.parallel.dp_shard), cfg, on_cpu)
+        experts_kw = expert_shard_options(kw, on_cpu, cfg.parallel.ep)
         dtype = torch.bfloat16 if cfg.states == States.bf16 else None
         model = build_gpt(cfg, compute_config(cfg, on_cpu), on_cpu,
-                          on_layer=lambda layer: fully_shard(as_dtype(layer, dtype), **kw))
+                          on_layer=lambda layer: shard_layer(as_dtype(layer, dtype), kw, experts_kw))
         fully_shard(as_dtype(model, dtype), **kw)  # the root: what no layer holds
         if not on_cpu:
             # the whole layers, each freed once sharded, stay cached; nvidia-smi would count them
@@ -82,7 +86,9 @@ class Fsdp2Engine:
         from megatron.core import parallel_state
 
         self.tp, self.tp_rank = cfg.parallel.tp, parallel_state.get_tensor_model_parallel_rank()
+        self.ep = cfg.parallel.ep
         self.grads_at_step = 0  # bytes of sharded gradients the last step read
+        self.last_grad_norm: Optional[float] = None
 
     def step(self, batches: list, mask: torch.Tensor, marks: Callable[[str], None]) -> list[float]:
         losses = []
@@ -95,11 +101,14 @@ class Fsdp2Engine:
         marks("step")
         named = list(self.module.named_parameters())
         self.grads_at_step = sum(storages(p.grad for _, p in named).values())
-        clip_grad_norm(named, self.clip, self.tp_rank, self.tp, self.tp_split)
+        self.last_grad_norm = clip_grad_norm(named, self.clip, self.tp_rank, self.tp, self.tp_split, self.ep)
         self.optimizer.step()
         # set_to_none: the sharded gradients are freed between steps, as DeepSpeed's engine.step does.
         self.optimizer.zero_grad(set_to_none=True)
         return losses
+
+    def grad_norm(self) -> Optional[float]:
+        return self.last_grad_norm
 
     def was_step_applied(self) -> bool:
         return True  # no loss scaler, no skipped steps (fp16 is refused)
@@ -188,6 +197,36 @@ def shard_options(mesh: DeviceMesh, cfg: BenchConfig, on_cpu: bool) -> dict:
     return dict(mesh=mesh, reshard_after_forward=cfg.zero == 3, mp_policy=mp, offload_policy=offload)
 
 
+def expert_shard_options(kw: dict, on_cpu: bool, ep: int) -> Optional[dict]:
+    """fully_shard's arguments for the experts of an MoE layer at ep > 1 (None at ep 1: they are
+    sharded with their layer, as every parameter is): the layer's, over a 1-D mesh of megatron's
+    expert-data-parallel group, the dp / ep ranks that hold this rank's experts. Over the layer's
+    data-parallel mesh FSDP2 would all-gather and average the ep ranks' different experts as one
+    tensor. Hybrid sharding (dp_shard) is refused with ep > 1 (configure)."""
+    if ep == 1:
+        return None
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_data_parallel_group()
+    return {**kw, "mesh": DeviceMesh.from_group(group, "cpu" if on_cpu else "cuda", mesh_dim_names=("edp",))}
+
+
+def shard_layer(layer: torch.nn.Module, kw: dict, experts_kw: Optional[dict]) -> torch.nn.Module:
+    """fully_shard one transformer layer as megatron has built it; at ep > 1 an MoE layer's experts
+    (megatron's SequentialMLP, layer.mlp.experts) first, as their own group on `experts_kw`'s mesh.
+
+    Their gradients are divided by the data-parallel size, not by the expert-data-parallel one
+    FSDP2 reduces them over (_fsdp_collectives.py _get_gradient_divide_factors): megatron's
+    all-to-all brought every ep rank's tokens to these experts, so the local gradient is already
+    the sum over ep ranks, and only dividing by dp (= ep x expert-DP) makes it the mean over the
+    data-parallel batch that ep=1 trains on (without it ep times too large)."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    if experts_kw is not None and experts is not None:
+        fully_shard(experts, **experts_kw)
+        experts.set_gradient_divide_factor(float(kw["mesh"].size()))  # the layer's: dp
+    return fully_shard(layer, **kw)
+
+
 def make_optimizer(model: torch.nn.Module, on_cpu: bool) -> tuple[torch.optim.Optimizer, float]:
     """torch's AdamW with ds_configs/base.json's hyper-parameters (what every ZeRO trial runs) and its
     clipping threshold. Fused on GPU; on CPU the single-tensor path, as DeepSpeed's torch_adam there."""
@@ -206,20 +245,26 @@ def tp_split_names(cfg: BenchConfig) -> frozenset:
     return frozenset(p.name for p in params(cfg.model, cfg.parallel.tp) if p.tp_dim is not None)
 
 
-def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split: frozenset) -> float:
+def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split: frozenset,
+                   ep: int = 1) -> float:
     """The global L2 norm over DP shards and TP slices, then one scale on every rank.
 
     tp == 1: torch's clip_grad_norm_ (DTensor gradients: it reduces over the DP mesh). tp > 1: that
     would reduce over DP only and give each TP rank its own norm (the replicated LayerNorms then
-    diverge); sum the local squares instead, TP duplicates on TP rank 0 only, over the whole world."""
+    diverge); sum the local squares instead, TP duplicates on TP rank 0 only, over the whole world.
+    ep > 1 (tp 1): torch's stacks the per-tensor norms and fails on two meshes ("All operands in
+    aten.stack.default must have the same mesh": the experts' DTensors live on the
+    expert-data-parallel one); the same plain sum over the world is the global norm, the world
+    being the dp = ep x expert-DP ranks: DP shards, expert-DP shards and the ep ranks' experts
+    are all disjoint."""
     named = [(n, p) for n, p in named if p.grad is not None]
-    if tp == 1:
+    if tp == 1 and ep == 1:
         return float(torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm))
     sq = torch.zeros((), dtype=torch.float32, device=named[0][1].grad.device if named else None)
     for n, p in named:
         if tp_rank == 0 or n in tp_split:
             sq += local(p.grad).float().pow(2).sum()
-    dist.all_reduce(sq)  # DP shards are disjoint and TP duplicates counted once: a plain sum
+    dist.all_reduce(sq)  # shards and experts are disjoint and TP duplicates counted once: a plain sum
     norm = float(sq.sqrt())
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
