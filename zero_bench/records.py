@@ -179,6 +179,7 @@ class RankRecord:
     traceback: str = ""
     loss: Optional[float] = None
     losses: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)  # the global gradient norm each step clipped with
     step_times: list = field(default_factory=list)
     time_per_step: Optional[float] = None
     step_seconds: Optional[float] = None  # on STEP: that step's seconds

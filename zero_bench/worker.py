@@ -167,12 +167,14 @@ class _EntrySteps:
     def __init__(self, rank: "Rank", micro: int):
         self.rank, self.micro = rank, micro
         self.losses: list[float] = []
+        self.grad_norms: list[Optional[float]] = []
         self.warm: list[float] = []
         self.times: list[float] = []
         self.skipped = 0
 
     def count(self, loss: float) -> None:
         self.losses.append(loss)
+        self.grad_norms.append(self.rank.engine.grad_norm())
         self.skipped += not self.rank.applied
 
     def step(self) -> float:
@@ -339,7 +341,7 @@ class Rank:
         if not self.applied:
             note = "; ".join(filter(None, [note, "fp16: memory from a skipped step (no optimizer step in it)"]))
         return RankRecord(rank=self.rank, event=Event.END, status=RankStatus.OK, micro=micro, mode=mode,
-                          loss=run.losses[-1], losses=run.losses, step_times=run.times,
+                          loss=run.losses[-1], losses=run.losses, grad_norms=run.grad_norms, step_times=run.times,
                           time_per_step=statistics.median(run.times) if run.times else None, time_note=note,
                           peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
                           loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,

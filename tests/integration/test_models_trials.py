@@ -145,6 +145,7 @@ def test_qwen3_style_model_trains_and_tp2_keeps_its_losses(qwen3_trials):
 
 # moe-tiny: 4 MoE layers of 8 SwiGLU experts (256 wide), top-2, renormalised, aux loss 0.01
 MOE_TINY = model("moe-tiny")
+EP2 = ParallelConfig(tp=1, dp=2, ep=2)
 MOE = {
     "zero0": dict(zero=0),
     "zero1": dict(zero=1),
@@ -154,6 +155,10 @@ MOE = {
     # per-op recompute: the router's matmul recomputed, the experts' fc1 outputs kept
     "zero2_op": dict(zero=2, recompute="op"),
     "fsdp2_op": dict(zero=3, engine="fsdp2", recompute="op"),
+    # expert parallelism: each rank holds 4 of the 8 experts, tokens exchanged by all-to-all
+    "zero1_ep2": dict(zero=1, parallel=EP2),
+    "zero2_ep2": dict(zero=2, parallel=EP2),
+    "fsdp2_ep2": dict(zero=3, engine="fsdp2", parallel=EP2),
     "no_aux": dict(zero=0, model=dataclasses.replace(MOE_TINY, moe_aux_loss_coeff=0.0)),
 }
 
@@ -171,10 +176,24 @@ def test_moe_losses_equal_across_zero_stages_and_fsdp2_at_every_step(moe_trials)
     without it the losses part from the second step on (after the first update)."""
     ref = losses(moe_trials, "zero0")
     assert ref[-1] < ref[0]
-    for name in ("zero1", "zero2", "zero3", "fsdp2", "zero2_op", "fsdp2_op"):
+    for name in ("zero1", "zero2", "zero3", "fsdp2", "zero2_op", "fsdp2_op", "zero1_ep2", "zero2_ep2", "fsdp2_ep2"):
         assert max_rel_diff(losses(moe_trials, name), ref) < 1e-6, (name, losses(moe_trials, name), ref)
     no_aux = losses(moe_trials, "no_aux")
     assert no_aux[0] == ref[0] and max_rel_diff(no_aux[1:], ref[1:]) > 1e-6, (no_aux, ref)
+
+
+def test_moe_gradient_norms_equal_across_engines_stages_and_expert_parallelism(moe_trials):
+    """The global gradient norm each step clipped with: the same model, data and weights give the
+    same norm whoever shards it. Adam is blind to a gradient's scale, so the losses alone would not
+    show experts' gradients summed over ranks where they should be averaged; the norm does (2x on
+    the experts moves it by > 1e-3). DeepSpeed's ZeRO-0 clips fp32 gradients without keeping the
+    norm (engine.py clip_fp32_gradients): it reports none."""
+    assert moe_trials["zero0"][1].ranks[0].grad_norms == [None] * 4
+    ref = moe_trials["zero1"][1].ranks[0].grad_norms
+    assert len(ref) == 4 and all(n is not None and n > 0 for n in ref), ref
+    for name in ("zero2", "zero3", "fsdp2", "zero2_op", "fsdp2_op", "zero1_ep2", "zero2_ep2", "fsdp2_ep2"):
+        for r in moe_trials[name][1].ranks:
+            assert max_rel_diff(r.grad_norms, ref) < 1e-5, (name, r.rank, r.grad_norms, ref)
 
 
 def test_moe_states_are_every_experts_and_peaks_near_the_estimate(moe_trials):

@@ -43,6 +43,9 @@ class OverflowingEngine:
     def loss_scale(self):
         return self.scale if self.fp16 else None
 
+    def grad_norm(self):
+        return None  # what an fp16 step that overflowed reports: nothing clipped
+
     def model_states(self):
         return {"counted_after_step": self.steps}
 
