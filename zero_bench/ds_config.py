@@ -91,7 +91,7 @@ def build(cfg: BenchConfig) -> dict:
         ds = merge(ds, {"activation_checkpointing": {"number_checkpoints": n}})
     user_zero = (cfg.ds.get("zero_optimization") or {})
     if on_cpu and cfg.zero > 0 and cfg.ds_preset == "default":
-        buckets = scaled_buckets(cfg.model.params_per_shard(cfg.parallel.tp))
+        buckets = scaled_buckets(cfg.model.params_per_shard(cfg.parallel.tp, cfg.parallel.ep))
         keep = {k: v for k, v in buckets.items() if k not in user_zero}
         if cfg.zero < 3:
             keep = {k: v for k, v in keep.items() if not k.startswith("stage3")}

@@ -82,11 +82,14 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     first = ests[0][1] if ests else None
     if cfg.get("json", False):
         return as_json(bench, first, rows, [e for _, e in ests], at)
-    m = bench.model
+    m, tp, ep = bench.model, bench.parallel.tp, bench.parallel.ep
     active = f", {m.active_params:,} active per token" if m.is_moe else ""  # MoE: FLOPs count these
-    head = (f"zero_bench estimate: {m.name} ({m.num_params:,} params{active}, "
-            f"{m.params_per_shard(bench.parallel.tp):,} per TP shard) tp={bench.parallel.tp} "
-            f"dp={bench.parallel.dp} on {bench.hardware.device} {bench.precision}, micro {micro} x grad_accum "
+    # ep > 1: a rank holds its num_experts / ep experts of each MoE layer and everything else whole
+    held = (f"{m.params_per_shard(tp, ep):,} per rank with {m.num_experts // ep} of {m.num_experts} experts"
+            if ep > 1 else f"{m.params_per_shard(tp):,} per TP shard")
+    head = (f"zero_bench estimate: {m.name} ({m.num_params:,} params{active}, {held}) tp={tp} "
+            f"dp={bench.parallel.dp}{f' ep={ep}' if ep > 1 else ''} on {bench.hardware.device} {bench.precision}, "
+            f"micro {micro} x grad_accum "
             f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank"
             + (f"; fixed terms: {first.calibration}" if first else ""))
     return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first),
@@ -110,7 +113,10 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
                        "micro": bench.batch.micro, "grad_accum": bench.batch.grad_accum,
                        "num_params": bench.model.num_params, "active_params": bench.model.active_params,
                        "params_per_shard": bench.model.params_per_shard(bench.parallel.tp),
-                       "tp": bench.parallel.tp, "dp": bench.parallel.dp, "device": bench.hardware.device,
+                       "tp": bench.parallel.tp, "dp": bench.parallel.dp,
+                       **({"ep": bench.parallel.ep, "params_per_rank": bench.model.params_per_shard(
+                           bench.parallel.tp, bench.parallel.ep)} if bench.parallel.ep > 1 else {}),
+                       "device": bench.hardware.device,
                        "precision": bench.precision, "capacity_bytes": first.capacity if first else None,
                        "overhead_bytes": first.overhead if first else None,
                        "calibration": first.calibration if first else None, "terms": first.terms if first else {},

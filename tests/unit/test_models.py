@@ -447,3 +447,33 @@ def test_moe_keys_need_num_experts():
     with pytest.raises(ConfigError) as e:
         from_cfg(compose(["model=llama-tiny", "model.moe_ffn_hidden_size=64"]), here=False)
     assert str(e.value) == "model.moe_ffn_hidden_size=64: needs model.num_experts (a dense model has no experts)"
+
+
+@pytest.mark.parametrize("name", ["moe-tiny", "mixtral-8x7b"])
+def test_expert_parallel_param_list_is_the_live_models(name, fake_tp, monkeypatch):
+    """parallel.ep=2: megatron-core's GPTModel of expert-parallel rank 0 (meta device) holds
+    num_experts / 2 experts per MoE layer, numbered locally (local_experts.0 ..), and everything else
+    whole; models/params.py's list marks exactly megatron's expert parameters (allreduce=False) as
+    Param.expert. Per rank: the dense part + the experts / ep, so ep ranks hold num_params + (ep - 1)
+    x the dense part."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    fake_tp(1)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=2,
+                                 create_gloo_process_groups=False)
+    # the alltoall dispatcher makes a CUDA stream unless one is set (models/shims.py does so on CPU)
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", "cpu", raising=False)
+    m = model(name)
+    cfg = BenchConfig(model=m, parallel=ParallelConfig(tp=1, dp=2, ep=2), hardware=HardwareConfig(device="cpu"),
+                      precision="bf16")
+    with torch.device("meta"):
+        gpt = build_gpt(cfg, transformer_config(cfg, on_cpu=True), on_cpu=True)
+    live = [(n, tuple(p.shape), p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
+             not getattr(p, "allreduce", True)) for n, p in gpt.named_parameters()]
+    assert live == [(p.name, p.shape, p.tp_dim, p.expert) for p in params(m, 1, 2)]
+    experts = m.num_moe_layers * m.num_experts * m.expert_params(1)
+    assert sum(math.prod(s) for _, s, _, _ in live) == m.params_per_shard(1, 2) == m.num_params - experts // 2
+    assert 2 * m.params_per_shard(1, 2) == m.num_params + m.dense_params(1)
+    assert max(int(n.split("local_experts.")[1].split(".")[0]) for n, *_ in live if "local_experts" in n) == 3

@@ -98,6 +98,10 @@ class Estimate:
     capacity: Optional[int] = None
     act_phase: dict = field(default_factory=dict)  # phase -> activation bytes per sample; {}: act_per_sample in "act"
     engine: str = EngineName.deepspeed
+    ep: int = 1  # expert-parallel degree: params_per_shard holds the rank's num_experts / ep experts
+    partitioned_params: Optional[int] = None  # what the dp ranks' ZeRO partitions split (each holds
+    # this / dp): params_per_shard at ep 1; with ep > 1 the dense parameters and all E experts
+    # (dense / dp + (E/ep experts) / (dp/ep) per rank). None: params_per_shard
 
     @property
     def phases(self) -> list[str]:
@@ -130,7 +134,8 @@ class Estimate:
         s = self.states
         if not self.offload_optimizer:
             return s["grads"]
-        return 0 if self.zero >= 2 else s["grads"] - 4 * self.params_per_shard // self.dp
+        partitioned = self.params_per_shard if self.partitioned_params is None else self.partitioned_params
+        return 0 if self.zero >= 2 else s["grads"] - 4 * partitioned // self.dp
 
     def phase_bytes(self, phase: str) -> int:
         """Gradients + buffers of one phase (no activations, no persistent states)."""
@@ -218,19 +223,20 @@ class Estimate:
 
 
 def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Mapping] = None) -> Estimate:
-    """The prediction for one BenchConfig (its device, precision, stage, offload, dp, tp)."""
-    m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp
-    P = m.params_per_shard(tp)
+    """The prediction for one BenchConfig (its device, precision, stage, offload, dp, tp, ep)."""
+    m, tp, dp, ep = bench.model, bench.parallel.tp, bench.parallel.dp, bench.parallel.ep
+    P = m.params_per_shard(tp, ep)  # held by the rank: with ep > 1 its E/ep experts per MoE layer
     on_cpu = bench.hardware.device == "cpu"
     common = dict(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
                   offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=dp, tp=tp,
                   num_params=m.num_params, params_per_shard=P, local_ranks=local_ranks(bench),
                   engine=bench.engine, capacity=capacity if capacity is not None else search_capacity(bench),
-                  **fixed_terms(bench))
+                  ep=ep, partitioned_params=m.params_per_shard(tp) if ep > 1 else None, **fixed_terms(bench))
     if bench.engine == EngineName.fsdp2:
         return Estimate(**common, **fsdp2.parts(bench))
-    states = model_states_bytes(P, bench.zero, dp, 1, bench.precision,
-                                bench.offload, bench.offload_param and bench.zero == 3, states=bench.states)
+    states = model_states_bytes(m.params_per_shard(tp), bench.zero, dp, 1, bench.precision,
+                                bench.offload, bench.offload_param and bench.zero == 3, states=bench.states,
+                                ep=ep, expert_params=m.routed_expert_params(tp))
     checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing, bench.hardware.device,
                                       bench.recompute_layers, bench.loss)
@@ -240,7 +246,7 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     grads = states["grads"]
     if not on_cpu and bench.offload:  # the host part of the gradients is not on the device
         grads = 0 if bench.zero >= 2 else b * P
-    first = b * max(param_numels(m, tp))  # ZeRO-0/1: the (output) embedding's gradient comes first
+    first = b * max(param_numels(m, tp, ep))  # ZeRO-0/1: the (output) embedding's gradient comes first
     grads_phase = {"act": first if bench.zero <= 1 else grads, "bwd_end": grads,
                    "step": 0 if bench.zero == 1 and not bench.offload else grads}
     buffers = deepspeed_buffers(bench, ds)
@@ -265,7 +271,8 @@ def fixed_terms(bench: BenchConfig) -> dict:
     if cal is not None and cal.context_bytes is not None:
         return calibrated_gpu_terms(bench, cal)
     loading, tp, dp = bench.hardware.cuda_module_loading, bench.parallel.tp, bench.parallel.dp
-    high, low = outside_allocator(loading, tp, dp, 1), outside_allocator(loading, tp, dp, 0)
+    ep = bench.parallel.ep
+    high, low = outside_allocator(loading, tp, dp, 1, ep), outside_allocator(loading, tp, dp, 0, ep)
     # cuBLAS's workspaces live inside the allocator but are there from the first matmul on, whatever
     # the batch: they are counted with the fixed terms
     ws = CUBLAS_HANDLES * CUBLAS_WORKSPACE
@@ -280,7 +287,7 @@ def calibrated_gpu_terms(bench: BenchConfig, cal: Calibration) -> dict:
     communicator of each size calibrated (a size not calibrated: its published figure), cuBLAS's
     workspaces, and the fragmentation where the calibration ran this model and stage."""
     nccl = {"calibrated": 0, "published": 0}
-    for n in communicators(bench.parallel.tp, bench.parallel.dp):
+    for n in communicators(bench.parallel.tp, bench.parallel.dp, bench.parallel.ep):
         got = cal.nccl_bytes.get(str(n))
         nccl["published" if got is None else "calibrated"] += communicator_bytes(n) if got is None else got
     ws = CUBLAS_HANDLES * CUBLAS_WORKSPACE if cal.cublas_workspace_bytes is None else cal.cublas_workspace_bytes

@@ -7,7 +7,7 @@ from typing import Mapping, Optional
 from zero_bench import ds_config
 from zero_bench.config import BenchConfig
 from zero_bench.estimate.states import master_bytes
-from zero_bench.models import param_numels
+from zero_bench.models import ModelConfig, param_numels
 from zero_bench.units import BYTES
 
 # DeepSpeed defaults for keys the ds_config leaves out (deepspeed/runtime/zero/config.py, engine.py).
@@ -46,15 +46,22 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     - fp16 at ZeRO-0: DeepSpeed's FP16_Optimizer builds fp32 copies of the gradients at the step (8P).
     - torch's (non-fused) Adam, which the CPU ds_config selects (torch_adam), makes one temporary
       the size of the fp32 partition it updates (sqrt of the second moment); fused/CPU Adam: none.
+    - Expert parallelism (parallel.ep > 1): P is the rank's local parameters (the dense ones and its
+      E/ep experts); the routed experts are their own param group, partitioned over the dp/ep
+      expert-data-parallel ranks (partitions: group_partitions). ZeRO-1's fp32 gradient partition
+      holds every group's; the step flattens, updates and frees one group at a time
+      (stage_1_and_2.py step: _optimizer_step(i), then the group's fp32 .grad = None), so the flat
+      gradient and torch Adam's temporary are the largest group's.
     """
     zc = dict(_zero_cfg(bench) if ds is None else ds)
     full = ds_full(bench) if ds is None else {}
-    stage, dp, tp = bench.zero, bench.parallel.dp, bench.parallel.tp
+    stage, dp, tp, ep = bench.zero, bench.parallel.dp, bench.parallel.tp, bench.parallel.ep
     b = BYTES[bench.precision]
-    P = bench.model.params_per_shard(tp)
+    P = bench.model.params_per_shard(tp, ep)
     get = lambda k: int(float(zc.get(k, DS_DEFAULTS[k])))  # noqa: E731
     mb = master_bytes(bench.states)  # the "fp32" partitions below are bf16 with states=bf16
-    part = P // dp if stage >= 1 else P
+    groups = group_partitions(bench.model, dp, tp, ep) if stage >= 1 else [P]
+    part, part_max = sum(groups), max(groups)
     out: dict[str, tuple[int, tuple]] = {}
     if stage == 0:
         out["allreduce_flat"] = (min(P, ZERO0_ALLREDUCE_ELEMENTS) * b, ("bwd_end",))
@@ -70,10 +77,10 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
         out["allgather_bucket"] = (0, ("step",))
         if stage == 1 and not bench.offload:
             out["grad_partition_fp32"] = (mb * part, ("bwd_end", "step"))
-        out["grad_flat_fp32"] = (mb * part, ("step",))
+        out["grad_flat_fp32"] = (mb * part_max, ("step",))
     else:
         out["reduce_bucket"] = (get("reduce_bucket_size") * b, ("act", "bwd_end"))
-        numels = param_numels(bench.model, tp)
+        numels = param_numels(bench.model, tp, ep)
         largest = max(numels)
         live = max(largest, min(get("stage3_max_live_parameters"), largest + get("stage3_prefetch_bucket_size")))
         if bench.hardware.device == "cpu":
@@ -85,8 +92,18 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
         out["persistent_params"] = (sum(x for x in numels if x <= thr) * b, ("act", "bwd_end", "step"))
     torch_adam = bool(((full.get("optimizer") or {}).get("params") or {}).get("torch_adam"))
     if ds is None and torch_adam:
-        out["adam_temp"] = (mb * part, ("step",))
+        out["adam_temp"] = (mb * part_max, ("step",))
     return {k: {"bytes": int(v), "phases": list(ph)} for k, (v, ph) in out.items()}
+
+
+def group_partitions(m: ModelConfig, dp: int, tp: int = 1, ep: int = 1) -> list[int]:
+    """Elements of each ZeRO-1/2 optimizer param group's partition on one rank: [P // dp] at ep 1;
+    with ep > 1 the dense group's over dp ranks and the routed experts' (E/ep per MoE layer) over
+    the dp/ep ranks that hold the same experts: [dense // dp, experts // (dp/ep)]."""
+    if ep == 1:
+        return [m.params_per_shard(tp) // dp]
+    experts = m.routed_expert_params(tp, ep)
+    return [m.dense_params(tp) // dp, experts // (dp // ep)]
 
 
 def ds_full(bench: BenchConfig) -> dict:
@@ -97,9 +114,14 @@ def init_peak(bench: BenchConfig, P: int) -> int:
     """Bytes deepspeed.initialize holds at its peak: the model plus its flat (ZeRO-1/2) copy. ZeRO-3
     builds the model under deepspeed.zero.Init, which partitions each module's parameters as soon
     as the module is built: its partition plus the largest parameter, whole, while it is initialised
-    (on the host instead with offload_param)."""
-    b, dp = BYTES[bench.precision], bench.parallel.dp
+    (on the host instead with offload_param). P: the parameters the rank holds (params_per_shard(tp,
+    ep)). With ep > 1 ZeRO-1/2 flatten one param group at a time (the dense one, the experts'), each
+    group's parameters moving into its flat buffer: the model plus the larger group."""
+    b, dp, tp, ep = BYTES[bench.precision], bench.parallel.dp, bench.parallel.tp, bench.parallel.ep
     if bench.zero == 3:
-        whole = b * max(param_numels(bench.model, bench.parallel.tp))
+        whole = b * max(param_numels(bench.model, tp, ep))
         return whole + (0 if bench.offload_param and bench.hardware.device != "cpu" else b * P // dp)
-    return b * P + {0: 0, 1: b * P, 2: b * P}[bench.zero]
+    if bench.zero == 0:
+        return b * P
+    largest = P if ep == 1 else max(bench.model.dense_params(tp), bench.model.routed_expert_params(tp, ep))
+    return b * P + b * largest

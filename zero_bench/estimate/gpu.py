@@ -60,7 +60,7 @@ class OutsideAllocator:
         return self.cuda_context + self.nccl
 
 
-def communicators(tp: int, dp: int) -> list[int]:
+def communicators(tp: int, dp: int, ep: int = 1) -> list[int]:
     """Sizes of the NCCL communicators a rank joins in a trial: the world (zero_bench's barriers and
     its over-capacity all-reduce, DeepSpeed's world collectives), the data-parallel group (ZeRO's
     reduce-scatter and all-gather; a group of its own even when it spans the world) and, with tp > 1,
@@ -74,8 +74,11 @@ def communicators(tp: int, dp: int) -> list[int]:
     0.16.1's initialize_model_parallel, most of them never used). NCCL 2.22+ connects the
     per-peer buffers at a communicator's first collective, so those idle ones hold only their
     base structures, for which no figure is published: `zero_bench calibrate` measures them, as part
-    of the outside-the-allocator bytes its context term is derived from."""
-    return [n for n in (tp * dp, dp, tp if tp > 1 else 1) if n > 1]
+    of the outside-the-allocator bytes its context term is derived from. Expert parallelism (ep > 1)
+    adds the expert-parallel group (the dispatcher's all-to-alls) and the expert-data-parallel
+    group (the experts' reduce-scatters and all-gathers)."""
+    experts = (ep, dp // ep) if ep > 1 else ()
+    return [n for n in (tp * dp, dp, tp if tp > 1 else 1, *experts) if n > 1]
 
 
 def communicator_bytes(n: int) -> int:
@@ -83,13 +86,13 @@ def communicator_bytes(n: int) -> int:
     return NCCL_COMMUNICATOR[2] if n == 2 else NCCL_COMMUNICATOR["more"]
 
 
-def nccl_bytes(tp: int, dp: int) -> int:
-    return sum(communicator_bytes(n) for n in communicators(tp, dp))
+def nccl_bytes(tp: int, dp: int, ep: int = 1) -> int:
+    return sum(communicator_bytes(n) for n in communicators(tp, dp, ep))
 
 
-def outside_allocator(module_loading: str, tp: int, dp: int, end: int = 1) -> OutsideAllocator:
+def outside_allocator(module_loading: str, tp: int, dp: int, end: int = 1, ep: int = 1) -> OutsideAllocator:
     """The terms at the low (end=0) or high (end=1) end of the context's published range."""
-    return OutsideAllocator(cuda_context=CUDA_CONTEXT[module_loading][end], nccl=nccl_bytes(tp, dp))
+    return OutsideAllocator(cuda_context=CUDA_CONTEXT[module_loading][end], nccl=nccl_bytes(tp, dp, ep))
 
 
 def fragmentation(zero: int, engine: str = "deepspeed") -> float:

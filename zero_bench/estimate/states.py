@@ -27,7 +27,8 @@ def master_bytes(states: str = "mixed") -> int:
 
 
 def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1, precision: str = "bf16",
-                       offload_optimizer: bool = False, offload_param: bool = False, states: str = "mixed") -> dict:
+                       offload_optimizer: bool = False, offload_param: bool = False, states: str = "mixed",
+                       ep: int = 1, expert_params: float = 0) -> dict:
     """Bytes of model states per rank for Adam, split as ZeRO partitions them.
 
     num_params: parameters of the WHOLE model (all tensor-parallel shards together); this function
@@ -64,6 +65,18 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
     still holds its full gradients on the device); offload_param (stage 3) moves the parameter
     partition to the host too.
 
+    Expert parallelism (ep > 1; DeepSpeed runs it at ZeRO 1-2): expert_params is the routed
+    experts' share of num_params (all E experts of every MoE layer, ModelConfig.routed_expert_params
+    at ep 1; as num_params, all tensor-parallel shards together). A rank holds the other
+    (dense) parameters and 1/ep of the experts whole: P = (dense + experts/ep) / tp, which the
+    parts held whole count (the 16-bit params; ZeRO-0 everything; ZeRO-1 the gradients). DeepSpeed
+    keeps the experts in their own optimizer param group, flattened and partitioned over the dp/ep
+    ranks that hold the same experts (the expert-data-parallel group), the dense group over all dp:
+    each rank's partition is dense/dp + (experts/ep)/(dp/ep) = num_params/(tp dp), which the
+    sharded parts count (the master, the moments; ZeRO-2 the gradients). DeepSpeed's flat-buffer
+    padding (each group to a multiple of 2 x its ranks) is left out, as at ep 1. ep=1: the formulas
+    above, unchanged.
+
     Returns {"params", "grads", "master", "moments", "optimizer" (= master + moments): bytes per
     rank wherever they live; "gpu": bytes on the device; "cpu": bytes of host memory per rank}.
     """
@@ -73,17 +86,26 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
         raise ValueError(f"precision={precision}: allowed {', '.join(BYTES)}")
     if dp < 1 or tp < 1:
         raise ValueError("dp and tp must be >= 1")
-    P = num_params / tp
+    if ep < 1 or dp % ep:
+        raise ValueError(f"ep={ep}: must be >= 1 and divide dp={dp}")
+    if not 0 <= expert_params <= num_params:
+        raise ValueError(f"expert_params={expert_params}: must be in [0, num_params={num_params}]")
+    experts = expert_params if ep > 1 else 0  # ep 1: one group, as before
+    P = (num_params - experts + experts / ep) / tp  # held whole: the dense part and 1/ep of the experts
+    # each optimizer param group's partition: the dense group over dp ranks, the experts' over dp / ep
+    groups = [(num_params - experts) / tp / dp, experts / ep / tp / (dp // ep)] if ep > 1 else [P / dp]
+    part = sum(groups)  # num_params / (tp dp) whatever ep
     b = BYTES[precision]
     mixed = b == 2
-    params = b * P / (dp if zero_stage == 3 else 1)
-    grads = b * P / (dp if zero_stage >= 2 else 1)
+    params = b * (part if zero_stage == 3 else P)
+    grads = b * (part if zero_stage >= 2 else P)
     mb = master_bytes(states)
-    moments = moment_bytes(P / (dp if zero_stage >= 1 else 1), states, mb)
+    moments = (sum(moment_bytes(g, states, mb) for g in groups) if zero_stage >= 1
+               else moment_bytes(P, states, mb))
     if mixed:
-        master = mb * P / (dp if zero_stage >= 1 else 1)
+        master = mb * (part if zero_stage >= 1 else P)
     elif zero_stage >= 1:
-        master = 4 * P / dp
+        master = 4 * part
     else:
         master = 0.0
     gpu = params + grads + master + moments
@@ -93,10 +115,10 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
         cpu += master + moments
         if zero_stage >= 2:  # the device keeps no gradient partition, only its reduce buckets
             gpu -= grads
-            grads = 4 * P / dp
+            grads = 4 * part
         else:
-            grads = b * P + 4 * P / dp
-        cpu += 4 * P / dp
+            grads = b * P + 4 * part
+        cpu += 4 * part
     if offload_param and zero_stage == 3:
         gpu -= params
         cpu += params

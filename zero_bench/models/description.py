@@ -109,8 +109,8 @@ class ModelConfig:
     num_experts: Optional[int] = None
     """Routed experts E of every mixture-of-experts layer (megatron's num_moe_experts; Mixtral 8,
     Qwen3-30B-A3B 128); null: a dense model. Each expert is an MLP of model.activation, moe_ffn wide;
-    all E are parameters of every rank (ZeRO and FSDP2 shard them like any tensor; no expert
-    parallelism)."""
+    all E are parameters of every rank (ZeRO and FSDP2 shard them like any tensor), or with
+    parallel.ep > 1 (expert parallelism) E / ep of them per rank."""
     moe_router_topk: int = 2
     """Experts k each token is routed to (megatron's moe_router_topk, HF's num_experts_per_tok);
     1 <= k <= num_experts. Routing is dropless (no capacity factor): k x tokens expert rows per layer."""
@@ -220,17 +220,31 @@ class ModelConfig:
         idle = self.num_experts - self.moe_router_topk
         return self.num_params - idle * self.expert_params(1) * self.num_moe_layers
 
-    def params_per_shard(self, tp: int) -> int:
-        """Parameters one tensor-parallel rank holds (replicated norms and row biases included)."""
-        return sum(param_numels(self, tp))
+    def params_per_shard(self, tp: int, ep: int = 1) -> int:
+        """Parameters one rank holds whole before any ZeRO / FSDP2 sharding: its tensor-parallel
+        shard (replicated norms and row biases included) with, at expert-parallel degree ep, its
+        num_experts / ep routed experts of each MoE layer (the rest whole on every rank)."""
+        return sum(param_numels(self, tp, ep))
+
+    def routed_expert_params(self, tp: int = 1, ep: int = 1) -> int:
+        """Parameters of the routed experts one rank holds: E / ep experts in each MoE layer (0 for a
+        dense model). Their states are sharded over the dp / ep ranks holding the same experts."""
+        if not self.is_moe:
+            return 0
+        return self.num_experts // ep * self.num_moe_layers * self.expert_params(tp)
+
+    def dense_params(self, tp: int = 1) -> int:
+        """Parameters every rank holds whatever ep (all but the routed experts), sharded over all dp
+        ranks: params_per_shard(tp, ep) - routed_expert_params(tp, ep)."""
+        return self.params_per_shard(tp) - self.routed_expert_params(tp)
 
 
-def param_numels(model: ModelConfig, tp: int = 1) -> list[int]:
-    """Element count of every parameter one tensor-parallel rank holds, in GPTModel.parameters()
-    order (models/params.py)."""
+def param_numels(model: ModelConfig, tp: int = 1, ep: int = 1) -> list[int]:
+    """Element count of every parameter one rank holds (tp shard; E / ep routed experts per MoE
+    layer), in GPTModel.parameters() order (models/params.py)."""
     from zero_bench.models.params import param_numels as numels
 
-    return numels(model, tp)
+    return numels(model, tp, ep)
 
 
 def summary(m: ModelConfig) -> str:

@@ -9,10 +9,16 @@ shapes with the live model built on the meta device, for every preset at tp 1, 2
 megatron's order: the word embedding, the position table (learned positions), then per layer the
 input norm, the attention output projection (Attention.__init__ builds it before SelfAttention adds
 the QKV projection), the QKV projection, the query and key norms (qk_norm), the pre-MLP norm, fc1,
-fc2 (an MoE layer: moe_params); then the final norm and, untied, the output layer. Column-parallel
+fc2 (an MoE layer: _moe); then the final norm and, untied, the output layer. Column-parallel
 weights and biases (QKV, fc1, the vocabulary) split dim 0 over tp, row-parallel weights dim 1; their
 biases, the norms and the position table are replicated. Every head is kv_channels wide (head_dim,
 or h / a), so Q, K, V and the projection follow it, not h.
+
+Expert parallelism (parallel.ep, tp 1): a rank holds num_experts / ep of each MoE layer's routed
+experts, numbered locally (local_experts.0 .. E/ep - 1, as megatron's SequentialMLP names them on
+every expert-parallel rank); everything else (attention, norms, router, shared expert, embeddings)
+whole on every rank. Param.expert marks the routed experts' tensors: their states are sharded over
+the dp / ep ranks that hold the same experts (the expert-data-parallel group), the others over dp.
 """
 from __future__ import annotations
 
@@ -38,13 +44,16 @@ class Param:
     tp_dim: Optional[int] = None
     """the dimension megatron splits over tp ranks (its partition_dim), None where every tp rank
     holds it whole (norms, row-parallel biases, positions, the router)"""
+    expert: bool = False
+    """a routed expert's tensor (megatron's allreduce=False parameters): with parallel.ep its states
+    are sharded over the expert-data-parallel ranks (dp / ep), not all dp ranks"""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-Spec = tuple  # (name, local shape, tp_dim)
+Spec = tuple  # (name, local shape, tp_dim[, expert]): expert is False where left out
 
 
 def _norm(m: ModelConfig, prefix: str, width: int | None = None) -> list[Spec]:
@@ -69,22 +78,22 @@ def _mlp(m: ModelConfig, prefix: str, f: int, tp: int) -> list[Spec]:
             + _linear(f"{prefix}.linear_fc2", h, f // tp, m.add_bias, 1))
 
 
-def _moe(m: ModelConfig, prefix: str, tp: int) -> list[Spec]:
+def _moe(m: ModelConfig, prefix: str, tp: int, ep: int = 1) -> list[Spec]:
     """megatron-core 0.16.1's MoELayer with the local spec (moe_grouped_gemm=False), in the order
     MoELayer.__init__ builds it: the TopKRouter's weight [E, h] (fp32 at build, params_dtype after;
-    replicated over tp; bias [E] with add_bias_linear: router.py Router), the E experts of
-    SequentialMLP (local_experts.{i}: fc1, fc2, split over the expert tp, = tp; no expert
-    parallelism), then SharedExpertMLP (moe_shared_expert_intermediate_size, no gate)."""
+    replicated over tp and ep; bias [E] with add_bias_linear: router.py Router), this rank's E / ep
+    experts of SequentialMLP (local_experts.{j}, j local: fc1, fc2, split over the expert tp, = tp),
+    then SharedExpertMLP (moe_shared_expert_intermediate_size, no gate; whole on every ep rank)."""
     E, h = m.num_experts, m.hidden_size
     out = _linear(f"{prefix}.router", E, h, m.add_bias, None)
-    for e in range(E):
-        out += _mlp(m, f"{prefix}.experts.local_experts.{e}", m.moe_ffn, tp)
+    for e in range(E // ep):
+        out += [(*s, True) for s in _mlp(m, f"{prefix}.experts.local_experts.{e}", m.moe_ffn, tp)]
     if m.moe_shared_expert_intermediate_size:
         out += _mlp(m, f"{prefix}.shared_experts", m.moe_shared_expert_intermediate_size, tp)
     return out
 
 
-def _layer(m: ModelConfig, i: int, tp: int, moe: bool) -> list[Spec]:
+def _layer(m: ModelConfig, i: int, tp: int, moe: bool, ep: int = 1) -> list[Spec]:
     h, d, p = m.hidden_size, m.kv_channels, f"decoder.layers.{i}"
     qkv_out = (m.num_heads + 2 * m.query_groups) * d // tp  # the a query heads, g key and g value heads
     out = _norm(m, f"{p}.input_layernorm")
@@ -93,35 +102,58 @@ def _layer(m: ModelConfig, i: int, tp: int, moe: bool) -> list[Spec]:
     if m.qk_norm:  # SelfAttention builds them after linear_qkv; d wide, shared by the heads
         out += _norm(m, f"{p}.self_attention.q_layernorm", d) + _norm(m, f"{p}.self_attention.k_layernorm", d)
     out += _norm(m, f"{p}.pre_mlp_layernorm")
-    out += _moe(m, f"{p}.mlp", tp) if moe else _mlp(m, f"{p}.mlp", m.ffn, tp)
+    out += _moe(m, f"{p}.mlp", tp, ep) if moe else _mlp(m, f"{p}.mlp", m.ffn, tp)
     return out
 
 
-def params(m: ModelConfig, tp: int = 1) -> list[Param]:
-    """Every parameter one tensor-parallel rank holds, in GPTModel.named_parameters() order."""
+def _check_ep(m: ModelConfig, ep: int) -> None:
+    if ep != 1 and (ep < 1 or not m.is_moe or m.num_experts % ep):
+        raise ValueError(f"ep={ep}: expert parallelism needs a mixture of experts whose num_experts "
+                         f"({m.num_experts}) it divides")
+
+
+def params(m: ModelConfig, tp: int = 1, ep: int = 1) -> list[Param]:
+    """Every parameter one rank holds (tensor-parallel rank; with ep > 1 its num_experts / ep
+    routed experts per MoE layer), in GPTModel.named_parameters() order."""
+    _check_ep(m, ep)
     h, V = m.hidden_size, m.padded_vocab(tp)
     root = [("embedding.word_embeddings.weight", (V // tp, h), 0)]  # vocab parallel
     if m.position_embedding == "learned":
         root.append(("embedding.position_embeddings.weight", (m.seq_len, h), None))
     out = [Param(n, s, ROOT, d) for n, s, d in root]
     for i, moe in enumerate(m.moe_layers):
-        out += [Param(n, s, f"layer{i}", d) for n, s, d in _layer(m, i, tp, moe)]
+        out += [Param(*spec[:2], f"layer{i}", *spec[2:]) for spec in _layer(m, i, tp, moe, ep)]
     tail = _norm(m, "decoder.final_layernorm")
     if not m.tie_embeddings:
         tail.append(("output_layer.weight", (V // tp, h), 0))  # vocab parallel
     return out + [Param(n, s, ROOT, d) for n, s, d in tail]
 
 
-def param_numels(m: ModelConfig, tp: int = 1) -> list[int]:
-    """Element count of every parameter one tensor-parallel rank holds, in GPTModel.parameters() order."""
-    return [p.numel for p in params(m, tp)]
+def param_numels(m: ModelConfig, tp: int = 1, ep: int = 1) -> list[int]:
+    """Element count of every parameter one rank holds, in GPTModel.parameters() order."""
+    return [p.numel for p in params(m, tp, ep)]
 
 
-def layer_numels(m: ModelConfig, tp: int = 1, moe: bool = False) -> list[int]:
-    """One transformer layer's parameters on one tp rank, in module order (moe: its MLP is the MoE layer)."""
-    return [math.prod(s) for _, s, _ in _layer(m, 0, tp, moe)]
+def split_numels(m: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert): the parameters one rank holds, split into those sharded over all dp ranks
+    (everything but the routed experts) and its routed experts' (E / ep per MoE layer), sharded
+    over the dp / ep expert-data-parallel ranks."""
+    dense = expert = 0
+    for p in params(m, tp, ep):
+        if p.expert:
+            expert += p.numel
+        else:
+            dense += p.numel
+    return dense, expert
+
+
+def layer_numels(m: ModelConfig, tp: int = 1, moe: bool = False, ep: int = 1) -> list[int]:
+    """One transformer layer's parameters on one rank, in module order (moe: its MLP is the MoE
+    layer, with E / ep routed experts)."""
+    _check_ep(m, ep)
+    return [math.prod(s[1]) for s in _layer(m, 0, tp, moe, ep)]
 
 
 def mlp_numels(m: ModelConfig, f: int, tp: int = 1) -> list[int]:
     """One MLP of width f (a dense layer's, a routed or a shared expert's) on one tp rank."""
-    return [math.prod(s) for _, s, _ in _mlp(m, "mlp", f, tp)]
+    return [math.prod(s[1]) for s in _mlp(m, "mlp", f, tp)]

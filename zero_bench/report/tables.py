@@ -33,8 +33,8 @@ NOTE_KEY = "_note"  # a record's extra note, moved into Notes
 TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
 # What identifies "the same configuration" across stores (the Compare and Scaling sheets).
 CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
-              "engine", "ZeRO Stage", "CPU Offload", "precision", "recompute", "ds preset", "compile", "grad accum",
-              "device"]
+              "expert parallel", "engine", "ZeRO Stage", "CPU Offload", "precision", "recompute", "ds preset",
+              "compile", "grad accum", "device"]
 COMPARED = ["Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)", "tokens/s per GPU", "MFU",
             "peak memory used"]
 
@@ -58,6 +58,7 @@ class Setup:
     states: str = States.mixed
     recompute_layers: int = 1
     dp_shard: Optional[int] = None
+    ep: int = 1  # expert parallelism (parallel.ep); 1 for records stored before it
 
     @property
     def world(self) -> int:
@@ -89,7 +90,7 @@ def setup_of(c: dict) -> Setup:
                  recompute=str(c.get("recompute") or "none"), ds_preset=preset_name(c.get("ds_preset")),
                  compile=bool(c.get("compile", False)), engine=str(c.get("engine") or EngineName.deepspeed),
                  states=str(c.get("states") or States.mixed), recompute_layers=int(c.get("recompute_layers") or 1),
-                 dp_shard=par.get("dp_shard"))
+                 dp_shard=par.get("dp_shard"), ep=int(par.get("ep") or 1))
 
 
 
@@ -149,6 +150,8 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
     cols = list(SEED_COLUMNS)
     if df["active params"].notna().any():  # a mixture of experts: what each token is computed with
         cols.insert(cols.index("num params") + 1, "active params")
+    if (df["expert parallel"] > 1).any():  # shown where some row splits the experts (parallel.ep)
+        cols.insert(cols.index("model parallel") + 1, "expert parallel")
     cols += REPEAT_COLUMNS if any(len(r.repeats) > 1 for r in rows) else []
     if df.get(ESTIMATE_COLUMNS[1]) is not None and df[ESTIMATE_COLUMNS[1]].notna().any():
         cols += ESTIMATE_COLUMNS
@@ -168,8 +171,9 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     m = s.model
     rec = {"Model": m.get("name"), "num_layers": m.get("num_layers"), "hidden_size": m.get("hidden_size"),
            "num_heads": m.get("num_heads"), "# gpus": s.world, "data parallel": s.dp, "model parallel": s.tp,
-           "engine": s.engine, "ZeRO Stage": s.zero, "CPU Offload": _offload_text(s), "precision": s.precision,
-           "recompute": s.recompute, "ds preset": s.ds_preset, "compile": "Yes" if s.compile else "No",
+           "expert parallel": s.ep, "engine": s.engine, "ZeRO Stage": s.zero, "CPU Offload": _offload_text(s),
+           "precision": s.precision, "recompute": s.recompute, "ds preset": s.ds_preset,
+           "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
            "num params": s.num_params, "active params": s.active_params, "Notes": r.note, "status": r.status,
            "device": s.device, "config": r.label, "search key": r.key, "source": r.source}
@@ -245,10 +249,12 @@ def estimate_or_error(s: Setup, with_grads: bool = True) -> tuple[Optional[int],
     try:
         if s.engine == EngineName.fsdp2:
             est = fsdp2_model_states(ModelConfig(**s.model), s.dp_shard or s.dp, s.tp, s.precision, s.offload,
-                                     states=s.states)
+                                     states=s.states, ep=s.ep)
         else:
+            experts = s.description.routed_expert_params(1) if s.ep > 1 else 0  # ep > 1 runs at tp 1
             est = model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
-                                     offload_optimizer=s.offload, offload_param=s.offload_param, states=s.states)
+                                     offload_optimizer=s.offload, offload_param=s.offload_param, states=s.states,
+                                     ep=s.ep, expert_params=experts)
         total = int(est["gpu"]) + int(est["cpu"])
         return (total if with_grads else total - int(est.get("grads", 0))), ""
     except Exception as exc:  # noqa: BLE001 - the row says so (Notes); its columns stay, empty
@@ -302,7 +308,7 @@ def _trial_record(t: TrialResult, source: str) -> dict:
 
 def scaling_frame(summary: pd.DataFrame) -> pd.DataFrame:
     """Same model/ZeRO/precision at several data-parallel sizes: speedup vs the smallest, efficiency."""
-    group = [c for c in CONFIG_KEY if c not in ("# gpus", "data parallel")]
+    group = [c for c in CONFIG_KEY if c not in ("# gpus", "data parallel") and c in summary.columns]
     measured = summary[summary["Throughput (samples/sec)"].notna()]
     parts = []
     for _, g in measured.groupby(group, dropna=False, sort=False):

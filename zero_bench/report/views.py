@@ -25,7 +25,8 @@ OPTIMIZATIONS = {"ZeRO Stage": [0, 1, 2, 3], "engine": ["deepspeed", "fsdp2"],
                  "CPU Offload": ["No", "Yes", "Yes (+params)"],
                  "precision": ["fp32", "fp16", "bf16"], "recompute": ["none", "selective", "op", "block", "full"],
                  "compile": ["No", "Yes"], "ds preset": ["default", "megatron_deepspeed"]}
-SAME = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "grad accum",
+SAME = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
+        "expert parallel", "grad accum",
         "device"]
 
 
