@@ -12,6 +12,7 @@ import pytest
 
 from zero_bench.config import HardwareConfig, ParallelConfig, SearchConfig
 from zero_bench.estimate import estimate, seed_micro
+from zero_bench.estimate.fsdp2 import local_numel as fsdp2_local_numel
 from zero_bench.estimate.fsdp2 import model_states as fsdp2_states
 from zero_bench.launch import LaunchOptions, run_launch
 from zero_bench.pool import PoolSlot
@@ -196,23 +197,38 @@ def test_moe_gradient_norms_equal_across_engines_stages_and_expert_parallelism(m
             assert max_rel_diff(r.grad_norms, ref) < 1e-5, (name, r.rank, r.grad_norms, ref)
 
 
+def local_numel(cfg, rank: int) -> int:
+    """The parameters one rank holds, from params.py: FSDP2 its shards (ep > 1: of its own experts),
+    ZeRO-3 a dp-th, ZeRO 0-2 the whole local model (ep > 1: dense + its experts)."""
+    tp, dp, ep = cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.ep
+    if cfg.engine == "fsdp2":
+        return fsdp2_local_numel(MOE_TINY, dp, tp, ep, rank)
+    return MOE_TINY.num_params // dp if cfg.zero == 3 else MOE_TINY.params_per_shard(tp, ep)
+
+
 def test_moe_states_are_every_experts_and_peaks_near_the_estimate(moe_trials):
     """Every expert's parameters, counted by params.py, in each engine's exact states (ep 1: each
-    rank shards all of them); peak RSS within the ZeRO stages' 12 %, the live peak within 6 % where
-    the estimate's activations decide it (ZeRO-0, ZeRO-3, FSDP2; measured -4.1 % to +1.0 %)."""
+    rank holds or shards all of them; ep 2: its 4 experts whole, or their shards); peak RSS within
+    the ZeRO stages' 12 %, the live peak within 6 % where the estimate's activations decide it
+    (ZeRO-0, ZeRO-3, FSDP2; measured -4.1 % to +1.0 %)."""
     for name, (cfg, res) in moe_trials.items():
         assert res.status == "ok", (name, res.reason)
         e = estimate(cfg)
         for r in res.ranks:
-            assert r.model_states["numel_local"] * (1 if cfg.zero < 3 else cfg.parallel.dp) == pytest.approx(
-                MOE_TINY.num_params, abs=cfg.parallel.dp), name
+            assert r.model_states["numel_local"] == pytest.approx(local_numel(cfg, r.rank), abs=cfg.parallel.dp), name
             assert e.peak_bytes(2) == pytest.approx(r.peak_rss_bytes, rel=0.12), (name, r.rank)
-            if name in ("zero0", "zero3", "fsdp2", "fsdp2_op"):
+            if name in ("zero0", "zero3", "fsdp2", "fsdp2_op", "fsdp2_ep2"):
                 live = e.peak_bytes(2) - e.overhead
                 assert live == pytest.approx(r.peak_live_bytes, rel=0.06), (name, r.rank, live, r.peak_live_bytes)
-    states = moe_trials["fsdp2"][1].ranks[0].model_states
-    want = fsdp2_states(MOE_TINY, 2)
-    assert (states["params"], states["optimizer"]) == (want["params"], want["moments"])
+    for name, ep in (("fsdp2", 1), ("fsdp2_ep2", 2)):
+        states = moe_trials[name][1].ranks[0].model_states
+        want = fsdp2_states(MOE_TINY, 2, ep=ep)
+        assert (states["params"], states["optimizer"]) == (want["params"], want["moments"]), name
+    for name in ("zero1_ep2", "zero2_ep2"):  # the estimate's: exact but Adam's 4-byte step per group
+        cfg, res = moe_trials[name]
+        want, got = estimate(cfg).states, res.ranks[0].model_states
+        assert (got["params"], got["master"]) == (want["params"], want["master"]), name
+        assert 0 <= got["optimizer"] - want["moments"] <= 16, (name, got, want)
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "moe-tiny"])
