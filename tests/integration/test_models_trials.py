@@ -160,6 +160,8 @@ MOE = {
     "zero1_ep2": dict(zero=1, parallel=EP2),
     "zero2_ep2": dict(zero=2, parallel=EP2),
     "fsdp2_ep2": dict(zero=3, engine="fsdp2", parallel=EP2),
+    # the experts' own FSDP2 unit runs its hooks inside the checkpointed layer
+    "fsdp2_ep2_op": dict(zero=3, engine="fsdp2", parallel=EP2, recompute="op"),
     "no_aux": dict(zero=0, model=dataclasses.replace(MOE_TINY, moe_aux_loss_coeff=0.0)),
 }
 
@@ -177,7 +179,8 @@ def test_moe_losses_equal_across_zero_stages_and_fsdp2_at_every_step(moe_trials)
     without it the losses part from the second step on (after the first update)."""
     ref = losses(moe_trials, "zero0")
     assert ref[-1] < ref[0]
-    for name in ("zero1", "zero2", "zero3", "fsdp2", "zero2_op", "fsdp2_op", "zero1_ep2", "zero2_ep2", "fsdp2_ep2"):
+    for name in ("zero1", "zero2", "zero3", "fsdp2", "zero2_op", "fsdp2_op", "zero1_ep2", "zero2_ep2", "fsdp2_ep2",
+                 "fsdp2_ep2_op"):
         assert max_rel_diff(losses(moe_trials, name), ref) < 1e-6, (name, losses(moe_trials, name), ref)
     no_aux = losses(moe_trials, "no_aux")
     assert no_aux[0] == ref[0] and max_rel_diff(no_aux[1:], ref[1:]) > 1e-6, (no_aux, ref)
@@ -192,7 +195,8 @@ def test_moe_gradient_norms_equal_across_engines_stages_and_expert_parallelism(m
     assert moe_trials["zero0"][1].ranks[0].grad_norms == [None] * 4
     ref = moe_trials["zero1"][1].ranks[0].grad_norms
     assert len(ref) == 4 and all(n is not None and n > 0 for n in ref), ref
-    for name in ("zero2", "zero3", "fsdp2", "zero2_op", "fsdp2_op", "zero1_ep2", "zero2_ep2", "fsdp2_ep2"):
+    for name in ("zero2", "zero3", "fsdp2", "zero2_op", "fsdp2_op", "zero1_ep2", "zero2_ep2", "fsdp2_ep2",
+                 "fsdp2_ep2_op"):
         for r in moe_trials[name][1].ranks:
             assert max_rel_diff(r.grad_norms, ref) < 1e-5, (name, r.rank, r.grad_norms, ref)
 

@@ -90,10 +90,25 @@ def gate_shapes(m: ModelConfig) -> set:
     return {(m.hidden_size, m.num_experts)} if m.is_moe else set()
 
 
+def _profiler_marks_ignored() -> None:
+    """torch's selective checkpoint replays the forward's ops by their count, and raises where the
+    recompute calls an op more often than the forward did. The profiler's record_function marks are
+    such ops and carry no data: FSDP2's nested expert unit (parallel.ep > 1) marks its hooks in
+    the recompute other times than in the forward. They join SAC_IGNORED_OPS (checkpoint.py), which
+    both of SAC's dispatch modes run straight through."""
+    from torch.utils import checkpoint
+
+    profiler = torch.ops.profiler
+    checkpoint.SAC_IGNORED_OPS.update({profiler._record_function_enter_new.default,
+                                       profiler._record_function_exit.default,
+                                       profiler._record_function_exit._RecordFunction})
+
+
 def apply(gpt: torch.nn.Module, m: ModelConfig) -> None:
     """Every transformer layer's forward checkpointed with the op policy. Inside the layer's call,
     so the engines' module hooks (FSDP2's unshard, ZeRO-3's gathers) run around it as around any
     forward, and again for the submodules the recompute calls."""
+    _profiler_marks_ignored()
     shapes = gate_shapes(m)
     for layer in gpt.decoder.layers:
         layer.forward = checkpointed(layer.forward, shapes)
