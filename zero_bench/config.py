@@ -15,6 +15,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
+from zero_bench.engines.specs import tag
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
 from zero_bench.models.description import key_fields
@@ -64,6 +65,11 @@ class Loss(StrEnum):
 class EngineName(StrEnum):
     deepspeed = "deepspeed"  # DeepSpeed ZeRO 0-3 (deepspeed.initialize)
     fsdp2 = "fsdp2"  # PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), ZeRO 2/3 semantics
+
+
+# The engine a config without `engine` runs: its configs keep the keys and labels they had before
+# there was a choice. What else differs by engine: zero_bench/engines/specs.py.
+DEFAULT_ENGINE = EngineName.deepspeed
 
 
 class Launcher(StrEnum):
@@ -168,7 +174,7 @@ class BenchConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    engine: EngineName = EngineName.deepspeed
+    engine: EngineName = DEFAULT_ENGINE
     """What shards the model: deepspeed (ZeRO 0-3) or fsdp2 (PyTorch's fully_shard on every
     transformer layer and the root; zero=3 reshards after forward, zero=2 keeps the gathered
     parameters from forward to backward; fp32 or bf16; no DeepSpeed config)."""
@@ -276,7 +282,7 @@ class BenchConfig:
         stores resume and their rows stay one row."""
         d = self.to_dict()
         d["model"] = key_fields(d["model"])
-        if d["engine"] == EngineName.deepspeed:
+        if d["engine"] == DEFAULT_ENGINE:
             d.pop("engine")
         if d["states"] == States.mixed:
             d.pop("states")
@@ -303,10 +309,10 @@ class BenchConfig:
 
 
 def make_label(model: str, tp: int, dp: int, zero: Any, offload: bool, precision: str,
-               engine: str = EngineName.deepspeed) -> str:
+               engine: str = DEFAULT_ENGINE) -> str:
     """E.g. "GPT-mini tp1 dp2 zero3 fp32", "GPT-mini tp1 dp2 zero3 fp32 fsdp2": DeepSpeed's labels read as
     they did before there was a choice of engine."""
-    tail = "" if engine == EngineName.deepspeed else f" {engine}"
+    tail = f" {tag(engine)}" if tag(engine) else ""
     return f"{model} tp{tp} dp{dp} zero{zero}{'+offload' if offload else ''} {precision}{tail}"
 
 

@@ -13,6 +13,7 @@ from zero_bench import cpu_features
 from zero_bench.config import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
                                HardwareConfig, Precision, ReportConfig, SearchConfig, States, composition_error,
                                structured)
+from zero_bench.engines.specs import spec
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
 from zero_bench.models.hf import display_name, read_hf_config
@@ -259,8 +260,8 @@ def auto_precision(device: Device, engine: EngineName, here: bool = True) -> Pre
         return Precision(cpu_features.detect().auto_precision)
     if not here or gpu_bf16():
         return Precision.bf16
-    if engine == EngineName.fsdp2:
-        raise ConfigError("precision=auto: this GPU has no bf16 (compute capability < 8.0) and engine=fsdp2 "
+    if not spec(engine).runs_fp16:
+        raise ConfigError(f"precision=auto: this GPU has no bf16 (compute capability < 8.0) and engine={engine} "
                           "runs no fp16; allowed here: precision=fp32")
     return Precision.fp16
 
@@ -277,8 +278,7 @@ def resolve(b: BenchConfig, here: bool = True) -> BenchConfig:
     precision = b.precision
     if precision == Precision.auto:
         precision = auto_precision(Device(device), b.engine, here)
-    # fsdp2's CPUOffloadPolicy moves parameters with the optimizer states: one key, `offload`.
-    follows = b.offload if b.engine == EngineName.fsdp2 else b.offload and b.zero == 3
+    follows = b.offload and spec(b.engine).offload_param_follows(b.zero)
     offload_param = bool(follows) if b.offload_param is None else b.offload_param
     return dataclasses.replace(b, hardware=dataclasses.replace(b.hardware, device=Device(device)),
                                precision=precision, offload_param=offload_param)
@@ -288,8 +288,7 @@ def validate_static(b: BenchConfig) -> None:
     """Checks across keys that need only the config (inside a grid, a failing combination is
     recorded as skipped rather than ending the sweep)."""
     m, tp = b.model, b.parallel.tp
-    if b.engine == EngineName.fsdp2:
-        check_fsdp2(b)
+    spec(b.engine).validate(b, "engine")
     check_states(b)
     check_hybrid(b)
     check_expert_parallel(b)
@@ -322,8 +321,7 @@ def validate_static(b: BenchConfig) -> None:
                           "(or set model.head_dim)")
     if b.offload and b.zero == 0:
         raise ConfigError("offload=true: needs ZeRO stage 1, 2 or 3 (got zero=0); allowed with zero=0: false")
-    if b.offload_param and b.zero != 3 and b.engine == EngineName.deepspeed:
-        raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
+    spec(b.engine).validate(b, "offload_param")
     if b.precision == "fp16" and b.hardware.device == "cpu":
         raise ConfigError("precision=fp16: not supported by DeepSpeed's CPU accelerator; allowed on cpu: fp32, bf16")
 
@@ -336,10 +334,7 @@ def check_hybrid(b: BenchConfig) -> None:
     if dp % shard:
         raise ConfigError(f"parallel.dp_shard={shard}: must divide parallel.dp={dp} (groups of dp_shard ranks "
                           "each hold one copy of the sharded states)")
-    if b.engine != EngineName.fsdp2:
-        raise ConfigError(f"parallel.dp_shard={shard}: hybrid sharding runs with engine=fsdp2 (a 2-D device mesh); "
-                          "DeepSpeed's MiCS / ZeRO++ hpZ are not wired in; allowed with engine=deepspeed: "
-                          "parallel.dp_shard=null")
+    spec(b.engine).validate(b, "hybrid")
     if b.parallel.tp > 1:
         raise ConfigError(f"parallel.dp_shard={shard}: hybrid sharding is modelled at parallel.tp=1 (megatron's "
                           f"DP groups at tp {b.parallel.tp} are not one mesh); allowed with tp > 1: "
@@ -362,13 +357,7 @@ def check_expert_parallel(b: BenchConfig) -> None:
     if b.parallel.dp_shard not in (None, dp):
         raise ConfigError(f"parallel.ep={ep}: hybrid sharding with expert parallelism is not modelled; "
                           "allowed with parallel.ep > 1: parallel.dp_shard=null")
-    if b.engine == EngineName.deepspeed and b.zero in (0, 3):
-        why = ("DeepSpeed refuses its MoE with ZeRO stage 3 (engine.py: 'Native DeepSpeed MoE is not "
-               "supported with ZeRO Stage 3')" if b.zero == 3 else
-               "DeepSpeed's ZeRO-0 clips the gradients by the ranks' averaged norm, not the whole "
-               "model's, when each rank holds other experts")
-        raise ConfigError(f"parallel.ep={ep}: {why}; allowed with parallel.ep > 1: zero=1, zero=2, "
-                          "or engine=fsdp2")
+    spec(b.engine).validate(b, "expert_parallel")
 
 
 def check_states(b: BenchConfig) -> None:
@@ -378,34 +367,7 @@ def check_states(b: BenchConfig) -> None:
     if b.precision != Precision.bf16:
         raise ConfigError(f"states={b.states}: needs precision=bf16 (got {b.precision}); allowed with "
                           f"precision={b.precision}: states=mixed")
-    if b.states == States.bf16 and b.engine == EngineName.deepspeed:
-        if b.zero == 0:
-            raise ConfigError("states=bf16: DeepSpeed keeps bf16 master weights and optimizer states with "
-                              "ZeRO 1-3 only (bf16_master_weights_and_grads); allowed with zero=0: states=mixed")
-        if b.offload:
-            raise ConfigError("states=bf16: DeepSpeed offloads bf16 optimizer states only to its CPUAdam "
-                              "(fp32_optimizer_states=false), which zero_bench does not run; allowed with "
-                              "offload=true: states=mixed")
-
-
-def check_fsdp2(b: BenchConfig) -> None:
-    """What engine=fsdp2 cannot run, each in one line with the nearest choices."""
-    if b.zero not in (2, 3):
-        raise ConfigError(f"zero={b.zero}: engine=fsdp2 always shards parameters; allowed with fsdp2: zero=2 "
-                          "(gathered parameters kept from forward to backward) or zero=3 (resharded after "
-                          "forward); engine=deepspeed for zero=0/1")
-    if b.precision == Precision.fp16:
-        raise ConfigError("precision=fp16: engine=fsdp2 has no dynamic loss scaling wired in (torch's "
-                          "ShardedGradScaler), and unscaled fp16 gradients under- and overflow; allowed with "
-                          "fsdp2: fp32, bf16")
-    if b.offload_param != b.offload:
-        raise ConfigError(f"offload_param={str(b.offload_param).lower()}: engine=fsdp2 offloads parameters, "
-                          "gradients and optimizer states together (CPUOffloadPolicy); set offload=true or "
-                          "false alone")
-    if b.ds_preset != "default" or b.ds:
-        key = f"ds_preset={b.ds_preset}" if b.ds_preset != "default" else "ds"
-        raise ConfigError(f"{key}: DeepSpeed settings; engine=fsdp2 reads no DeepSpeed config; allowed with "
-                          "fsdp2: ds_preset=default and no ds.* keys")
+    spec(b.engine).validate(b, "states")
 
 
 # -- the keys, for `zero_bench --help` ------------------------------------------------------------

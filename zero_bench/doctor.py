@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from zero_bench import cpu_features, metrics
-from zero_bench.config import Device, EngineName
+from zero_bench.config import DEFAULT_ENGINE, Device, EngineName
 from zero_bench.configure import auto_precision, from_cfg
 from zero_bench.cpu_features import CpuFeatures
+from zero_bench.engines.specs import spec
 from zero_bench.errors import ConfigError
 from zero_bench.hosts import check_hostfile, master_addr
 from zero_bench.nvml import Nvml
@@ -189,7 +190,7 @@ def needed_ops(bench) -> dict[str, str]:
     FusedAdam cannot be built, GPU runs use torch's fused AdamW (ds_config), which needs no build.
     engine=fsdp2 builds none: torch's own AdamW and process group.
     """
-    if bench.engine == EngineName.fsdp2:
+    if not spec(bench.engine).builds_deepspeed_ops:
         return {}
     if bench.hardware.device == "cpu":
         return {"deepspeed_shm_comm": "init_distributed on CPU (~34 s to JIT-build once)"}
@@ -357,7 +358,7 @@ def doctor_checks(cfg: Any) -> list[Check]:
     run_checks, bench = check_run(cfg)
     device = bench.hardware.device if bench is not None else "cpu"
     precision = bench.precision if bench is not None else "bf16"
-    engine = bench.engine if bench is not None else EngineName.deepspeed
+    engine = bench.engine if bench is not None else DEFAULT_ENGINE
     checks = check_accelerator(device) + check_cpu(device, engine)
     checks += [check_nvml(device), check_peak_flops(device, precision)]
     checks += check_ops(bench) + check_launchers(bench) + run_checks

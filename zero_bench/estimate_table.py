@@ -11,8 +11,9 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from zero_bench.config import BenchConfig, ConfigError, EngineName
+from zero_bench.config import BenchConfig, ConfigError
 from zero_bench.configure import from_cfg, validate_static
+from zero_bench.engines.specs import spec
 from zero_bench.estimate import Estimate, estimate
 from zero_bench.models.description import summary
 from zero_bench.records import SearchStatus
@@ -49,8 +50,8 @@ def variants(bench: BenchConfig, explicit: frozenset) -> list[BenchConfig]:
     out = []
     for z in stages:
         for off in offloads:
-            # offload_param follows offload as configure.resolve has it (fsdp2: always)
-            follows = off and (z == 3 or bench.engine == EngineName.fsdp2)
+            # offload_param follows offload as configure.resolve has it (the engine's spec says when)
+            follows = off and spec(bench.engine).offload_param_follows(z)
             op = bench.offload_param if "offload_param" in explicit else follows
             v = dataclasses.replace(bench, zero=z, offload=off, offload_param=op)
             try:

@@ -27,9 +27,10 @@ import psutil
 
 from zero_bench import ds_config as dsc
 from zero_bench.capacity import capacity_bytes
-from zero_bench.config import BenchConfig, EngineName
+from zero_bench.config import BenchConfig
 from zero_bench.configure import resolve
 from zero_bench.cpu_features import onednn_limit, torch_capability
+from zero_bench.engines.specs import spec as engine_spec
 from zero_bench.environment import machine_environment_cached
 from zero_bench.gpu import DEVICES_ENV
 from zero_bench.hosts import check_hostfile, device_tokens, local_ranks, master_addr
@@ -295,7 +296,7 @@ class _Launch:
         for old in self.run_dir.glob("rank*.jsonl"):
             old.unlink()
         ds_path = ""  # engine=fsdp2 reads no DeepSpeed config
-        if self.cfg.engine == EngineName.deepspeed:
+        if engine_spec(self.cfg.engine).reads_ds_config:
             self.ds = dsc.write(self.cfg, self.run_dir / "ds_config.json")
             ds_path = str((self.run_dir / "ds_config.json").resolve())
         self.cap = capacity_bytes(self.cfg)

@@ -39,7 +39,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 REFUSED_EXIT = 75  # sysexits.h EX_TEMPFAIL: this pool cannot serve; a launch per trial can
 
 
-# What every trial imports, whichever engine it runs (zero_bench.engines imports both: one pool
+# What every trial imports, whichever engine it runs (zero_bench.engines.base imports both: one pool
 # serves a sweep over engine=deepspeed,fsdp2); children inherit these instead of importing them again.
 PRELOAD = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
            "deepspeed.runtime.zero.stage_1_and_2", "torch.distributed.fsdp", "torch.distributed.tensor",

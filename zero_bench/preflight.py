@@ -10,7 +10,8 @@ from typing import Optional
 import psutil
 
 from zero_bench.capacity import search_capacity
-from zero_bench.config import BenchConfig, ConfigError, EngineName, States, make_label
+from zero_bench.config import DEFAULT_ENGINE, BenchConfig, ConfigError, States, make_label
+from zero_bench.engines.specs import spec
 from zero_bench.ds_config import check_with_deepspeed
 from zero_bench.estimate import estimate
 from zero_bench.hosts import check_hostfile, device_tokens, local_ranks
@@ -69,7 +70,7 @@ def validate_machine(b: BenchConfig) -> None:
         raise ConfigError(f"hardware.num_nodes={b.hardware.num_nodes}: needs hardware.hostfile (the nodes' hosts; "
                           "hardware.hostfile=slurm inside a Slurm allocation)")
     check_devices(b)
-    if b.engine == EngineName.deepspeed:  # fsdp2 reads no DeepSpeed config (configure refuses ds.* with it)
+    if spec(b.engine).reads_ds_config:  # others' specs refuse ds.* (configure.validate_static)
         check_with_deepspeed(b)
     if b.hardware.hostfile:
         check_hostfile(b)  # ranks live on the hostfile's hosts, not here
@@ -129,10 +130,10 @@ def skipped_search(c: dict, reason: str) -> SearchResult:
     """A grid entry that failed validation (`c`: the composed config as a dict), recorded with its
     reason and shown in the report."""
     m, p = c["model"], c["parallel"]
-    engine = c.get("engine") or EngineName.deepspeed
+    engine = c.get("engine") or DEFAULT_ENGINE
     label = make_label(m["name"], p["tp"], p["dp"], c["zero"], c["offload"], c["precision"], engine)
     keyed = {k: c[k] for k in ("model", "parallel", "zero", "offload", "precision", "batch")}
-    if engine != EngineName.deepspeed:  # DeepSpeed's skipped entries keep the keys they had before `engine`
+    if engine != DEFAULT_ENGINE:  # the default engine's skipped entries keep the keys they had before `engine`
         keyed["engine"] = engine
     key = "skip-" + hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return SearchResult(search_key=key, label=label, status=SearchStatus.SKIPPED, note=reason, config=c)

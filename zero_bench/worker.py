@@ -27,7 +27,7 @@ import torch
 
 from zero_bench.calibration import FixedTermsProbe
 from zero_bench.capacity import compared_peak, over_capacity
-from zero_bench.engines import Engine, build_engine, init_distributed
+from zero_bench.engines.base import Engine, build_engine, init_distributed
 from zero_bench.faults import inject
 from zero_bench.gpu import RankGpu, baseline, near_full
 from zero_bench.oom import is_oom

@@ -1,6 +1,6 @@
 """fp16's dynamic loss scale through the worker's real plan logic (Rank.run_entry, Rank.step, the
 profiled step, the records). DeepSpeed's CPU accelerator refuses fp16, so the one stand-in is the
-engine (zero_bench.engines.Engine): it overflows (skips the update, halves the scale) the way
+engine (zero_bench.engines.base.Engine): it overflows (skips the update, halves the scale) the way
 DeepSpeed's fp16 optimizers do, and an applied step takes measurably longer than a skipped one."""
 from __future__ import annotations
 

@@ -212,7 +212,7 @@ def test_fsdp2_process_group_backend(monkeypatch, device, offload, backend):
     import deepspeed
     import torch
 
-    from zero_bench.engines import init_distributed
+    from zero_bench.engines.base import init_distributed
 
     calls = {}
     monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: calls.setdefault("deepspeed", True))

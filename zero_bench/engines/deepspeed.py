@@ -17,8 +17,9 @@ from zero_bench.models.shims import install_cpu_checkpoint
 from zero_bench.records import TrialSpec
 
 
-def init_distributed() -> None:
-    """DeepSpeed's own: it picks the accelerator's backend (gloo on CPU, NCCL on GPU)."""
+def init_distributed(cfg: BenchConfig, on_cpu: bool) -> None:
+    """DeepSpeed's own: it picks the accelerator's backend (gloo on CPU, NCCL on GPU); the arguments
+    are the registry's (specs.EngineSpec.init_distributed), unused here."""
     deepspeed.init_distributed()
 
 

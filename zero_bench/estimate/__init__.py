@@ -35,8 +35,8 @@ from typing import Mapping, Optional
 from zero_bench import calibration
 from zero_bench.calibration import BUILT_IN_CPU, PUBLISHED, Calibration
 from zero_bench.capacity import search_capacity
-from zero_bench.config import BenchConfig, EngineName
-from zero_bench.estimate import fsdp2
+from zero_bench.config import DEFAULT_ENGINE, BenchConfig
+from zero_bench.engines.specs import load, spec, tag
 from zero_bench.hosts import local_ranks
 from zero_bench.records import Seed
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
@@ -97,7 +97,7 @@ class Estimate:
     local_ranks: int = 1
     capacity: Optional[int] = None
     act_phase: dict = field(default_factory=dict)  # phase -> activation bytes per sample; {}: act_per_sample in "act"
-    engine: str = EngineName.deepspeed
+    engine: str = DEFAULT_ENGINE
     ep: int = 1  # expert-parallel degree: params_per_shard holds the rank's num_experts / ep experts
     partitioned_params: Optional[int] = None  # what the dp ranks' ZeRO partitions split (each holds
     # this / dp): params_per_shard at ep 1; with ep > 1 the dense parameters and all E experts
@@ -204,7 +204,7 @@ class Estimate:
         s = self.states
         m = self.max_micro()
         return {
-            "config": ("fsdp2 " if self.engine == EngineName.fsdp2 else "") + f"zero{self.zero}"
+            "config": (f"{tag(self.engine)} " if tag(self.engine) else "") + f"zero{self.zero}"
                       + ("+offload" if self.offload_optimizer else "")
                       + ("+param" if self.offload_param else ""),
             "params": s["params"], "grads": s["grads"], "optimizer": s["optimizer"],
@@ -226,14 +226,20 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     """The prediction for one BenchConfig (its device, precision, stage, offload, dp, tp, ep)."""
     m, tp, dp, ep = bench.model, bench.parallel.tp, bench.parallel.dp, bench.parallel.ep
     P = m.params_per_shard(tp, ep)  # held by the rank: with ep > 1 its E/ep experts per MoE layer
-    on_cpu = bench.hardware.device == "cpu"
     common = dict(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
                   offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=dp, tp=tp,
                   num_params=m.num_params, params_per_shard=P, local_ranks=local_ranks(bench),
                   engine=bench.engine, capacity=capacity if capacity is not None else search_capacity(bench),
                   ep=ep, partitioned_params=m.params_per_shard(tp) if ep > 1 else None, **fixed_terms(bench))
-    if bench.engine == EngineName.fsdp2:
-        return Estimate(**common, **fsdp2.parts(bench))
+    return Estimate(**common, **load(spec(bench.engine).estimate_parts)(bench, ds))
+
+
+def deepspeed_parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
+    """The engine-specific fields of Estimate for engine=deepspeed (its spec's estimate_parts). ds: the
+    trial's DeepSpeed JSON where the caller has it (its buffers read it), else the composed one's."""
+    m, tp, dp, ep = bench.model, bench.parallel.tp, bench.parallel.dp, bench.parallel.ep
+    P = m.params_per_shard(tp, ep)
+    on_cpu = bench.hardware.device == "cpu"
     states = model_states_bytes(m.params_per_shard(tp), bench.zero, dp, 1, bench.precision,
                                 bench.offload, bench.offload_param and bench.zero == 3, states=bench.states,
                                 ep=ep, expert_params=m.routed_expert_params(tp))
@@ -252,9 +258,8 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     buffers = deepspeed_buffers(bench, ds)
     if bench.loss == "chunked":
         buffers["loss_chunk"] = {"bytes": loss_chunk_bytes(m, bench.precision), "phases": ["act"]}
-    return Estimate(**common, states=states, buffers=buffers, activations=act,
-                    act_per_sample=int(per_sample * factor), init_peak=init_peak(bench, P),
-                    grads_phase={k: int(v) for k, v in grads_phase.items()})
+    return dict(states=states, buffers=buffers, activations=act, act_per_sample=int(per_sample * factor),
+                init_peak=init_peak(bench, P), grads_phase={k: int(v) for k, v in grads_phase.items()})
 
 
 def fixed_terms(bench: BenchConfig) -> dict:

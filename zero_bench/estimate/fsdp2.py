@@ -43,7 +43,7 @@ experts (G above, with E / ep experts). Hybrid sharding (dp_shard) with ep > 1 i
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Mapping, Optional
 
 from zero_bench.config import BenchConfig
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
@@ -135,10 +135,18 @@ def layer_phases(L: int) -> dict[str, int]:
     return out
 
 
-def parts(bench: BenchConfig) -> dict:
+def stored_states(s) -> dict:
+    """model_states for a stored config as the report reads it (report.tables.Setup): the fsdp2
+    spec's stored_states. Sharded over the shard group (hybrid sharding: dp_shard ranks)."""
+    return model_states(ModelConfig(**s.model), s.dp_shard or s.dp, s.tp, s.precision, s.offload,
+                        states=s.states, ep=s.ep)
+
+
+def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     """The engine-specific fields of zero_bench.estimate.Estimate for engine=fsdp2: states, buffers
     (name -> bytes and the phases they are alive in), the gradients and the activation bytes per
-    sample of each phase, and the peak while the model is built."""
+    sample of each phase, and the peak while the model is built (its spec's estimate_parts; `ds` unread:
+    no DeepSpeed config)."""
     # every state is sharded over the shard group (hybrid sharding: dp_shard ranks), not all dp ranks
     m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp_shard or bench.parallel.dp
     ep = bench.parallel.ep  # > 1: the experts over dp / ep ranks (no dp_shard then: configure.py)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zero_bench.config import DEFAULT_ENGINE
+from zero_bench.engines.specs import spec
 from zero_bench.units import MiB
 
 MB = 10**6  # NCCL's reports are in decimal megabytes
@@ -95,7 +97,7 @@ def outside_allocator(module_loading: str, tp: int, dp: int, end: int = 1, ep: i
     return OutsideAllocator(cuda_context=CUDA_CONTEXT[module_loading][end], nccl=nccl_bytes(tp, dp, ep))
 
 
-def fragmentation(zero: int, engine: str = "deepspeed") -> float:
+def fragmentation(zero: int, engine: str = DEFAULT_ENGINE) -> float:
     """The allocator's reserved / allocated at the peak. FSDP2: no published ratio, so none is applied
     (the estimate then sizes its allocated bytes only, and says so in its terms)."""
-    return FRAGMENTATION[zero] if engine == "deepspeed" else 1.0
+    return FRAGMENTATION[zero] if spec(engine).published_fragmentation else 1.0

@@ -125,3 +125,12 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
     out = {"params": params, "grads": grads, "master": master, "moments": moments,
            "optimizer": master + moments, "gpu": gpu, "cpu": cpu}
     return {k: int(round(v)) for k, v in out.items()}
+
+
+def stored_states(s) -> dict:
+    """model_states_bytes for a stored config as the report reads it (report.tables.Setup): the
+    deepspeed spec's stored_states, so the report asks the engine's spec, not its name."""
+    experts = s.description.routed_expert_params(1) if s.ep > 1 else 0  # ep > 1 runs at tp 1
+    return model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
+                              offload_optimizer=s.offload, offload_param=s.offload_param, states=s.states,
+                              ep=s.ep, expert_params=experts)

@@ -15,13 +15,15 @@ from typing import Optional
 
 import pandas as pd
 
+from zero_bench.config import DEFAULT_ENGINE
+from zero_bench.engines.specs import SPECS
 from zero_bench.report.costs import COST_PER_HOUR, COST_PER_MTOK, COST_TO_TRAIN, DAYS_TO_TRAIN, tokens_text
 from zero_bench.report.views import baseline_index
 
 GROUP = ["Model", "num_layers", "hidden_size", "num_heads", "device"]
 SPS, BSZ = "Throughput (samples/sec)", "Max Global BSZ"
 # Keys that tell configurations of one group apart, and how a name shows each (ZeRO stage always).
-NAMED = {"engine": lambda v: {"fsdp2": "on FSDP2"}.get(v, "on DeepSpeed"),
+NAMED = {"engine": lambda v: f"on {SPECS.get(v, SPECS[DEFAULT_ENGINE]).title}",
          "data parallel": lambda v: f"dp{v:g}", "model parallel": lambda v: f"tp{v:g}",
          "CPU Offload": lambda v: {"No": "", "Yes": "+ offload"}.get(v, f"+ offload {v[4:]}".strip()),
          "precision": str, "recompute": lambda v: f"recompute {v}", "compile": lambda v: "compiled" if v == "Yes" else

@@ -9,9 +9,8 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import EngineName, States
-from zero_bench.estimate import model_states_bytes
-from zero_bench.estimate.fsdp2 import model_states as fsdp2_model_states
+from zero_bench.config import DEFAULT_ENGINE, States
+from zero_bench.engines.specs import SPECS, load, spec
 from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu
 from zero_bench.models import ModelConfig
 from zero_bench.models.description import from_stored
@@ -54,7 +53,7 @@ class Setup:
     recompute: str
     ds_preset: str
     compile: bool
-    engine: str = EngineName.deepspeed
+    engine: str = DEFAULT_ENGINE
     states: str = States.mixed
     recompute_layers: int = 1
     dp_shard: Optional[int] = None
@@ -88,7 +87,7 @@ def setup_of(c: dict) -> Setup:
                  offload_param=bool(c.get("offload_param") or False), precision=str(c.get("precision", "")),
                  device=str(hw.get("device", "")), grad_accum=int(batch.get("grad_accum", 1)),
                  recompute=str(c.get("recompute") or "none"), ds_preset=preset_name(c.get("ds_preset")),
-                 compile=bool(c.get("compile", False)), engine=str(c.get("engine") or EngineName.deepspeed),
+                 compile=bool(c.get("compile", False)), engine=str(c.get("engine") or DEFAULT_ENGINE),
                  states=str(c.get("states") or States.mixed), recompute_layers=int(c.get("recompute_layers") or 1),
                  dp_shard=par.get("dp_shard"), ep=int(par.get("ep") or 1))
 
@@ -247,14 +246,7 @@ def estimated_model_states(s: Setup, with_grads: bool = True) -> Optional[int]:
 def estimate_or_error(s: Setup, with_grads: bool = True) -> tuple[Optional[int], str]:
     """The estimate's model states for one rank, or None and why it could not answer."""
     try:
-        if s.engine == EngineName.fsdp2:
-            est = fsdp2_model_states(ModelConfig(**s.model), s.dp_shard or s.dp, s.tp, s.precision, s.offload,
-                                     states=s.states, ep=s.ep)
-        else:
-            experts = s.description.routed_expert_params(1) if s.ep > 1 else 0  # ep > 1 runs at tp 1
-            est = model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
-                                     offload_optimizer=s.offload, offload_param=s.offload_param, states=s.states,
-                                     ep=s.ep, expert_params=experts)
+        est = load(spec(s.engine).stored_states)(s)
         total = int(est["gpu"]) + int(est["cpu"])
         return (total if with_grads else total - int(est.get("grads", 0))), ""
     except Exception as exc:  # noqa: BLE001 - the row says so (Notes); its columns stay, empty
@@ -359,11 +351,8 @@ def environment_frames(env: dict, env_source: str, peaks: Peaks, rows: list[Row]
         notes.append("CPU: devices are ranks and memory is each rank's RSS; MFU/HFU use a measured matmul peak.")
     if any(s.offload or s.offload_param for s in on_cpu):
         notes.append("CPU offload on CPU moves bytes from CPU to CPU: it runs the code path but cannot lower RSS.")
-    if any(setup_of(r.config).engine == EngineName.fsdp2 for r in rows):
-        notes.append("engine=fsdp2: PyTorch FSDP2 (fully_shard on every layer and the root); zero=3 reshards "
-                     "after forward (FULL_SHARD), zero=2 keeps the gathered parameters until backward "
-                     "(SHARD_GRAD_OP); same model, data, optimizer and measurements as DeepSpeed; no DeepSpeed "
-                     "config (its ds_config cell is {}).")
+    engines = {setup_of(r.config).engine for r in rows}
+    notes += [s.report_note for name, s in SPECS.items() if s.report_note and name in engines]
     per_row = [_reproduce(r, loaded) for r in rows]
     return [("Machine", pd.DataFrame(facts, columns=["item", "value"])),
             ("Peak FLOP/s used for MFU/HFU", pd.DataFrame(peak_rows, columns=["device", "precision",

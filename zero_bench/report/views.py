@@ -10,6 +10,8 @@ from typing import Optional
 
 import pandas as pd
 
+from zero_bench.config import DEFAULT_ENGINE
+from zero_bench.engines.specs import SPECS
 from zero_bench.records import TrialResult
 from zero_bench.report.costs import COST_PER_MTOK, present
 from zero_bench.report.rows import Row
@@ -21,7 +23,7 @@ from zero_bench.units import MiB
 LEAD = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel", "ZeRO Stage",
         "CPU Offload", "Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)"]
 # Keys "what each optimization buys" compares, and each one's order from baseline to most optimised.
-OPTIMIZATIONS = {"ZeRO Stage": [0, 1, 2, 3], "engine": ["deepspeed", "fsdp2"],
+OPTIMIZATIONS = {"ZeRO Stage": [0, 1, 2, 3], "engine": list(SPECS),
                  "CPU Offload": ["No", "Yes", "Yes (+params)"],
                  "precision": ["fp32", "fp16", "bf16"], "recompute": ["none", "selective", "op", "block", "full"],
                  "compile": ["No", "Yes"], "ds preset": ["default", "megatron_deepspeed"]}
@@ -39,7 +41,7 @@ def summary_view(details: pd.DataFrame) -> pd.DataFrame:
     its number (what the charts read); everything else is on the Details sheet."""
     out = details.reindex(columns=LEAD[:-1]).copy()
     engines = details.get("engine", pd.Series(dtype=object)).dropna()
-    if (engines != "deepspeed").any():  # only then: a ZeRO-only report keeps the reference table's layout
+    if (engines != DEFAULT_ENGINE).any():  # only then: a ZeRO-only report keeps the reference table's layout
         out.insert(LEAD.index("ZeRO Stage"), "engine", engines)
     out["Throughput (samples/sec)"] = details.get("Throughput (samples/sec)")
     kinds = set(details.get("memory of", pd.Series(dtype=object)).dropna())
