@@ -214,16 +214,21 @@ def test_moe_states_are_every_experts_and_peaks_near_the_estimate(moe_trials):
     """Every expert's parameters, counted by params.py, in each engine's exact states (ep 1: each
     rank holds or shards all of them; ep 2: its 4 experts whole, or their shards); peak RSS within
     the ZeRO stages' 12 %, the live peak within 6 % where the estimate's activations decide it
-    (ZeRO-0, ZeRO-3, FSDP2; measured -4.1 % to +1.0 %)."""
+    (ZeRO-0, ZeRO-3, FSDP2; measured -4.1 % to +1.0 %). At ep 2 a rank computes the rows its 4
+    experts are sent from both ranks: routing imbalance between the halves moves each rank (measured
+    -4.5 % and +2.2 % natively, +7.0 % on rank 0 under AVX2 kernels), while the pair's mean keeps
+    the estimate's balanced share."""
     for name, (cfg, res) in moe_trials.items():
         assert res.status == "ok", (name, res.reason)
         e = estimate(cfg)
         for r in res.ranks:
             assert r.model_states["numel_local"] == pytest.approx(local_numel(cfg, r.rank), abs=cfg.parallel.dp), name
             assert e.peak_bytes(2) == pytest.approx(r.peak_rss_bytes, rel=0.12), (name, r.rank)
-            if name in ("zero0", "zero3", "fsdp2", "fsdp2_op", "fsdp2_ep2"):
-                live = e.peak_bytes(2) - e.overhead
-                assert live == pytest.approx(r.peak_live_bytes, rel=0.06), (name, r.rank, live, r.peak_live_bytes)
+        if name in ("zero0", "zero3", "fsdp2", "fsdp2_op", "fsdp2_ep2"):
+            live, measured = e.peak_bytes(2) - e.overhead, [r.peak_live_bytes for r in res.ranks]
+            each = 0.12 if cfg.parallel.ep > 1 else 0.06
+            assert all(live == pytest.approx(x, rel=each) for x in measured), (name, live, measured)
+            assert live == pytest.approx(sum(measured) / len(measured), rel=0.06), (name, live, measured)
     for name, ep in (("fsdp2", 1), ("fsdp2_ep2", 2)):
         states = moe_trials[name][1].ranks[0].model_states
         want = fsdp2_states(MOE_TINY, 2, ep=ep)
