@@ -255,13 +255,8 @@ class BenchConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "BenchConfig":
         """A stored config (TrialResult.config, a trial spec) -> BenchConfig; keys written by other
-        versions of zero_bench are mapped or dropped, missing ones take the schema's defaults."""
-        d = dict(d)
-        if "offload_optimizer" in d:  # the field's name before it matched the user's key
-            d["offload"] = d.pop("offload_optimizer")
-        if isinstance(d.get("ds_preset"), dict):  # once a config group {name: ...}
-            d["ds_preset"] = d["ds_preset"].get("name", "default")
-        return structured(cls, known_only(d, cls))
+        versions of zero_bench are mapped (migrated) or dropped, missing ones take the schema's defaults."""
+        return structured(cls, known_only(migrated(d), cls))
 
     def search_key(self) -> str:
         """Stable id of everything but the batch, with the software that runs it: one search per key,
@@ -421,6 +416,34 @@ def _allowed(cause: BaseException) -> str:
     return msg
 
 
+def migrated(d: dict) -> dict:
+    """A stored config with the keys older versions of zero_bench wrote under other names or shapes
+    mapped to today's: the one place these migrations live (BenchConfig.from_dict, stored_settings)."""
+    d = dict(d)
+    if "offload_optimizer" in d:  # the field's name before it matched the user's key
+        d["offload"] = d.pop("offload_optimizer")
+    if isinstance(d.get("ds_preset"), dict):  # once a config group {name: ...}
+        d["ds_preset"] = d["ds_preset"].get("name", "default")
+    return d
+
+
+def stored_settings(d: dict) -> BenchConfig:
+    """A stored config's settings read as BenchConfig.from_dict reads them (its migrations, the
+    schema's defaults and types), but for the model: a skipped grid entry stores the composed config
+    as given, whose model may be partial, so the model is not read here. The result's model is
+    ModelConfig's unfilled defaults: read the stored model with models.description.from_stored."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    values = known_only({k: v for k, v in migrated(d).items() if k != "model"}, BenchConfig)
+    settings = [f.name for f in dataclasses.fields(BenchConfig) if f.name != "model"]
+    try:
+        merged = OmegaConf.merge(_schema(), values)
+        return BenchConfig(**OmegaConf.to_object(OmegaConf.masked_copy(merged, settings)))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(composition_error(exc, [])) from None
+
+
 def structured(cls, values: dict, prefix: str = "") -> Any:
     """`values` (a plain dict; `prefix` names its section in messages) checked against dataclass `cls`
     and turned into an instance of it."""
@@ -460,10 +483,24 @@ def known_only(values: dict, cls) -> dict:
 
 def _dataclass_of(cls, name: str):
     """The dataclass type of a field (annotations are strings under `from __future__ import annotations`)."""
+    hint = _hints(cls).get(name)
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    """typing.get_type_hints, once per class: the report reads every stored config through the schema."""
     import typing
 
-    hint = typing.get_type_hints(cls).get(name)
-    return hint if dataclasses.is_dataclass(hint) else None
+    return typing.get_type_hints(cls)
+
+
+@functools.lru_cache(maxsize=1)
+def _schema():
+    """BenchConfig as an OmegaConf node, built once (OmegaConf.merge copies it, never changes it)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(BenchConfig)
 
 
 @functools.lru_cache(maxsize=1)

@@ -86,6 +86,47 @@ class Seed:
     per_sample: Optional[int] = None
 
 
+@dataclass(frozen=True)
+class ModelStates:
+    """Exact bytes of one rank's model states as its engine counted them after an optimizer step,
+    every tensor wherever it lives (device or host). RankRecord.model_states stores it as to_dict()
+    (the key names below, which old stores carry too); readers go through from_dict, so one place
+    says what a missing key means."""
+    params: int = 0
+    """What the module holds (ZeRO-3: its partition; FSDP2 with bf16 compute: 0, its fp32 shards are
+    the master)."""
+    master: int = 0
+    """The tensors the optimizer updates when they are not the params (fp32 copies)."""
+    moments: int = 0
+    """The optimizer's own state (AdamW's moments), stored under "optimizer". Not the estimate's
+    "optimizer" (estimate/states.py), which is master + moments."""
+    grads: int = 0
+    """Gradients still referenced when counted: after the step ZeRO and FSDP2 may have freed them."""
+    numel_local: int = 0
+    """Elements of this rank's parameters (its partitions or local shards)."""
+    grads_at_step: Optional[int] = None
+    """FSDP2: bytes of the sharded gradients the step read (grads is 0 after it); None: not counted
+    (DeepSpeed), and then not stored."""
+
+    @property
+    def total(self) -> int:
+        """params + master + moments + grads: what the report compares with the estimate."""
+        return self.params + self.master + self.moments + self.grads
+
+    def to_dict(self) -> dict:
+        """The stored form: the keys (and their order) engines wrote before this record existed."""
+        d = {"params": self.params, "master": self.master, "optimizer": self.moments, "grads": self.grads,
+             "numel_local": self.numel_local}
+        return d if self.grads_at_step is None else {**d, "grads_at_step": self.grads_at_step}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelStates":
+        """A stored dict; a key it lacks counts 0 (grads_at_step: None), unknown keys are ignored."""
+        return cls(params=d.get("params", 0), master=d.get("master", 0), moments=d.get("optimizer", 0),
+                   grads=d.get("grads", 0), numel_local=d.get("numel_local", 0),
+                   grads_at_step=d.get("grads_at_step"))
+
+
 @dataclass
 class TrialSpec:
     """trial.json: everything a rank needs to run one trial's plan, written by the runner."""
@@ -196,7 +237,7 @@ class RankRecord:
     # (deepspeed.zero.Init; FSDP2: each layer sharded as soon as it is built)
     build_bytes: Optional[int] = None  # the engine's build at its peak, above what the process held before
     # it: torch's peak allocated on GPU; on CPU peak RSS (VmHWM) after it, an upper bound (worker.build_peak)
-    model_states: dict = field(default_factory=dict)  # exact bytes: params / master / optimizer / grads
+    model_states: dict = field(default_factory=dict)  # ModelStates.to_dict() (read with ModelStates.from_dict)
     offloaded: dict = field(default_factory=dict)  # what the engine holds off the device: optimizer / params
     torch_peak_allocated: Optional[int] = None
     torch_peak_reserved: Optional[int] = None

@@ -31,7 +31,7 @@ from zero_bench.engines.base import Engine, build_engine, init_distributed
 from zero_bench.faults import inject
 from zero_bench.gpu import RankGpu, baseline, near_full
 from zero_bench.oom import is_oom
-from zero_bench.records import OOM_EXIT, Event, Mode, RankRecord, RankStatus, TrialSpec
+from zero_bench.records import OOM_EXIT, Event, Mode, ModelStates, RankRecord, RankStatus, TrialSpec
 
 PHASES = ("init", "forward", "backward", "step", "idle")
 # An fp16 run that overflows this often in a row is broken (DeepSpeed halves the scale each time
@@ -210,7 +210,7 @@ class Rank:
         self.log_path = log_path(spec, rank)
         self.steps_done = 0  # optimizer steps so far: seeds each step's tokens
         self.compile_s: Optional[float] = None
-        self.states: Optional[dict] = None
+        self.states: Optional[ModelStates] = None
         self.applied = self.applied_any = False  # was the last / any optimizer step applied
         self.runtime_bytes: Optional[int] = None  # the process before the model was built (start())
         self.build_bytes: Optional[int] = None  # the build's peak above runtime_bytes (start())
@@ -343,7 +343,7 @@ class Rank:
         return RankRecord(rank=self.rank, event=Event.END, status=RankStatus.OK, micro=micro, mode=mode,
                           loss=run.losses[-1], losses=run.losses, grad_norms=run.grad_norms, step_times=run.times,
                           time_per_step=statistics.median(run.times) if run.times else None, time_note=note,
-                          peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states,
+                          peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states.to_dict(),
                           loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,
                           zero_init=self.engine.zero_init, offloaded=self.engine.offloaded(),
                           runtime_bytes=self.runtime_bytes, build_bytes=self.build_bytes, marks=self.marks.marks,

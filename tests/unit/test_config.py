@@ -301,3 +301,22 @@ def test_stored_configs_of_older_versions_still_read():
     old["ds_preset"] = {"name": "default"}
     old["fault"] = None  # a key this version does not have
     assert BenchConfig.from_dict(old) == b
+
+
+def test_the_report_reads_stored_configs_through_the_schema():
+    """report.tables.setup_of reads a stored config as a resume does (BenchConfig.from_dict's
+    migrations and defaults), and keeps a skipped grid entry's partial model as stored."""
+    from zero_bench.config import BenchConfig
+    from zero_bench.report.tables import setup_of
+
+    old = bench("parallel.dp=4").to_dict()
+    old["offload_optimizer"] = not old.pop("offload")
+    old["ds_preset"] = {"name": "megatron_deepspeed"}
+    for k in ("engine", "states", "compile", "recompute_layers"):  # stored before these keys existed
+        old.pop(k)
+    del old["parallel"]["ep"], old["parallel"]["dp_shard"]
+    s, want = setup_of(old), BenchConfig.from_dict(old)
+    assert (s.dp, s.offload, s.ds_preset, s.engine, s.states, s.compile, s.recompute_layers, s.ep, s.dp_shard) == (
+        4, want.offload, "megatron_deepspeed", "deepspeed", "mixed", False, 1, 1, None)
+    skipped = {**old, "model": {"name": "half", "num_layers": "???"}, "command": "maxbatch", "search": {"max": 8}}
+    assert setup_of(skipped).model == skipped["model"] and setup_of(skipped).num_params is None

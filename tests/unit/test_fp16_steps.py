@@ -11,7 +11,7 @@ import torch
 
 from zero_bench import worker
 from zero_bench.config import BenchConfig, HardwareConfig, StepsConfig
-from zero_bench.records import Mode, TrialSpec
+from zero_bench.records import Mode, ModelStates, TrialSpec
 
 from conftest import model
 
@@ -47,7 +47,7 @@ class OverflowingEngine:
         return None  # what an fp16 step that overflowed reports: nothing clipped
 
     def model_states(self):
-        return {"counted_after_step": self.steps}
+        return ModelStates(params=self.steps)  # the steps taken when the states were counted
 
     def offloaded(self):
         return {"optimizer": False, "params": False}
@@ -75,7 +75,7 @@ def test_probe_runs_until_an_update_was_applied(tmp_path):
     r = rank(OverflowingEngine(overflows=3), StepsConfig(warmup=2, timed=3, probe=1), tmp_path)
     rec = r.run_entry(4, Mode.PROBE)
     # 1 probe step + 3 more until the 4th step applied; optimizer state exists only then
-    assert rec.model_states == {"counted_after_step": 4}
+    assert ModelStates.from_dict(rec.model_states).params == 4
     assert rec.skipped_steps == 3 and rec.loss_scale == 2.0 ** 13
 
 

@@ -14,7 +14,7 @@ from zero_bench.capacity import compared_peak, over_capacity
 from zero_bench.config import StepsConfig
 from zero_bench.gpu import DEVICES_ENV, REFRESH_GROWTH, RankGpu, baseline, near_full
 from zero_bench.oom import is_oom
-from zero_bench.records import Event, Mode, RankRecord, RankStatus, TrialSpec
+from zero_bench.records import Event, Mode, ModelStates, RankRecord, RankStatus, TrialSpec
 
 from conftest import cpu_cfg
 from gpu_fakes import EIGHT, FakeCuda, GiB, MiB, fake_pynvml
@@ -162,7 +162,7 @@ class _Engine:
         return None
 
     def model_states(self):
-        return {}
+        return ModelStates()
 
     def offloaded(self):
         return {"optimizer": False, "params": False}

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from zero_bench.errors import ConfigError
-from zero_bench.records import DeviceMemStats, RankRecord, SearchResult, SearchStatus, Status, TrialResult
+from zero_bench.records import (DeviceMemStats, ModelStates, RankRecord, SearchResult, SearchStatus, Status,
+                                TrialResult)
 from zero_bench.store import SCHEMA_VERSION, Store
 
 
@@ -27,6 +28,19 @@ def test_records_round_trip_typed(tmp_path):
     assert back == t and isinstance(back.status, Status) and isinstance(back.ranks[0], RankRecord)
     s = store.search("k")
     assert s.status is SearchStatus.DONE and s.measure == t
+
+
+def test_model_states_keep_their_stored_keys():
+    """The typed record is stored as the dict engines wrote before it: the same keys, in order."""
+    ds = ModelStates(params=1, master=2, moments=3, grads=4, numel_local=5)
+    assert list(ds.to_dict().items()) == [("params", 1), ("master", 2), ("optimizer", 3), ("grads", 4),
+                                          ("numel_local", 5)]
+    fsdp = ModelStates(params=1, moments=3, grads_at_step=7)
+    assert list(fsdp.to_dict())[-1] == "grads_at_step" and fsdp.to_dict()["grads_at_step"] == 7
+    for s in (ds, fsdp):
+        assert ModelStates.from_dict(s.to_dict()) == s
+    old = ModelStates.from_dict({"params": 8, "optimizer": 16})  # stored without the later keys
+    assert (old.total, old.numel_local, old.grads_at_step) == (24, 0, None)
 
 
 def test_schema_1_devices_are_read(tmp_path):

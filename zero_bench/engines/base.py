@@ -9,7 +9,7 @@ import torch
 
 from zero_bench.config import BenchConfig
 from zero_bench.engines.specs import SPECS, load, spec
-from zero_bench.records import TrialSpec
+from zero_bench.records import ModelStates, TrialSpec
 
 # One micro-batch: (input tokens, position ids, labels).
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -34,8 +34,8 @@ class Engine(Protocol):
     def grad_norm(self) -> Optional[float]:
         """The global gradient norm the last step clipped with (all ranks, the whole model)."""
 
-    def model_states(self) -> dict:
-        """Exact bytes of this rank's model states: params, master, optimizer, grads (+ numel_local)."""
+    def model_states(self) -> ModelStates:
+        """Exact bytes of this rank's model states (after the first applied optimizer step)."""
 
     def compile(self) -> None:
         """torch.compile the model (lazily, at the first step of each shape)."""

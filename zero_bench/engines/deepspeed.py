@@ -14,7 +14,7 @@ import torch
 from zero_bench.config import BenchConfig
 from zero_bench.models.megatron import MpuAdapter, build_gpt, init_parallel, transformer_config
 from zero_bench.models.shims import install_cpu_checkpoint
-from zero_bench.records import TrialSpec
+from zero_bench.records import ModelStates, TrialSpec
 
 
 def init_distributed(cfg: BenchConfig, on_cpu: bool) -> None:
@@ -68,7 +68,7 @@ class DeepSpeedEngine:
     def loss_scale(self) -> Optional[float]:
         return float(self.engine.optimizer.loss_scale) if self.engine.fp16_enabled() else None
 
-    def model_states(self) -> dict:
+    def model_states(self) -> ModelStates:
         return model_state_bytes(self.engine)
 
     def offloaded(self) -> dict:
@@ -91,11 +91,11 @@ def _storage_bytes(tensors) -> dict:
     return out
 
 
-def model_state_bytes(engine) -> dict:
+def model_state_bytes(engine) -> ModelStates:
     """Exact bytes of this rank's model states, by walking DeepSpeed's objects (after a step).
 
     params: what the module holds (ZeRO-3: its partition ds_tensor); master: the tensors the inner
-    optimizer updates when they are not the params themselves (fp32 copies); optimizer: the inner
+    optimizer updates when they are not the params themselves (fp32 copies); moments: the inner
     optimizer's state (Adam moments); grads: gradients/partitions still referenced by the params
     or by ZeRO's flat partition buffers.
     """
@@ -111,9 +111,8 @@ def model_state_bytes(engine) -> dict:
     o_map = _storage_bytes(states)
     grads = [p.grad for p in engine.module.parameters()] + [p.grad for p in opt_params]
     g_map = {k: v for k, v in _storage_bytes(grads).items() if k not in p_map and k not in m_map}
-    return {"params": sum(p_map.values()), "master": sum(m_map.values()),
-            "optimizer": sum(o_map.values()), "grads": sum(g_map.values()),
-            "numel_local": sum(p.numel() for p in params)}
+    return ModelStates(params=sum(p_map.values()), master=sum(m_map.values()), moments=sum(o_map.values()),
+                       grads=sum(g_map.values()), numel_local=sum(p.numel() for p in params))
 
 
 # -- expert parallelism (parallel.ep > 1) ----------------------------------------------------------

@@ -39,7 +39,7 @@ from zero_bench.ds_config import load_template
 from zero_bench.models.megatron import build_gpt, init_parallel, transformer_config
 from zero_bench.models.params import params
 from zero_bench.models.shims import install_cpu_checkpoint
-from zero_bench.records import TrialSpec
+from zero_bench.records import ModelStates, TrialSpec
 
 
 def init_distributed(cfg: BenchConfig, on_cpu: bool) -> None:
@@ -116,10 +116,9 @@ class Fsdp2Engine:
     def loss_scale(self) -> Optional[float]:
         return None
 
-    def model_states(self) -> dict:
+    def model_states(self) -> ModelStates:
         states = count_states(self.module, self.optimizer, self.mixed)
-        states["grads_at_step"] = self.grads_at_step
-        return states
+        return dataclasses.replace(states, grads_at_step=self.grads_at_step)
 
     def offloaded(self) -> dict:
         # FSDP2 offloads parameters, gradients and optimizer states together: each sharded parameter says
@@ -290,8 +289,8 @@ def storages(tensors: Iterable[Optional[torch.Tensor]]) -> dict:
     return out
 
 
-def count_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mixed: bool) -> dict:
-    """Bytes of this rank's model states, as engines/deepspeed.py's model_state_bytes names them.
+def count_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mixed: bool) -> ModelStates:
+    """Bytes of this rank's model states, in the record engines/deepspeed.py's model_state_bytes fills.
 
     The optimizer updates the sharded parameters themselves: fp32, they are the params (master 0);
     with bf16 compute (`mixed`) they are the fp32 master and no 16-bit copy persists (the bf16
@@ -302,6 +301,6 @@ def count_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mixed
     held = sum(p_map.values())
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     g_map = {k: v for k, v in storages(p.grad for p in params).items() if k not in p_map}
-    return {"params": 0 if mixed else held, "master": held if mixed else 0,
-            "optimizer": sum(storages(state).values()), "grads": sum(g_map.values()),
-            "numel_local": sum(local(p).numel() for p in params)}
+    return ModelStates(params=0 if mixed else held, master=held if mixed else 0,
+                       moments=sum(storages(state).values()), grads=sum(g_map.values()),
+                       numel_local=sum(local(p).numel() for p in params))

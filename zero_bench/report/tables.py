@@ -1,6 +1,7 @@
 """Rows -> the report's DataFrames: Summary, Trials, Scaling, Compare, Environment. No file is written here."""
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -9,13 +10,13 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import DEFAULT_ENGINE, States
+from zero_bench.config import DEFAULT_ENGINE, BenchConfig, States, stored_settings
 from zero_bench.engines.specs import SPECS, load, spec
 from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu
 from zero_bench.models import ModelConfig
 from zero_bench.models.description import from_stored
 from zero_bench.models.flops import model_flops_per_seq
-from zero_bench.records import DeviceMemStats, TrialResult
+from zero_bench.records import DeviceMemStats, ModelStates, TrialResult
 from zero_bench.report.rows import Loaded, Row
 from zero_bench.units import MiB
 
@@ -81,21 +82,23 @@ class Setup:
 
 
 def setup_of(c: dict) -> Setup:
-    par, hw, batch = c.get("parallel") or {}, c.get("hardware") or {}, c.get("batch") or {}
-    return Setup(model=dict(c.get("model") or {}), tp=int(par.get("tp", 1)), dp=int(par.get("dp", 1)),
-                 zero=c.get("zero"), offload=bool(c.get("offload", c.get("offload_optimizer", False))),
-                 offload_param=bool(c.get("offload_param") or False), precision=str(c.get("precision", "")),
-                 device=str(hw.get("device", "")), grad_accum=int(batch.get("grad_accum", 1)),
-                 recompute=str(c.get("recompute") or "none"), ds_preset=preset_name(c.get("ds_preset")),
-                 compile=bool(c.get("compile", False)), engine=str(c.get("engine") or DEFAULT_ENGINE),
-                 states=str(c.get("states") or States.mixed), recompute_layers=int(c.get("recompute_layers") or 1),
-                 dp_shard=par.get("dp_shard"), ep=int(par.get("ep") or 1))
+    """A stored config as the report reads it: its settings through the schema (stored_settings:
+    BenchConfig.from_dict's defaults and migrations, so a key an old record lacks means what it
+    means on resume), its model as stored (models.description.from_stored reads any version's)."""
+    b = _settings(json.dumps(c, sort_keys=True, default=str))
+    par = b.parallel
+    return Setup(model=dict(c.get("model") or {}), tp=par.tp, dp=par.dp, zero=b.zero, offload=b.offload,
+                 offload_param=bool(b.offload_param), precision=str(b.precision), device=str(b.hardware.device),
+                 grad_accum=b.batch.grad_accum, recompute=str(b.recompute), ds_preset=b.ds_preset,
+                 compile=b.compile, engine=str(b.engine), states=str(b.states),
+                 recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep)
 
 
-
-def preset_name(p) -> str:
-    """The ds_preset a stored config names (once a config group: {name: ...})."""
-    return str(p.get("name", "default") if isinstance(p, dict) else (p or "default"))
+@functools.lru_cache(maxsize=4096)
+def _settings(stored: str) -> BenchConfig:
+    """stored_settings of a config as JSON, once per config: the schema takes milliseconds, and the
+    report asks for each row's setup several times (never changed: setup_of only reads it)."""
+    return stored_settings(json.loads(stored))
 
 
 def _offload_text(s: Setup) -> str:
@@ -231,11 +234,10 @@ def emulation_note(t: TrialResult) -> str:
 def measured_model_states(t: TrialResult) -> tuple[Optional[int], bool]:
     """Largest per-rank sum of params, master copy, optimizer states and grads (counted tensors),
     and whether gradients were still held when counted."""
-    states = [r.model_states for r in t.ranks if r.model_states]
+    states = [ModelStates.from_dict(r.model_states) for r in t.ranks if r.model_states]
     if not states:
         return None, False
-    sums = [sum(s.get(k, 0) for k in ("params", "master", "optimizer", "grads")) for s in states]
-    return max(sums), any(s.get("grads") for s in states)
+    return max(s.total for s in states), any(s.grads for s in states)
 
 
 def estimated_model_states(s: Setup, with_grads: bool = True) -> Optional[int]:
