@@ -158,3 +158,13 @@ def test_bad_report_options_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         report_from_cfg(compose(overrides))
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_rows_apart_by_expert_parallelism_are_named_by_it():
+    """Two MoE rows that differ only in parallel.ep read "ep1" / "ep2", not as one configuration twice."""
+    (advice,) = recommend(details({"ZeRO Stage": 2, "expert parallel": 1, "Max Global BSZ": 8,
+                                   "Throughput (samples/sec)": 9.0},
+                                  {"ZeRO Stage": 2, "expert parallel": 2, "Max Global BSZ": 12,
+                                   "Throughput (samples/sec)": 7.0}))
+    text = " ".join(p.sentence for p in advice.picks)
+    assert "ZeRO-2 ep2" in text and "ZeRO-2 ep1" in text, text
