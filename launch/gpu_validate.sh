@@ -15,7 +15,11 @@
 #   4. estimate     per search at its boundary, the estimate's terms beside what was measured (the
 #                   report's own comparison): the device peak within 15 % passes, the rest is INFO
 #   5. report       reports/gpu/<device>/validate.{xlsx,csv,md}: commit them
-#   6. 2+ GPUs      tp=2 (megatron's tensor parallelism over NCCL) and a 2-rank ZeRO-3 search
+#   6. 2+ GPUs      tp=2 (megatron's tensor parallelism over NCCL) and a 2-rank ZeRO-3 search; the
+#                   mixture of experts at ep=2 (megatron's alltoall dispatcher over NCCL) in both engines
+#   7. recipes      one trial each of the 2026 recipes never run on a GPU before: per-op recompute
+#                   (torch's selective checkpoint with CUDA's flash kernels) in both engines, pure bf16
+#                   states, the chunked loss, the mixture of experts (ep 1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -84,6 +88,29 @@ if [ "$NGPU" -ge 2 ]; then
   say INFO dp2 "2-rank ZeRO-3 search exit $? ($(elapsed))"
   relay < <("$PY" launch/validate_query.py "$STORE" searches | grep 'dp2 zero3')
 elif [ "$CPU" = 0 ]; then say SKIP 2-gpu "one GPU only"; fi
+
+# 7. the recipes, one trial each (their memory beside the estimate is in the report)
+if [ "$CPU" = 0 ]; then
+  RECIPE="$HW $DP batch.micro=2 steps.warmup=1 steps.timed=2"
+  while read -r name args; do
+    zb $RECIPE $args hydra.run.dir="$OUT/$name" < /dev/null > "$OUT/$name.log" 2>&1 \
+      && say PASS "$name" "$args ($(elapsed))" || say FAIL "$name" "exit $?; tail: $(tail -c 300 "$OUT/$name.log")"
+  done <<'RECIPES'
+op-zero1 model=llama-tiny zero=1 precision=bf16 recompute=op
+op-fsdp2 model=llama-tiny engine=fsdp2 zero=3 precision=bf16 recompute=op
+bf16-states model=llama-tiny zero=2 precision=bf16 states=bf16
+chunked-loss model=llama-tiny zero=3 precision=bf16 loss=chunked
+moe-zero2 model=moe-tiny zero=2 precision=bf16
+moe-fsdp2-op model=moe-tiny engine=fsdp2 zero=3 precision=bf16 recompute=op
+RECIPES
+  if [ "$NGPU" -ge 2 ]; then
+    for args in "zero=2" "engine=fsdp2 zero=3 recompute=op"; do
+      zb $HW parallel=dp2 parallel.ep=2 model=moe-tiny precision=bf16 batch.micro=2 steps.warmup=1 steps.timed=2 \
+        $args hydra.run.dir="$OUT/ep2-${args//[ =]/_}" < /dev/null > "$OUT/ep2.log" 2>&1 \
+        && say PASS ep2 "moe-tiny ep=2 $args ($(elapsed))" || say FAIL ep2 "$args exit $?; tail: $(tail -c 300 "$OUT/ep2.log")"
+    done
+  fi
+fi
 
 # 5. the report a person reads, where it can be committed
 mkdir -p "$REPORT"
