@@ -25,7 +25,8 @@ from pathlib import Path
 import yaml
 
 from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
-from zero_bench.launch import LaunchOptions, free_port, run_launch
+from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.launcher import free_port
 from zero_bench.records import Entry
 from zero_bench.pool import PoolSlot
 

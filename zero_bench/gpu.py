@@ -48,7 +48,7 @@ def select_devices(env: dict = os.environ) -> Optional[str]:
     slices keep their UUIDs (CUDA names a slice no other way); RankGpu answers DeepSpeed's
     available_memory for them instead. ZERO_BENCH_DEVICES keeps the user's spelling. Indices, the
     user's too, are nvidia-smi's (PCI bus order), as the runner's NVML sampler resolves them: CUDA's
-    default FASTEST_FIRST would put another of mixed GPUs under the same index (launch.gpu_order_env
+    default FASTEST_FIRST would put another of mixed GPUs under the same index (launcher.gpu_order_env
     sets the same for every rank; set here too, where the index is chosen)."""
     devices = env.get(DEVICES_ENV)
     if not devices:

@@ -66,7 +66,7 @@ class Nvml:
     "GPU-") or by MIG UUID; CUDA stops at the first entry it cannot resolve. NVML numbers devices
     in PCI bus order, CUDA by default "fastest first": the two agree on a node of identical GPUs
     or under CUDA_DEVICE_ORDER=PCI_BUS_ID, which every zero_bench GPU rank runs under
-    (launch.gpu_order_env), so an index means nvidia-smi's GPU for the runner's sampler and the
+    (launcher.gpu_order_env), so an index means nvidia-smi's GPU for the runner's sampler and the
     ranks alike; a process without it (mixed models) is told in `note`. A rank that knows its
     device's UUID or PCI bus id (torch.cuda.get_device_properties) is matched by that instead:
     `for_rank`.
@@ -124,7 +124,7 @@ class Nvml:
         order = sorted(self.gpus, key=lambda g: g.pci_bus_id)
         if os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST") != "PCI_BUS_ID" and \
                 len({g.name for g in order}) > 1:
-            # zero_bench's ranks run under PCI_BUS_ID (launch.gpu_order_env): only this process's
+            # zero_bench's ranks run under PCI_BUS_ID (launcher.gpu_order_env): only this process's
             # own CUDA numbering (FASTEST_FIRST) may differ, which is worth saying to the user
             self.note = ("GPUs of different models and this shell's CUDA_DEVICE_ORDER is not PCI_BUS_ID: "
                          "its CUDA numbers them differently from nvidia-smi; zero_bench's ranks use "

@@ -26,7 +26,7 @@ from typing import Optional
 import psutil
 
 from zero_bench.config import BenchConfig
-from zero_bench.launch import free_port, kill_tree, launch_env, launcher_cmd, trial_env
+from zero_bench.launcher import free_port, kill_tree, launch_env, launcher_cmd, trial_env
 from zero_bench.machine import machine_lock
 from zero_bench.pool_rank import exit_path, refused_path, request_path, write_whole
 from zero_bench.records import PoolRequest

@@ -320,8 +320,8 @@ def test_the_resolved_precision_is_in_the_label_and_the_stored_config(cpu_is):
 
 def test_compiled_kernels_are_cached_apart_per_cpu_kernel_choice(tmp_path):
     """A compile=true trial reusing kernels inductor built under the other CPU restriction aborted
-    (glibc heap corruption): each restriction gets its own cache (launch.inductor_cache_dir)."""
-    code = "from zero_bench.launch import inductor_cache_dir; print(inductor_cache_dir())"
+    (glibc heap corruption): each restriction gets its own cache (launcher.inductor_cache_dir)."""
+    code = "from zero_bench.launcher import inductor_cache_dir; print(inductor_cache_dir())"
     base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
                                                              "TORCHINDUCTOR_CACHE_DIR")}
     base["ZERO_BENCH_CACHE"] = str(tmp_path)

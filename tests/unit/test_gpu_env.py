@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig
-from zero_bench.launch import trial_env
+from zero_bench.launcher import trial_env
 from zero_bench.models.megatron import fusion_args, transformer_config
 
 from conftest import model

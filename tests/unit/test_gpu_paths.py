@@ -74,7 +74,7 @@ def test_is_oom_follows_the_cause_chain():
 def test_gpu_trial_env_selects_cuda_and_nccl(tmp_path):
     """hardware.device=gpu -> DS_ACCELERATOR=cuda -> DeepSpeed's CUDA accelerator: NCCL backend,
     CUDA_VISIBLE_DEVICES set per node, NCCL_* exported to remote nodes."""
-    from zero_bench.launch import trial_env
+    from zero_bench.launcher import trial_env
 
     env = trial_env(gpu_cfg())
     assert env["DS_ACCELERATOR"] == "cuda" and "MALLOC_MMAP_THRESHOLD_" not in env

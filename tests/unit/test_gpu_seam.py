@@ -12,7 +12,8 @@ from zero_bench import nvml
 from zero_bench.capacity import memory_fraction
 from zero_bench.config import BenchConfig, ConfigError, HardwareConfig, ParallelConfig
 from zero_bench.gpu import DEVICES_ENV, RankGpu, select_devices
-from zero_bench.launch import LaunchOptions, _Launch, trial_env
+from zero_bench.launch import LaunchOptions, _Launch
+from zero_bench.launcher import trial_env
 from zero_bench.outcome import gpu_devices
 from zero_bench.records import Entry, RankRecord, Status, TrialResult
 from zero_bench.report.tables import _memory, emulation_note

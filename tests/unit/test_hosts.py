@@ -26,7 +26,7 @@ def tiny_cfg(**hw) -> BenchConfig:
 # -- pure checks of the multi-node command line and environment (no launch) ----------------------
 
 def test_launcher_cmd_passes_hostfile_nodes_launcher(tmp_path, monkeypatch):
-    from zero_bench.launch import launcher_cmd
+    from zero_bench.launcher import launcher_cmd
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("ZERO_BENCH_LAUNCHER_ARGS", raising=False)
@@ -60,7 +60,7 @@ def test_launcher_cmd_passes_hostfile_nodes_launcher(tmp_path, monkeypatch):
 ])
 def test_hostfile_checked_before_launch(tmp_path, text, hw, msg):
     """DeepSpeed would warn and run on this host alone when the hostfile is missing: refuse instead."""
-    from zero_bench.launch import launcher_cmd
+    from zero_bench.launcher import launcher_cmd
 
     hf = tmp_path / "hostfile"
     if text is not None:
@@ -74,7 +74,7 @@ def test_hostfile_checked_before_launch(tmp_path, text, hw, msg):
 
 
 def test_nodes_must_divide_world(tmp_path):
-    from zero_bench.launch import launcher_cmd
+    from zero_bench.launcher import launcher_cmd
 
     hf = tmp_path / "hostfile"
     hf.write_text("a slots=2\nb slots=2\n")
@@ -90,7 +90,7 @@ def dataclass_replace_dp(cfg: BenchConfig, dp: int) -> BenchConfig:
 
 
 def test_trial_env_carries_what_remote_ranks_need(tmp_path, monkeypatch):
-    from zero_bench.launch import trial_env
+    from zero_bench.launcher import trial_env
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/cache/ext")
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/lib")
