@@ -18,7 +18,7 @@ would differ, so the engines' losses would no longer be comparable step by step.
   ep > 1: each MoE layer's experts (this rank's num_experts / ep) their own group, sharded over
           megatron's expert-data-parallel ranks (torchtitan's llama4 way), the rest of the layer
           over the data-parallel ones (shard_layer).
-zero 0/1 and fp16 are refused by its spec (specs.py, _fsdp2_validate). Optimizer and clipping are
+zero 0/1 and fp16 are refused by its spec (engines/refusals.py, fsdp2). Optimizer and clipping are
 ds_configs/base.json's (torch's AdamW, fused on GPU), so both engines train the same way: fp32
 losses equal ZeRO-3's within rounding (tests/integration/test_fsdp2_trials.py).
 """

@@ -1,0 +1,55 @@
+"""What each engine cannot run, per concern (engines.specs.CONCERNS): one function per engine, named by
+its spec's `refusals`, each raising ConfigError with one line naming the key and what is allowed.
+configure.validate_static asks at the place it checks that concern's shared conditions."""
+from __future__ import annotations
+
+from zero_bench.config import BenchConfig
+from zero_bench.errors import ConfigError
+
+
+def deepspeed(b: BenchConfig, concern: str) -> None:
+    """DeepSpeed's limits on shared features (its own ZeRO 0-3 and fp16 need no refusal)."""
+    if concern == "states" and b.states == "bf16":
+        if b.zero == 0:
+            raise ConfigError("states=bf16: DeepSpeed keeps bf16 master weights and optimizer states with "
+                              "ZeRO 1-3 only (bf16_master_weights_and_grads); allowed with zero=0: states=mixed")
+        if b.offload:
+            raise ConfigError("states=bf16: DeepSpeed offloads bf16 optimizer states only to its CPUAdam "
+                              "(fp32_optimizer_states=false), which zero_bench does not run; allowed with "
+                              "offload=true: states=mixed")
+    if concern == "hybrid":
+        raise ConfigError(f"parallel.dp_shard={b.parallel.dp_shard}: hybrid sharding runs with engine=fsdp2 (a 2-D "
+                          "device mesh); DeepSpeed's MiCS / ZeRO++ hpZ are not wired in; allowed with "
+                          "engine=deepspeed: parallel.dp_shard=null")
+    if concern == "expert_parallel" and b.zero in (0, 3):
+        why = ("DeepSpeed refuses its MoE with ZeRO stage 3 (engine.py: 'Native DeepSpeed MoE is not "
+               "supported with ZeRO Stage 3')" if b.zero == 3 else
+               "DeepSpeed's ZeRO-0 clips the gradients by the ranks' averaged norm, not the whole "
+               "model's, when each rank holds other experts")
+        raise ConfigError(f"parallel.ep={b.parallel.ep}: {why}; allowed with parallel.ep > 1: zero=1, zero=2, "
+                          "or engine=fsdp2")
+    if concern == "offload_param" and b.offload_param and b.zero != 3:
+        raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
+
+
+def fsdp2(b: BenchConfig, concern: str) -> None:
+    """What engine=fsdp2 cannot run, each in one line with the nearest choices; it runs every shared
+    feature (bf16 states with offload, hybrid sharding, ep at any stage, offload_param at zero=2)."""
+    if concern != "engine":
+        return
+    if b.zero not in (2, 3):
+        raise ConfigError(f"zero={b.zero}: engine=fsdp2 always shards parameters; allowed with fsdp2: zero=2 "
+                          "(gathered parameters kept from forward to backward) or zero=3 (resharded after "
+                          "forward); engine=deepspeed for zero=0/1")
+    if b.precision == "fp16":
+        raise ConfigError("precision=fp16: engine=fsdp2 has no dynamic loss scaling wired in (torch's "
+                          "ShardedGradScaler), and unscaled fp16 gradients under- and overflow; allowed with "
+                          "fsdp2: fp32, bf16")
+    if b.offload_param != b.offload:
+        raise ConfigError(f"offload_param={str(b.offload_param).lower()}: engine=fsdp2 offloads parameters, "
+                          "gradients and optimizer states together (CPUOffloadPolicy); set offload=true or "
+                          "false alone")
+    if b.ds_preset != "default" or b.ds:  # reads_ds_config=False
+        key = f"ds_preset={b.ds_preset}" if b.ds_preset != "default" else "ds"
+        raise ConfigError(f"{key}: DeepSpeed settings; engine=fsdp2 reads no DeepSpeed config; allowed with "
+                          "fsdp2: ds_preset=default and no ds.* keys")
