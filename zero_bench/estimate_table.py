@@ -19,6 +19,7 @@ from zero_bench.models.description import summary
 from zero_bench.records import SearchStatus
 from zero_bench.store import Store
 from zero_bench.units import GiB, MiB
+from zero_bench.models.params import active_params, num_params, params_per_shard
 
 COLUMNS = {"config": "config", "params": "params GiB", "grads": "grads GiB", "optimizer": "optim GiB",
            "device_states": "states/dev GiB", "host_states": "host/rank GiB", "buffers": "buffers GiB",
@@ -84,11 +85,11 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     if cfg.get("json", False):
         return as_json(bench, first, rows, [e for _, e in ests], at)
     m, tp, ep = bench.model, bench.parallel.tp, bench.parallel.ep
-    active = f", {m.active_params:,} active per token" if m.is_moe else ""  # MoE: FLOPs count these
+    active = f", {active_params(m):,} active per token" if m.is_moe else ""  # MoE: FLOPs count these
     # ep > 1: a rank holds its num_experts / ep experts of each MoE layer and everything else whole
-    held = (f"{m.params_per_shard(tp, ep):,} per rank with {m.num_experts // ep} of {m.num_experts} experts"
-            if ep > 1 else f"{m.params_per_shard(tp):,} per TP shard")
-    head = (f"zero_bench estimate: {m.name} ({m.num_params:,} params{active}, {held}) tp={tp} "
+    held = (f"{params_per_shard(m, tp, ep):,} per rank with {m.num_experts // ep} of {m.num_experts} experts"
+            if ep > 1 else f"{params_per_shard(m, tp):,} per TP shard")
+    head = (f"zero_bench estimate: {m.name} ({num_params(m):,} params{active}, {held}) tp={tp} "
             f"dp={bench.parallel.dp}{f' ep={ep}' if ep > 1 else ''} on {bench.hardware.device} {bench.precision}, "
             f"micro {micro} x grad_accum "
             f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank"
@@ -112,11 +113,11 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
             at: list[dict]) -> str:
     return json.dumps({"model": bench.model.name, "description": bench.to_dict()["model"],
                        "micro": bench.batch.micro, "grad_accum": bench.batch.grad_accum,
-                       "num_params": bench.model.num_params, "active_params": bench.model.active_params,
-                       "params_per_shard": bench.model.params_per_shard(bench.parallel.tp),
+                       "num_params": num_params(bench.model), "active_params": active_params(bench.model),
+                       "params_per_shard": params_per_shard(bench.model, bench.parallel.tp),
                        "tp": bench.parallel.tp, "dp": bench.parallel.dp,
-                       **({"ep": bench.parallel.ep, "params_per_rank": bench.model.params_per_shard(
-                           bench.parallel.tp, bench.parallel.ep)} if bench.parallel.ep > 1 else {}),
+                       **({"ep": bench.parallel.ep, "params_per_rank": params_per_shard(
+                           bench.model, bench.parallel.tp, bench.parallel.ep)} if bench.parallel.ep > 1 else {}),
                        "device": bench.hardware.device,
                        "precision": bench.precision, "capacity_bytes": first.capacity if first else None,
                        "overhead_bytes": first.overhead if first else None,

@@ -23,6 +23,7 @@ from zero_bench.records import Entry, Fault, SearchStatus
 from zero_bench.store import Store
 
 from conftest import cpu_cfg, model
+from zero_bench.models.params import num_params, params_per_shard
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +111,7 @@ def test_model_states_are_the_estimates_to_the_byte(runs, name):
         assert (got["params"], got["master"], got["optimizer"]) == (want["params"], want["master"], want["moments"])
         assert got["grads"] == 0 and got["grads_at_step"] == want["grads"]  # freed after the step, as ZeRO's
     local = [r.model_states["numel_local"] for r in res.ranks]
-    assert sum(local) == cfg.model.num_params if tp == 1 else local == [cfg.model.params_per_shard(tp)] * tp
+    assert sum(local) == num_params(cfg.model) if tp == 1 else local == [params_per_shard(cfg.model, tp)] * tp
 
 
 def test_fsdp2_holds_fewer_states_than_zero3_and_zero2_peaks_above_zero3(runs):
@@ -153,7 +154,7 @@ def test_no_rank_ever_holds_the_unsharded_model(runs):
     cfg = cpu_cfg(engine="fsdp2", zero=3, model=wide)
     (res,) = run_launch(cfg, [Entry(1, "probe")], tmp / "wide", LaunchOptions(pools=pools))
     assert res.status == "ok", res.reason
-    whole = 4 * wide.num_params
+    whole = 4 * num_params(wide)
     for r in res.ranks:
         assert r.build_bytes < 0.8 * whole, (r.build_bytes, whole)
         assert r.build_bytes == pytest.approx(estimate(cfg).init_peak, rel=0.1)

@@ -21,6 +21,7 @@ from zero_bench.search import SearchOptions, run_search
 from zero_bench.store import Store
 
 from conftest import cpu_cfg, model
+from zero_bench.models.params import num_params, params_per_shard
 
 pytestmark = pytest.mark.slow
 
@@ -88,9 +89,9 @@ def test_trial_runs_with_the_described_model(trials, name):
     local = [r.model_states["numel_local"] for r in res.ranks]
     if cfg.zero == 3:  # each rank holds a partition of its TP slice over its DP group (the last one padded)
         tp = cfg.parallel.tp
-        assert sum(local) == pytest.approx(tp * LLAMA.params_per_shard(tp), abs=cfg.parallel.world_size)
+        assert sum(local) == pytest.approx(tp * params_per_shard(LLAMA, tp), abs=cfg.parallel.world_size)
     else:
-        assert local == [cfg.model.params_per_shard(cfg.parallel.tp)] * len(local)
+        assert local == [params_per_shard(cfg.model, cfg.parallel.tp)] * len(local)
 
 
 def test_fp32_losses_equal_across_zero_stages_and_tp_at_every_step(trials):
@@ -138,7 +139,7 @@ def test_qwen3_style_model_trains_and_tp2_keeps_its_losses(qwen3_trials):
     for name, (cfg, res) in qwen3_trials.items():
         assert res.status == "ok", (name, res.reason)
         local = [r.model_states["numel_local"] for r in res.ranks]
-        assert local == [cfg.model.params_per_shard(cfg.parallel.tp)] * len(local), name
+        assert local == [params_per_shard(cfg.model, cfg.parallel.tp)] * len(local), name
     ref = losses(qwen3_trials, "qwen3")
     assert ref[-1] < ref[0]
     assert max_rel_diff(losses(qwen3_trials, "qwen3_tp2"), ref) < 3e-7, (losses(qwen3_trials, "qwen3_tp2"), ref)
@@ -207,7 +208,7 @@ def local_numel(cfg, rank: int) -> int:
     tp, dp, ep = cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.ep
     if cfg.engine == "fsdp2":
         return fsdp2_local_numel(MOE_TINY, dp, tp, ep, rank)
-    return MOE_TINY.num_params // dp if cfg.zero == 3 else MOE_TINY.params_per_shard(tp, ep)
+    return num_params(MOE_TINY) // dp if cfg.zero == 3 else params_per_shard(MOE_TINY, tp, ep)
 
 
 def test_moe_states_are_every_experts_and_peaks_near_the_estimate(moe_trials):

@@ -18,6 +18,7 @@ from zero_bench.store import Store
 from zero_bench.search import SearchOptions, run_search
 
 from synthetic import EXPECTED_NOTES, GPT345, NUMERIC, TINY, add_synthetic, row_of, summary_of
+from zero_bench.models.params import num_params
 
 pytestmark = pytest.mark.slow
 
@@ -88,12 +89,12 @@ def test_measured_rows_carry_the_search_results(real):
         # MFU: the model's FLOPs per sequence x the measured samples/s over (ranks x the CPU peak the
         # report measured, cached under ZERO_BENCH_CACHE); no recompute, so HFU = MFU
         flops = model_flops_per_seq(TINY)
-        assert 6 * TINY.num_params * TINY.seq_len <= flops <= 1.5 * 6 * TINY.num_params * TINY.seq_len
+        assert 6 * num_params(TINY) * TINY.seq_len <= flops <= 1.5 * 6 * num_params(TINY) * TINY.seq_len
         peak = cpu_peak_flops("fp32")["flops"]
         world = res.config["parallel"]["dp"] * res.config["parallel"]["tp"]
         assert row["MFU"] == pytest.approx(flops * m.samples_per_s / (world * peak), rel=1e-6)
         assert 0 < row["MFU"] < 1 and row["HFU"] == row["MFU"]
-        assert row["num params"] == TINY.num_params
+        assert row["num params"] == num_params(TINY)
         assert row["memory of"] == "rank RSS" and row["Dev0 total MiB"] == 1024
         assert row["Dev0 used MiB"] == pytest.approx(m.devices_of("rank")[0].peak_bytes / 2**20)
     dp1 = row_of(df, real["dp1"].search_key)

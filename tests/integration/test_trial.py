@@ -14,6 +14,7 @@ from zero_bench.pool import PoolSlot
 from zero_bench.records import Entry, Fault
 
 from conftest import cpu_cfg, model
+from zero_bench.models.params import num_params, params_per_shard
 
 pytestmark = pytest.mark.slow
 
@@ -77,16 +78,16 @@ def test_parameter_count_matches_formula(runs, name):
     cfg, res, _ = runs[name]
     local = [r.model_states["numel_local"] for r in res.ranks]
     if cfg.zero == 3:  # each rank holds a partition (the last one padded)
-        assert sum(local) == pytest.approx(cfg.model.num_params, abs=cfg.parallel.dp)
+        assert sum(local) == pytest.approx(num_params(cfg.model), abs=cfg.parallel.dp)
     else:
-        assert local == [cfg.model.params_per_shard(cfg.parallel.tp)] * len(local)
+        assert local == [params_per_shard(cfg.model, cfg.parallel.tp)] * len(local)
 
 
 def test_model_state_bytes_fall_as_stage_rises(runs):
     """Exact per-rank tensor counts: ZeRO-1 partitions optimizer states, ZeRO-3 the parameters too."""
     total = {z: sum(v for k, v in runs[f"zero{z}"][1].ranks[0].model_states.items() if k != "numel_local")
              for z in range(4)}
-    p = runs["zero0"][0].model.num_params
+    p = num_params(runs["zero0"][0].model)
     assert total[0] > total[1] >= total[2] > total[3]
     # fp32 in DeepSpeed: ZeRO-0 = params 4P + Adam moments 8P (the optimizer updates the params
     # in place); ZeRO-1/2 = params 4P + an fp32 master partition 4P/dp + moments 8P/dp;
@@ -143,7 +144,7 @@ def test_bf16_zero1_peak_memory_below_zero0(tmp_path, pools):
         (res,) = run_launch(cfg, [Entry(1, "probe")], tmp_path / f"z{z}", LaunchOptions(pools=pools))
         assert res.status == "ok", res.reason
         peaks[z] = (max(r.peak_rss_bytes for r in res.ranks), max(r.peak_live_bytes for r in res.ranks))
-    p = cfg.model.num_params
+    p = num_params(cfg.model)
     rss_saved, live_saved = peaks[0][0] - peaks[1][0], peaks[0][1] - peaks[1][1]
     assert peaks[1][0] < 0.85 * peaks[0][0]
     # Paper: 12P/2 saved. DeepSpeed's bf16 ZeRO-0 also keeps full fp32 gradient accumulators that

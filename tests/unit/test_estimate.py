@@ -20,6 +20,7 @@ from zero_bench.estimate import (GiB, MiB, activation_bytes_per_sample, deepspee
                                  model_states_bytes, param_numels, seed_micro)
 
 from conftest import cpu_cfg, model
+from zero_bench.models.params import params_per_shard
 
 ROOT = Path(__file__).resolve().parents[2]
 P = 1_000_000
@@ -171,7 +172,7 @@ def test_qk_norm_and_head_dim_terms_by_hand():
 def test_vocab_padded_like_megatron():
     m = bench("gpt345m").model
     assert m.vocab_size == 50257 and m.padded_vocab(1) == 50304 and m.padded_vocab(8) == 51200
-    assert sum(param_numels(m, 8)) == m.params_per_shard(8)
+    assert sum(param_numels(m, 8)) == params_per_shard(m, 8)
     act = activation_bytes_per_sample(m, 8, "fp16")
     assert act["logits"] == 1024 * (51200 // 8 * 4 + 13) and act["logits_transient"] == 1024 * 51200 // 8 * 2
 
@@ -181,12 +182,12 @@ def test_param_numels_match_config():
         m = bench(name).model
         for tp in (1, 2, 4):
             if m.num_heads % tp == 0:
-                assert sum(param_numels(m, tp)) == m.params_per_shard(tp)
+                assert sum(param_numels(m, tp)) == params_per_shard(m, tp)
 
 
 def test_buffers_from_ds_config():
     b = bench("gpt-small", zero=2)  # CPU: buckets scaled to P/16
-    P_ = b.model.params_per_shard(1)
+    P_ = params_per_shard(b.model, 1)
     buf = deepspeed_buffers(b)
     assert buf["reduce_bucket"]["bytes"] == (P_ // 16) * 4
     assert buf["allgather_bucket"]["bytes"] == 0

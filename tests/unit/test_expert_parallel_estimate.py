@@ -20,6 +20,7 @@ from zero_bench.models.params import params, split_numels
 from zero_bench.report.tables import estimate_or_error, setup_of
 
 from conftest import model
+from zero_bench.models.params import dense_params, num_params, params_per_shard, routed_expert_params
 
 # moe-tiny: h 256, 4 layers, 8 heads of 32 / 2 query groups, vocabulary 1024 (padded to 128: 1024
 # rows), untied, RMSNorm, no biases, 8 SwiGLU experts of 256 in every layer, no shared expert.
@@ -48,15 +49,15 @@ def bench(*overrides: str):
 
 def test_moe_tiny_shape_arithmetic():
     m = model("moe-tiny")
-    assert (DENSE, EXPERTS, DENSE + EXPERTS) == (1_190_144, 6_291_456, m.num_params)
+    assert (DENSE, EXPERTS, DENSE + EXPERTS) == (1_190_144, 6_291_456, num_params(m))
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
 def test_a_rank_holds_the_dense_params_and_its_experts(ep):
     m = model("moe-tiny")
-    assert m.params_per_shard(1, ep) == local(ep) == sum(p.numel for p in params(m, 1, ep))
+    assert params_per_shard(m, 1, ep) == local(ep) == sum(p.numel for p in params(m, 1, ep))
     assert split_numels(m, 1, ep) == (DENSE, EXPERTS // ep)
-    assert (m.dense_params(1), m.routed_expert_params(1, ep)) == (DENSE, EXPERTS // ep)
+    assert (dense_params(m, 1), routed_expert_params(m, 1, ep)) == (DENSE, EXPERTS // ep)
     names = [p.name for p in params(m, 1, ep) if p.expert]
     assert len(names) == L * (E // ep) * len(EXPERT) and all(".mlp.experts.local_experts." in n for n in names)
     assert {int(n.split("local_experts.")[1].split(".")[0]) for n in names} == set(range(E // ep))
@@ -65,12 +66,12 @@ def test_a_rank_holds_the_dense_params_and_its_experts(ep):
 
 def test_ep_1_is_todays_list_and_ep_must_divide_the_experts():
     m = model("moe-tiny")
-    assert params(m, 1, 1) == params(m) and m.params_per_shard(1, 1) == m.params_per_shard(1) == 7_481_600
+    assert params(m, 1, 1) == params(m) and params_per_shard(m, 1, 1) == params_per_shard(m, 1) == 7_481_600
     assert local(2) == 4_335_872
     for bad, mm in ((3, m), (2, model("llama-tiny"))):
         with pytest.raises(ValueError, match=f"^ep={bad}: "):
             params(mm, 1, bad)
-    assert model("llama-tiny").routed_expert_params(1) == 0
+    assert routed_expert_params(model("llama-tiny"), 1) == 0
 
 
 # -- DeepSpeed ZeRO-1/2 ----------------------------------------------------------------------------
@@ -195,7 +196,7 @@ def test_fsdp2_ep2_moe_tiny_in_bytes():
 def test_fsdp2_unpadded_shards_add_up_to_the_model(dp, ep):
     """numel_local as engines/fsdp2.count_states reports it: over the dp ranks, every parameter once."""
     m = model("moe-tiny")
-    assert sum(local_numel(m, dp, 1, ep, r) for r in range(dp)) == m.num_params
+    assert sum(local_numel(m, dp, 1, ep, r) for r in range(dp)) == num_params(m)
 
 
 def test_fsdp2_gathered_layer_holds_the_local_experts():

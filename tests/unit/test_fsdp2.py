@@ -15,6 +15,7 @@ from zero_bench.preflight import skipped_search
 from zero_bench.sweeps import sweep_size
 
 from conftest import cpu_cfg, model
+from zero_bench.models.params import num_params
 
 
 def bench(*overrides: str):
@@ -107,9 +108,9 @@ def test_every_family_is_estimated_from_the_one_parameter_list(name):
     m = model(name)
     g = groups(m)
     assert list(g) == ["root"] + [f"layer{i}" for i in range(m.num_layers)]
-    assert sum(p.numel for ps in g.values() for p in ps) == m.num_params
+    assert sum(p.numel for ps in g.values() for p in ps) == num_params(m)
     e = estimate(from_cfg(compose([f"model={name}", "engine=fsdp2", "zero=3", "parallel=dp8", "hardware=h100_80gb"]), here=False))
-    assert e.states_on_rank == pytest.approx(16 * m.num_params / 8, rel=0.002)
+    assert e.states_on_rank == pytest.approx(16 * num_params(m) / 8, rel=0.002)
     assert e.peak_bytes(1) > e.states_on_rank
 
 

@@ -9,6 +9,7 @@ from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, matmul_flops, mfu
 from zero_bench.models.flops import convention_flops_per_seq, model_flops_per_seq
 
 from conftest import model
+from zero_bench.models.params import num_params
 
 A100, H100 = 312e12, 989.5e12
 
@@ -56,13 +57,13 @@ def test_hfu_counts_the_recomputed_forward():
 def test_gpt_flops_are_the_convention_on_num_params(name):
     """Tied GPT presets: N is num_params, as metrics.py computed it before the description did."""
     m = model(name)
-    assert model_flops_per_seq(m) == convention_flops_per_seq(m.num_params, m.num_layers, m.hidden_size, m.seq_len)
+    assert model_flops_per_seq(m) == convention_flops_per_seq(num_params(m), m.num_layers, m.hidden_size, m.seq_len)
 
 
 def test_llama_flops_count_the_output_layer_once():
     """Untied: the input embedding is a lookup; SwiGLU's three matrices and GQA's K/V come in through N."""
     m = model("llama3-8b")
-    n = m.num_params - m.padded_vocab(1) * m.hidden_size
+    n = num_params(m) - m.padded_vocab(1) * m.hidden_size
     assert model_flops_per_seq(m) == convention_flops_per_seq(n, 32, 4096, 8192)
     assert model_flops_per_seq(m) / 8192 == pytest.approx(6 * n + 12 * 32 * 4096 * 8192)
 
@@ -71,8 +72,8 @@ def test_qwen3_flops_count_heads_of_head_dim():
     """Qwen3-0.6B: 16 heads of 128 on h = 1024, so the attention term's a x d is 2048, not h; tied,
     so N is num_params (qk-norm's 256 weights per layer inside it, as norms are)."""
     m = model("qwen3-0.6b")
-    assert model_flops_per_seq(m) == convention_flops_per_seq(m.num_params, 28, 16 * 128, 4096)
-    assert model_flops_per_seq(m) / 4096 == pytest.approx(6 * m.num_params + 12 * 28 * 2048 * 4096)
+    assert model_flops_per_seq(m) == convention_flops_per_seq(num_params(m), 28, 16 * 128, 4096)
+    assert model_flops_per_seq(m) / 4096 == pytest.approx(6 * num_params(m) + 12 * 28 * 2048 * 4096)
 
 
 @pytest.mark.parametrize("name, precision, peak", [

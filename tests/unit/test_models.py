@@ -22,6 +22,7 @@ from zero_bench.models.megatron import build_gpt, transformer_config
 from zero_bench.models.params import params
 
 from conftest import model
+from zero_bench.models.params import active_params, dense_params, expert_params, num_params, params_per_shard
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "hf")
 HF_DIR = Path(__file__).resolve().parents[1] / "data" / "hf"
@@ -91,11 +92,11 @@ def test_param_list_is_the_live_models(tp, fake_tp):
 
 def test_published_counts():
     for name, count in PUBLISHED.items():
-        assert model(name).num_params == count, name
-    assert model("llama3-8b").params_per_shard(8) == 1_004_015_616  # the live model's at tp 8
+        assert num_params(model(name)) == count, name
+    assert params_per_shard(model("llama3-8b"), 8) == 1_004_015_616  # the live model's at tp 8
     # Megatron-LM's GPT-2 sizes as their names say (vocabulary padded to 50304 rows)
     for name, billions in (("gpt345m", 0.355), ("gpt1.3b", 1.3), ("gpt2.5b", 2.5), ("gpt5.8b", 5.8), ("gpt8.3b", 8.3)):
-        assert model(name).num_params == pytest.approx(billions * 1e9, rel=0.04), name
+        assert num_params(model(name)) == pytest.approx(billions * 1e9, rel=0.04), name
 
 
 @pytest.mark.parametrize("name", [p for p in PRESETS if p.startswith("gpt")])
@@ -104,11 +105,11 @@ def test_gpt_presets_keep_their_counts(name):
     per tp shard the column/row splits with replicated norms, row biases and positions."""
     m = model(name)
     h, L, V, S = m.hidden_size, m.num_layers, m.padded_vocab(1), m.seq_len
-    assert m.num_params == L * (12 * h * h + 13 * h) + V * h + S * h + 2 * h
+    assert num_params(m) == L * (12 * h * h + 13 * h) + V * h + S * h + 2 * h
     for tp in (2, 4):
         if m.num_heads % tp == 0:
             split = L * (12 * h * h + 7 * h) + m.padded_vocab(tp) * h
-            assert m.params_per_shard(tp) == split // tp + L * 6 * h + S * h + 2 * h
+            assert params_per_shard(m, tp) == split // tp + L * 6 * h + S * h + 2 * h
 
 
 def test_reference_table_presets_carry_their_time_s_defaults():
@@ -142,7 +143,7 @@ def hf_bench(path, *extra: str) -> BenchConfig:
 def test_hf_config_gives_the_published_count_and_the_preset(name):
     count, preset = HF_PUBLISHED[name]
     m = hf_bench(HF_DIR / name).model
-    assert m.num_params == count and m.name == name
+    assert num_params(m) == count and m.name == name
     if preset:
         p = dataclasses.replace(model(preset), name=name, seq_len=4096)
         assert dataclasses.replace(m, hf_config=None) == p
@@ -197,8 +198,8 @@ def test_model_cards_round_to_the_counts():
     for name, (total, non_embedding) in MODEL_CARDS.items():
         m = hf_bench(HF_DIR / name).model
         embedding = m.padded_vocab(1) * m.hidden_size * (1 if m.tie_embeddings else 2)
-        assert round(m.num_params / 1e9, 1) == total, name
-        assert non_embedding is None or round((m.num_params - embedding) / 1e9, 2) == non_embedding, name
+        assert round(num_params(m) / 1e9, 1) == total, name
+        assert non_embedding is None or round((num_params(m) - embedding) / 1e9, 2) == non_embedding, name
 
 
 @pytest.mark.parametrize("name, tps", [("Mistral-Nemo-Base-2407", (1, 8)), ("Qwen2.5-0.5B", (1, 2))])
@@ -256,7 +257,7 @@ def test_hf_absent_keys_take_transformers_defaults_per_model_type(tmp_path, base
     got = {k: keys[k] for k in expected if k != "num_params"}
     assert got == {k: v for k, v in expected.items() if k != "num_params"}
     if "num_params" in expected:
-        assert ModelConfig(name=base, seq_len=4096, **keys).num_params == expected["num_params"]
+        assert num_params(ModelConfig(name=base, seq_len=4096, **keys)) == expected["num_params"]
 
 
 def test_hf_mistral_window_defaults_to_4096_and_null_is_none(tmp_path):
@@ -373,12 +374,12 @@ MOE_ROUNDED = {"mixtral-8x7b": (46.7, 12.9), "qwen3-30b-a3b": (30.5, 3.4)}  # 3.
 @pytest.mark.parametrize("name", sorted(MOE_COUNTS))
 def test_moe_total_and_active_counts(name):
     m = model(name)
-    assert (m.num_params, m.active_params) == MOE_COUNTS[name]
+    assert (num_params(m), active_params(m)) == MOE_COUNTS[name]
     if name in MOE_ROUNDED:
-        assert (round(m.num_params / 1e9, 1), round(m.active_params / 1e9, 1)) == MOE_ROUNDED[name]
+        assert (round(num_params(m) / 1e9, 1), round(active_params(m) / 1e9, 1)) == MOE_ROUNDED[name]
     h, E, k, L = m.hidden_size, m.num_experts, m.moe_router_topk, m.num_layers
-    assert m.expert_params(1) == 3 * h * m.moe_ffn  # SwiGLU, no biases
-    assert m.num_params - m.active_params == L * (E - k) * 3 * h * m.moe_ffn
+    assert expert_params(m, 1) == 3 * h * m.moe_ffn  # SwiGLU, no biases
+    assert num_params(m) - active_params(m) == L * (E - k) * 3 * h * m.moe_ffn
 
 
 def test_hf_moe_imports(tmp_path):
@@ -473,7 +474,7 @@ def test_expert_parallel_param_list_is_the_live_models(name, fake_tp, monkeypatc
     live = [(n, tuple(p.shape), p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
              not getattr(p, "allreduce", True)) for n, p in gpt.named_parameters()]
     assert live == [(p.name, p.shape, p.tp_dim, p.expert) for p in params(m, 1, 2)]
-    experts = m.num_moe_layers * m.num_experts * m.expert_params(1)
-    assert sum(math.prod(s) for _, s, _, _ in live) == m.params_per_shard(1, 2) == m.num_params - experts // 2
-    assert 2 * m.params_per_shard(1, 2) == m.num_params + m.dense_params(1)
+    experts = m.num_moe_layers * m.num_experts * expert_params(m, 1)
+    assert sum(math.prod(s) for _, s, _, _ in live) == params_per_shard(m, 1, 2) == num_params(m) - experts // 2
+    assert 2 * params_per_shard(m, 1, 2) == num_params(m) + dense_params(m, 1)
     assert max(int(n.split("local_experts.")[1].split(".")[0]) for n, *_ in live if "local_experts" in n) == 3

@@ -47,6 +47,7 @@ from zero_bench.estimate.states import model_states_bytes
 from zero_bench.units import BYTES
 from zero_bench.models import param_numels
 from zero_bench.units import GiB, MiB
+from zero_bench.models.params import num_params, params_per_shard, routed_expert_params
 
 __all__ = ["BYTES", "Estimate", "GiB", "MiB", "activation_bytes_per_sample", "deepspeed_buffers", "estimate",
            "model_states_bytes", "param_numels", "seed_micro"]
@@ -225,12 +226,12 @@ class Estimate:
 def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Mapping] = None) -> Estimate:
     """The prediction for one BenchConfig (its device, precision, stage, offload, dp, tp, ep)."""
     m, tp, dp, ep = bench.model, bench.parallel.tp, bench.parallel.dp, bench.parallel.ep
-    P = m.params_per_shard(tp, ep)  # held by the rank: with ep > 1 its E/ep experts per MoE layer
+    P = params_per_shard(m, tp, ep)  # held by the rank: with ep > 1 its E/ep experts per MoE layer
     common = dict(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
                   offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=dp, tp=tp,
-                  num_params=m.num_params, params_per_shard=P, local_ranks=local_ranks(bench),
+                  num_params=num_params(m), params_per_shard=P, local_ranks=local_ranks(bench),
                   engine=bench.engine, capacity=capacity if capacity is not None else search_capacity(bench),
-                  ep=ep, partitioned_params=m.params_per_shard(tp) if ep > 1 else None, **fixed_terms(bench))
+                  ep=ep, partitioned_params=params_per_shard(m, tp) if ep > 1 else None, **fixed_terms(bench))
     return Estimate(**common, **load(spec(bench.engine).estimate_parts)(bench, ds))
 
 
@@ -238,11 +239,11 @@ def deepspeed_parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     """The engine-specific fields of Estimate for engine=deepspeed (its spec's estimate_parts). ds: the
     trial's DeepSpeed JSON where the caller has it (its buffers read it), else the composed one's."""
     m, tp, dp, ep = bench.model, bench.parallel.tp, bench.parallel.dp, bench.parallel.ep
-    P = m.params_per_shard(tp, ep)
+    P = params_per_shard(m, tp, ep)
     on_cpu = bench.hardware.device == "cpu"
-    states = model_states_bytes(m.params_per_shard(tp), bench.zero, dp, 1, bench.precision,
+    states = model_states_bytes(params_per_shard(m, tp), bench.zero, dp, 1, bench.precision,
                                 bench.offload, bench.offload_param and bench.zero == 3, states=bench.states,
-                                ep=ep, expert_params=m.routed_expert_params(tp))
+                                ep=ep, expert_params=routed_expert_params(m, tp))
     checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing, bench.hardware.device,
                                       bench.recompute_layers, bench.loss)

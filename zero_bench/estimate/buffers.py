@@ -9,6 +9,7 @@ from zero_bench.config import BenchConfig
 from zero_bench.estimate.states import master_bytes
 from zero_bench.models import ModelConfig, param_numels
 from zero_bench.units import BYTES
+from zero_bench.models.params import dense_params, params_per_shard, routed_expert_params
 
 # DeepSpeed defaults for keys the ds_config leaves out (deepspeed/runtime/zero/config.py, engine.py).
 DS_DEFAULTS = {
@@ -57,7 +58,7 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     full = ds_full(bench) if ds is None else {}
     stage, dp, tp, ep = bench.zero, bench.parallel.dp, bench.parallel.tp, bench.parallel.ep
     b = BYTES[bench.precision]
-    P = bench.model.params_per_shard(tp, ep)
+    P = params_per_shard(bench.model, tp, ep)
     get = lambda k: int(float(zc.get(k, DS_DEFAULTS[k])))  # noqa: E731
     mb = master_bytes(bench.states)  # the "fp32" partitions below are bf16 with states=bf16
     groups = group_partitions(bench.model, dp, tp, ep) if stage >= 1 else [P]
@@ -101,9 +102,9 @@ def group_partitions(m: ModelConfig, dp: int, tp: int = 1, ep: int = 1) -> list[
     with ep > 1 the dense group's over dp ranks and the routed experts' (E/ep per MoE layer) over
     the dp/ep ranks that hold the same experts: [dense // dp, experts // (dp/ep)]."""
     if ep == 1:
-        return [m.params_per_shard(tp) // dp]
-    experts = m.routed_expert_params(tp, ep)
-    return [m.dense_params(tp) // dp, experts // (dp // ep)]
+        return [params_per_shard(m, tp) // dp]
+    experts = routed_expert_params(m, tp, ep)
+    return [dense_params(m, tp) // dp, experts // (dp // ep)]
 
 
 def ds_full(bench: BenchConfig) -> dict:
@@ -123,5 +124,5 @@ def init_peak(bench: BenchConfig, P: int) -> int:
         return whole + (0 if bench.offload_param and bench.hardware.device != "cpu" else b * P // dp)
     if bench.zero == 0:
         return b * P
-    largest = P if ep == 1 else max(bench.model.dense_params(tp), bench.model.routed_expert_params(tp, ep))
+    largest = P if ep == 1 else max(dense_params(bench.model, tp), routed_expert_params(bench.model, tp, ep))
     return b * P + b * largest

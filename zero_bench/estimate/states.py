@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from zero_bench.units import BYTES
+from zero_bench.models.params import routed_expert_params
 
 
 def moment_bytes(numel: float, states: str = "mixed", dtype_bytes: int = 4) -> float:
@@ -33,7 +34,7 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
 
     num_params: parameters of the WHOLE model (all tensor-parallel shards together); this function
     uses P = num_params / tp, the parameters of one tensor-parallel shard. (To use megatron's exact
-    shard, whose LayerNorms and row biases are replicated, pass ModelConfig.params_per_shard(tp)
+    shard, whose LayerNorms and row biases are replicated, pass models.params.params_per_shard(m, tp)
     with tp=1.)
 
     Mixed precision (bf16/fp16; 2-byte params and grads, fp32 master + Adam m, v: K = 12), the ZeRO
@@ -66,7 +67,7 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
     partition to the host too.
 
     Expert parallelism (ep > 1; DeepSpeed runs it at ZeRO 1-2): expert_params is the routed
-    experts' share of num_params (all E experts of every MoE layer, ModelConfig.routed_expert_params
+    experts' share of num_params (all E experts of every MoE layer, models.params.routed_expert_params
     at ep 1; as num_params, all tensor-parallel shards together). A rank holds the other
     (dense) parameters and 1/ep of the experts whole: P = (dense + experts/ep) / tp, which the
     parts held whole count (the 16-bit params; ZeRO-0 everything; ZeRO-1 the gradients). DeepSpeed
@@ -130,7 +131,7 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
 def stored_states(s) -> dict:
     """model_states_bytes for a stored config as the report reads it (report.tables.Setup): the
     deepspeed spec's stored_states, so the report asks the engine's spec, not its name."""
-    experts = s.description.routed_expert_params(1) if s.ep > 1 else 0  # ep > 1 runs at tp 1
+    experts = routed_expert_params(s.description, 1) if s.ep > 1 else 0  # ep > 1 runs at tp 1
     return model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
                               offload_optimizer=s.offload, offload_param=s.offload_param, states=s.states,
                               ep=s.ep, expert_params=experts)

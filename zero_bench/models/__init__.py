@@ -2,7 +2,8 @@
 touches this package only; everything downstream reads the description.
 
 description.py  ModelConfig: the one description a preset or a Hugging Face config.json becomes
-params.py       its parameter list per tensor-parallel rank: name, shape, tp split, FSDP2 group
+params.py       its parameter list per tensor-parallel rank: name, shape, tp split, FSDP2 group,
+                and every count summed from it (num_params, params_per_shard, active_params ...)
 flops.py        training FLOPs per sequence (MFU / HFU numerators; zero_bench.metrics divides)
 hf.py           a local config.json (llama, mistral, qwen2) -> the description's keys
 megatron.py     the description -> megatron-core's TransformerConfig and GPTModel (local spec)
@@ -12,7 +13,7 @@ shims.py        what megatron-core needs on CPU (buffers, RoPE, causal mask, RNG
 The activation bytes per sample, which also depend on precision, recompute and device, are
 zero_bench/estimate/activations.py's, from the same description.
 """
-from zero_bench.models.description import (Activation, Attention, ModelConfig, Normalization, PositionEmbedding,
-                                           param_numels)
+from zero_bench.models.description import Activation, Attention, ModelConfig, Normalization, PositionEmbedding
+from zero_bench.models.params import param_numels
 
 __all__ = ["Activation", "Attention", "ModelConfig", "Normalization", "PositionEmbedding", "param_numels"]

@@ -198,54 +198,6 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
 
-    def expert_params(self, tp: int = 1) -> int:
-        """Parameters of one routed expert on one tp rank (megatron's expert MLP: fc1, fc2, biases)."""
-        from zero_bench.models.params import mlp_numels
-
-        return sum(mlp_numels(self, self.moe_ffn, tp))
-
-    # -- counts (models/params.py) --------------------------------------------------------------
-    @property
-    def num_params(self) -> int:
-        """Parameters of the whole model (one tensor-parallel rank at tp 1)."""
-        return sum(param_numels(self, 1))
-
-    @property
-    def active_params(self) -> int:
-        """Parameters one token is computed with (tp 1): everything but the E - k routed experts
-        it is not sent to in each MoE layer (router, shared expert, attention, embeddings
-        included); num_params for a dense model. Mixtral-8x7B: 12,879,925,248 of 46,702,792,704."""
-        if not self.is_moe:
-            return self.num_params
-        idle = self.num_experts - self.moe_router_topk
-        return self.num_params - idle * self.expert_params(1) * self.num_moe_layers
-
-    def params_per_shard(self, tp: int, ep: int = 1) -> int:
-        """Parameters one rank holds whole before any ZeRO / FSDP2 sharding: its tensor-parallel
-        shard (replicated norms and row biases included) with, at expert-parallel degree ep, its
-        num_experts / ep routed experts of each MoE layer (the rest whole on every rank)."""
-        return sum(param_numels(self, tp, ep))
-
-    def routed_expert_params(self, tp: int = 1, ep: int = 1) -> int:
-        """Parameters of the routed experts one rank holds: E / ep experts in each MoE layer (0 for a
-        dense model). Their states are sharded over the dp / ep ranks holding the same experts."""
-        if not self.is_moe:
-            return 0
-        return self.num_experts // ep * self.num_moe_layers * self.expert_params(tp)
-
-    def dense_params(self, tp: int = 1) -> int:
-        """Parameters every rank holds whatever ep (all but the routed experts), sharded over all dp
-        ranks: params_per_shard(tp, ep) - routed_expert_params(tp, ep)."""
-        return self.params_per_shard(tp) - self.routed_expert_params(tp)
-
-
-def param_numels(model: ModelConfig, tp: int = 1, ep: int = 1) -> list[int]:
-    """Element count of every parameter one rank holds (tp shard; E / ep routed experts per MoE
-    layer), in GPTModel.parameters() order (models/params.py)."""
-    from zero_bench.models.params import param_numels as numels
-
-    return numels(model, tp, ep)
-
 
 def summary(m: ModelConfig) -> str:
     """One line a user checks the description by (an imported config.json especially)."""

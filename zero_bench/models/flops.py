@@ -4,7 +4,7 @@ published tables: per sequence, passes x (2 x N x s + 4 x L x (a x d) x s^2), 3 
 input gradient, weight gradient) for MFU, and what recompute re-runs on top for HFU.
 
 N counts the weights a token is multiplied by: every parameter of the model with the vocabulary
-matrix once; in a mixture of experts only the ACTIVE parameters (ModelConfig.active_params: the
+matrix once; in a mixture of experts only the ACTIVE parameters (models.params.active_params: the
 top-k routed experts, the router, the shared expert and everything dense), as the MoE papers count
 "active parameters" (Mixtral: 12.9B of 46.7B). Tied (GPT-2) that is num_params, so every GPT preset keeps the figure it had; untied,
 the input embedding is a lookup (no FLOPs) and the output layer is the one counted. SwiGLU's three
@@ -18,6 +18,8 @@ does.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from zero_bench.models.params import active_params
 
 if TYPE_CHECKING:
     from zero_bench.models.description import ModelConfig
@@ -33,7 +35,7 @@ def convention_flops_per_seq(n_params: float, n_layers: int, attn_width: int, se
 def flop_params(m: ModelConfig) -> int:
     """N: parameters that cost 2 FLOPs per token in the forward pass (the vocabulary matrix once)."""
     untied_input_embedding = 0 if m.tie_embeddings else m.padded_vocab(1) * m.hidden_size
-    return m.active_params - untied_input_embedding
+    return active_params(m) - untied_input_embedding
 
 
 def dense_flops_per_seq(m: ModelConfig) -> float:

@@ -1,6 +1,6 @@
 """The parameter list of megatron's GPTModel (local spec) from the description, per tensor-parallel
 rank: every tensor's name, shape and FSDP2 group. The one list every consumer derives from: the
-counts (description.num_params), DeepSpeed's buffer arithmetic (largest parameter, persistence
+counts (num_params, params_per_shard ... below), DeepSpeed's buffer arithmetic (largest parameter, persistence
 threshold), FSDP2's per-group shards and padding (estimate/fsdp2.py), and the live-model check.
 
 The list follows GPTModel.named_parameters() exactly (tests/unit/test_models.py compares names and
@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from zero_bench.models.description import ModelConfig
+from zero_bench.models.description import ModelConfig
 
 ROOT = "root"  # FSDP2's root group: everything outside the transformer layers
 
@@ -157,3 +156,45 @@ def layer_numels(m: ModelConfig, tp: int = 1, moe: bool = False, ep: int = 1) ->
 def mlp_numels(m: ModelConfig, f: int, tp: int = 1) -> list[int]:
     """One MLP of width f (a dense layer's, a routed or a shared expert's) on one tp rank."""
     return [math.prod(s[1]) for s in _mlp(m, "mlp", f, tp)]
+
+
+# -- counts, each a sum over the list above ----------------------------------------------------
+def num_params(m: ModelConfig) -> int:
+    """Parameters of the whole model (one tensor-parallel rank at tp 1)."""
+    return sum(param_numels(m, 1))
+
+
+def expert_params(m: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one routed expert on one tp rank (megatron's expert MLP: fc1, fc2, biases)."""
+    return sum(mlp_numels(m, m.moe_ffn, tp))
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters one token is computed with (tp 1): everything but the E - k routed experts it is
+    not sent to in each MoE layer (router, shared expert, attention, embeddings included);
+    num_params for a dense model. Mixtral-8x7B: 12,879,925,248 of 46,702,792,704."""
+    if not m.is_moe:
+        return num_params(m)
+    idle = m.num_experts - m.moe_router_topk
+    return num_params(m) - idle * expert_params(m, 1) * m.num_moe_layers
+
+
+def params_per_shard(m: ModelConfig, tp: int, ep: int = 1) -> int:
+    """Parameters one rank holds whole before any ZeRO / FSDP2 sharding: its tensor-parallel shard
+    (replicated norms and row biases included) with, at expert-parallel degree ep, its
+    num_experts / ep routed experts of each MoE layer (the rest whole on every rank)."""
+    return sum(param_numels(m, tp, ep))
+
+
+def routed_expert_params(m: ModelConfig, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of the routed experts one rank holds: E / ep experts in each MoE layer (0 for a
+    dense model). Their states are sharded over the dp / ep ranks holding the same experts."""
+    if not m.is_moe:
+        return 0
+    return m.num_experts // ep * m.num_moe_layers * expert_params(m, tp)
+
+
+def dense_params(m: ModelConfig, tp: int = 1) -> int:
+    """Parameters every rank holds whatever ep (all but the routed experts), sharded over all dp
+    ranks: params_per_shard(m, tp) - routed_expert_params(m, tp)."""
+    return params_per_shard(m, tp) - routed_expert_params(m, tp)

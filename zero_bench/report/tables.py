@@ -16,6 +16,7 @@ from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu
 from zero_bench.models import ModelConfig
 from zero_bench.models.description import from_stored
 from zero_bench.models.flops import model_flops_per_seq
+from zero_bench.models.params import active_params, num_params
 from zero_bench.records import DeviceMemStats, ModelStates, TrialResult
 from zero_bench.report.rows import Loaded, Row
 from zero_bench.units import MiB
@@ -72,13 +73,13 @@ class Setup:
     @property
     def num_params(self) -> Optional[int]:
         d = self.description
-        return d.num_params if d is not None else None
+        return num_params(d) if d is not None else None
 
     @property
     def active_params(self) -> Optional[int]:
         """Parameters one token is computed with; None for a dense model (it would repeat num params)."""
         d = self.description
-        return d.active_params if d is not None and d.is_moe else None
+        return active_params(d) if d is not None and d.is_moe else None
 
 
 def setup_of(c: dict) -> Setup:
