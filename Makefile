@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.zero_bench-installed
 # The CPU install path: requirements-cpu.txt pins torch==2.13.0 (a CPU wheel; unpinned, pip would
 # pull a multi-GB CUDA build). DeepSpeed's CPU shared-memory collective is JIT-compiled at first
 # use (~35 s): build it here once so that trials and tests do not pay for it, with the venv's ninja,
-# which the ranks use too (launch.trial_env; the system's ninja would not read its build log).
+# which the ranks use too (trial/launcher.py trial_env; the system's ninja would not read its build log).
 $(STAMP): requirements-cpu.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-cpu.txt

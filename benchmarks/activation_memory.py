@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from zero_bench.config import BenchConfig, HardwareConfig, Recompute, StepsConfig
+from zero_bench.config.schema import BenchConfig, HardwareConfig, Recompute, StepsConfig
 from zero_bench.estimate import CPU_ACTIVATION_FACTOR, activation_bytes_per_sample
 from zero_bench.models import ModelConfig
 
@@ -144,8 +144,8 @@ def slope(results, field: str, micros: tuple) -> float:
 
 
 def trials_table(base: ModelConfig, micros: tuple, dropouts: list[float], tmp: Path) -> None:
-    from zero_bench.launch import LaunchOptions, run_launch
-    from zero_bench.pool import PoolSlot
+    from zero_bench.trial.launch import LaunchOptions, run_launch
+    from zero_bench.trial.pool import PoolSlot
     from zero_bench.records import Entry
 
     print(f"\n2-rank trials, ZeRO-2, DP=2, fp32, micro {micros[0]} -> {micros[1]}; MiB per sample")

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import yaml
 
-from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
-from zero_bench.launch import LaunchOptions, run_launch
-from zero_bench.launcher import free_port
+from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
+from zero_bench.trial.launch import LaunchOptions, run_launch
+from zero_bench.trial.launcher import free_port
 from zero_bench.records import Entry
-from zero_bench.pool import PoolSlot
+from zero_bench.trial.pool import PoolSlot
 
 ROOT = Path(__file__).resolve().parent.parent
 INIT_ONLY = """import deepspeed, torch

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from zero_bench.config import Recompute, BenchConfig, HardwareConfig, ModelConfig, StepsConfig
+from zero_bench.config.schema import Recompute, BenchConfig, HardwareConfig, ModelConfig, StepsConfig
 from zero_bench.estimate import activation_bytes_per_sample
-from zero_bench.launch import run_launch
+from zero_bench.trial.launch import run_launch
 from zero_bench.records import Entry
 
 ROOT = Path(__file__).resolve().parent.parent

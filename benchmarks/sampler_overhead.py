@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
-from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
+from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.records import Entry
 
 ROOT = Path(__file__).resolve().parent.parent

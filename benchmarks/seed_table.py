@@ -21,8 +21,8 @@ from typing import Optional
 
 from hydra import compose, initialize_config_dir
 
-from zero_bench.configure import from_cfg
-from zero_bench.config import CONF_DIR
+from zero_bench.config.configure import from_cfg
+from zero_bench.config.schema import CONF_DIR
 from zero_bench.estimate import estimate
 from zero_bench.units import MiB
 

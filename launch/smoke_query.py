@@ -23,7 +23,7 @@ from zero_bench.records import Status, TrialResult  # noqa: E402
 from zero_bench.store import Store  # noqa: E402
 
 MiB = 2**20
-POOL_REQUEST = "# request "  # in the command text of a trial a pool's ranks forked (zero_bench.pool)
+POOL_REQUEST = "# request "  # in the command text of a trial a pool's ranks forked (zero_bench.trial.pool)
 
 
 def mib(value: Optional[float]) -> str:

@@ -1,7 +1,7 @@
 """Shared helpers: tiny real configurations, a check that trials leave no process or /dev/shm
 buffer behind, and the session's isolation from the machine it runs on:
 
-- The machine lock (zero_bench.machine) is the real one: another zero_bench (a demo) running trials
+- The machine lock (zero_bench.trial.machine) is the real one: another zero_bench (a demo) running trials
   makes the suite wait for it, at most ZERO_BENCH_LOCK_WAIT_S seconds in all (default 1200; the
   `python -m zero_bench` the tests start inherit it), then skip what needs the machine, naming the
   holder. It never fails a test.
@@ -22,10 +22,10 @@ import psutil
 import pytest
 import yaml
 
-from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig, StepsConfig
-from zero_bench.configure import resolve
+from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig, StepsConfig
+from zero_bench.config.configure import resolve
 from zero_bench.errors import MachineBusy
-from zero_bench.machine import machine_lock
+from zero_bench.trial.machine import machine_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -160,7 +160,7 @@ def gpt_mini_fresh(tmp_path_factory):
     """gpt-mini ZeRO-2 fp32 on 2 CPU ranks, one fresh launch (no pool, no budget) at each of
     FRESH_MICROS: the pool test's reference for a forked child, and the search test's calibration
     (its budget lies midway between the two measured peaks). (cfg, {micro: TrialResult})."""
-    from zero_bench.launch import run_launch
+    from zero_bench.trial.launch import run_launch
     from zero_bench.records import Entry
 
     tmp = tmp_path_factory.mktemp("gpt_mini_fresh")
@@ -190,7 +190,7 @@ def worker_processes(marker: str = "") -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if ("zero_bench.rank" in cmd or "deepspeed.launcher" in cmd) and marker in cmd:
+        if ("zero_bench.trial.rank" in cmd or "deepspeed.launcher" in cmd) and marker in cmd:
             out.append(p)
     return out
 
@@ -206,7 +206,7 @@ def launch_ports(root: Path) -> set[int]:
 
 def shm_buffers(ports: set[int]) -> set[Path]:
     """DeepSpeed's /dev/shm buffers of those ports (named deepspeed_*_<port>_<rank>,
-    zero_bench.machine.remove_shm_buffers)."""
+    zero_bench.trial.machine.remove_shm_buffers)."""
     return {f for f in Path("/dev/shm").glob("deepspeed_*")
             if any(f"_{port}_" in f.name for port in ports)}
 

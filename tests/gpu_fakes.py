@@ -1,4 +1,4 @@
-"""The two seams of the GPU path, faked: NVML (`zero_bench.nvml.nvml_module`) and torch.cuda.
+"""The two seams of the GPU path, faked: NVML (`zero_bench.devices.nvml.nvml_module`) and torch.cuda.
 
 `fake_pynvml` is a module object with pynvml's real function names, exception classes and structs
 (c_nvmlMemory_t, c_nvmlMemory_v2_t), so that what the code catches is what a real driver raises.
@@ -20,7 +20,7 @@ from typing import Optional
 
 import pynvml
 
-from zero_bench.nvml import norm_pci
+from zero_bench.devices.nvml import norm_pci
 
 GiB, MiB = 2**30, 2**20
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pandas as pd
 
-from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig
+from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig
 from zero_bench.records import DeviceMemStats, RankRecord, SearchResult, TrialResult
 from zero_bench.store import Store
 
@@ -39,7 +39,7 @@ def measured(cfg: BenchConfig, micro: int, step_s: float, used_mib: list, total_
                        ranks=[RankRecord(rank=i, event="end", model_states={"params": 700 * MiB, "master": 0,
                                                                             "optimizer": 600 * MiB, "grads": 0})
                               for i in range(len(used_mib))],
-                       cmd=f"deepspeed --num_gpus {len(used_mib)} -m zero_bench.rank",
+                       cmd=f"deepspeed --num_gpus {len(used_mib)} -m zero_bench.trial.rank",
                        ds_config={"zero_optimization": {"stage": cfg.zero}}, **kw)
 
 

@@ -4,7 +4,7 @@ One Hydra app serves every sub-command (the `command` key), so `python -m zero_b
 `zero_bench run ...` and Hydra's multirun (`-m zero=0,1,2,3`) compose the same config. Before Hydra
 starts, the overrides are composed once per swept value and checked (`precheck`): a bad key or
 value is one line and exit 2 for every sub-command, before anything is launched, instead of
-Hydra's multi-line error. Exit codes: zero_bench.commands (and `zero_bench --help`).
+Hydra's multi-line error. Exit codes: zero_bench.commands.subcommands (and `zero_bench --help`).
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from zero_bench.calibrate import DEFAULT_MODEL as CALIBRATE_MODEL
-from zero_bench.commands import COMMANDS, Invocation
-from zero_bench.config import CONF_DIR
-from zero_bench.configure import check_all, compose, keys_help
+from zero_bench.commands.calibrate import DEFAULT_MODEL as CALIBRATE_MODEL
+from zero_bench.commands.subcommands import COMMANDS, Invocation
+from zero_bench.config.schema import CONF_DIR
+from zero_bench.config.configure import check_all, compose, keys_help
 from zero_bench.errors import ConfigError, MachineBusy
-from zero_bench.pool import PoolSlot
-from zero_bench.sweeps import current_sweep, swept_values
+from zero_bench.trial.pool import PoolSlot
+from zero_bench.search.sweeps import current_sweep, swept_values
 
 GROUPS = ("model", "parallel", "hardware", "sweep")
 BAD_INPUT, BUSY = 2, 5
@@ -166,7 +166,7 @@ def show_resolved_job(command: str, flags: list[str], overrides: list[str]) -> b
     printed; a sweep or --package is left to Hydra."""
     from omegaconf import OmegaConf
 
-    from zero_bench.configure import _plain, with_hf_model
+    from zero_bench.config.configure import _plain, with_hf_model
 
     if flag_value(flags, "--cfg", "-c") != "job" or flag_value(flags, "--package", "-p") or swept_values(overrides):
         return False

@@ -4,7 +4,7 @@ Between processes: the runner writes a `TrialSpec` (trial.json: the config, the 
 where to write; a test may add a `Fault`) and, for a pooled trial, a `PoolRequest`; each rank
 writes a `RankRecord` per event (one JSON line in rank{R}.jsonl). Within the runner: outcome.py
 turns a launch's rank records into one `TrialResult` per entry; sampler.py summarises its timeline
-as one `DeviceMemStats` per device; search.py sums trials up in a `SearchResult`; store.py keeps
+as one `DeviceMemStats` per device; search/maxbatch.py sums trials up in a `SearchResult`; store.py keeps
 the last two; report/ reads them back. Every status, event and mode is an enum; every record
 round-trips through JSON.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional
 
-from zero_bench.config import BenchConfig
+from zero_bench.config.schema import BenchConfig
 
 # Exit code of a rank whose allocation failed: the runner reads it as "does not fit".
 OOM_EXIT = 86
@@ -48,7 +48,7 @@ class RankStatus(StrEnum):
 
 
 class FaultKind(StrEnum):
-    """Test-only faults a trial spec can carry (zero_bench.faults)."""
+    """Test-only faults a trial spec can carry (zero_bench.trial.faults)."""
     RAISE = "raise"  # an exception in the step
     OOM = "oom"  # a real allocator failure
     KILL = "kill"  # SIGKILL, as the kernel's OOM killer sends

@@ -13,12 +13,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from zero_bench.config import ParallelConfig
+from zero_bench.config.schema import ParallelConfig
 from zero_bench.estimate import estimate
 from zero_bench.estimate.fsdp2 import model_states
-from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.models.params import layer_numels
-from zero_bench.pool import PoolSlot
+from zero_bench.trial.pool import PoolSlot
 from zero_bench.records import Entry, Fault, SearchStatus
 from zero_bench.store import Store
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig, StepsConfig
+from zero_bench.config.schema import BenchConfig, HardwareConfig, ParallelConfig, StepsConfig
 
 from conftest import model
 
@@ -157,7 +157,7 @@ class RankWatcher(threading.Thread):
         self.marker, self.seen, self.stop_evt = marker, {}, threading.Event()
 
     def run(self):
-        from zero_bench.sampler import env_of, find_workers
+        from zero_bench.trial.sampler import env_of, find_workers
 
         while not self.stop_evt.is_set():
             for p in find_workers(self.marker):
@@ -180,9 +180,9 @@ class RankWatcher(threading.Thread):
 def test_maxbatch_search_over_two_hosts(two_hosts, tmp_path):
     """A maxbatch search with a hostfile: ranks 0 and 1 run on "nodes" 0 and 1, reached over ssh."""
     from zero_bench.store import Store
-    from zero_bench.config import SearchConfig
-    from zero_bench.search import SearchOptions, run_search
-    from zero_bench.sampler import find_workers
+    from zero_bench.config.schema import SearchConfig
+    from zero_bench.search.maxbatch import SearchOptions, run_search
+    from zero_bench.trial.sampler import find_workers
 
     cfg = tiny_cfg(hostfile=str(two_hosts["hostfile"]), num_nodes=2, launcher="pdsh", memory_gb=1.5)
     run_dir = tmp_path / "search"

@@ -1,4 +1,4 @@
-"""Trials forked from a pool (zero_bench.pool): the same figures as a launch of their own, and a
+"""Trials forked from a pool (zero_bench.trial.pool): the same figures as a launch of their own, and a
 child that crashes, is killed or hangs ends alone while the pool serves the next trial."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from zero_bench.launch import LaunchOptions, run_launch
+from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.records import Entry, Fault
-from zero_bench.pool import PoolSlot
+from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, worker_processes
 

@@ -5,9 +5,9 @@ import csv
 
 import pytest
 
-from zero_bench.launch import run_launch
+from zero_bench.trial.launch import run_launch
 from zero_bench.records import Entry
-from zero_bench.worker import PHASES
+from zero_bench.trial.worker import PHASES
 
 from conftest import cpu_cfg
 

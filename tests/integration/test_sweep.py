@@ -24,9 +24,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from zero_bench.config import HardwareConfig
-from zero_bench.launch import LaunchOptions, run_launch
-from zero_bench.pool import PoolSlot
+from zero_bench.config.schema import HardwareConfig
+from zero_bench.trial.launch import LaunchOptions, run_launch
+from zero_bench.trial.pool import PoolSlot
 from zero_bench.records import Entry
 from zero_bench.store import Store
 

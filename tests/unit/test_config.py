@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from zero_bench import cpu_features, ds_config
-from zero_bench.config import ConfigError
-from zero_bench.configure import compose, from_cfg, search_from_cfg
-from zero_bench.preflight import validate_machine
+from zero_bench.devices import cpu_features
+from zero_bench.engines import ds_config
+from zero_bench.config.schema import ConfigError
+from zero_bench.config.configure import compose, from_cfg, search_from_cfg
+from zero_bench.search.preflight import validate_machine
 from zero_bench.models.params import num_params, params_per_shard
 
 
@@ -35,7 +36,7 @@ def test_the_demo_sweep_runs_at_the_precision_this_cpu_computes():
     auto = cpu_features.detect().auto_precision  # bf16 where native, fp32 on AVX2-only CPUs
     assert (b.model.name, b.precision, c.search.cpu_budget_gb, c.search.granularity, c.store) == (
         "GPT-zero-demo", auto, 0.95, 1, "results/demo.sqlite")
-    from zero_bench.sweeps import sweep_size
+    from zero_bench.search.sweeps import sweep_size
 
     assert sweep_size(["+sweep=cpu_demo"]) == 3  # ZeRO 0, 1, 3
 
@@ -68,7 +69,7 @@ def test_offload_true_moves_params_too_only_with_zero3():
     (["hardware.memory_gb=-1"], "hardware.memory_gb=-1: must be a number > 0"),
     (["zero=true"], "zero=true: must be an integer"),
     (["zero=abc"], "zero=abc: must be an integer"),
-    (["+fault.kind=melt"], "fault: unknown key"),  # test faults are no user key (zero_bench.faults)
+    (["+fault.kind=melt"], "fault: unknown key"),  # test faults are no user key (zero_bench.trial.faults)
     (["recompute=some"], "recompute=some: allowed values are none, selective, full"),
     (["recompute=full", "recompute_layers=3"], "recompute_layers=3: must divide model.num_layers=4"),
     (["recompute_layers=0"], "recompute_layers=0: must be an integer >= 1"),
@@ -118,7 +119,8 @@ def test_cli_bad_input_is_exit_2_one_line_naming_the_key_and_nothing_launched(
         command, overrides, message, tmp_path, monkeypatch, capsys):
     """The command line as a user types it (zero_bench.cli.main, in this process): exit code 2,
     exactly one line on stderr naming the key, and no launch, no store, no run folder written."""
-    from zero_bench import cli, commands
+    from zero_bench import cli
+    from zero_bench.commands import subcommands as commands
 
     launched = []
     monkeypatch.setattr(commands, "run_launch", lambda *a, **k: launched.append(a) or pytest.fail("launched"))
@@ -137,7 +139,7 @@ def test_cli_bad_input_is_exit_2_one_line_naming_the_key_and_nothing_launched(
 
 def test_world_size_beyond_devices():
     """CPU ranks are processes: up to two per core, whatever this host's core count."""
-    from zero_bench.preflight import available_devices
+    from zero_bench.search.preflight import available_devices
 
     limit = 2 * available_devices("cpu")
     validate_machine(bench(f"parallel.dp={limit}"))
@@ -237,7 +239,7 @@ def test_raw_ds_keys_are_checked_by_deepspeed_before_launch():
 def test_search_key_carries_software_versions(tmp_path, monkeypatch):
     """Another installed torch (the distribution importlib.metadata finds first on sys.path, as a
     venv switch or an upgrade changes it) is another search key: old measurements are not reused."""
-    from zero_bench import config
+    from zero_bench.config import schema as config
 
     b = bench()
     key = b.search_key()
@@ -286,7 +288,7 @@ def test_defaults_live_in_the_schema_only():
     """conf/ holds presets and Hydra's settings; no default value is written twice."""
     import yaml
 
-    from zero_bench.config import CONF_DIR
+    from zero_bench.config.schema import CONF_DIR
 
     top = yaml.safe_load((CONF_DIR / "config.yaml").read_text())
     assert set(top) == {"defaults", "hydra"}
@@ -294,7 +296,7 @@ def test_defaults_live_in_the_schema_only():
 
 
 def test_stored_configs_of_older_versions_still_read():
-    from zero_bench.config import BenchConfig
+    from zero_bench.config.schema import BenchConfig
 
     b = bench()
     old = b.to_dict()
@@ -307,7 +309,7 @@ def test_stored_configs_of_older_versions_still_read():
 def test_the_report_reads_stored_configs_through_the_schema():
     """report.tables.setup_of reads a stored config as a resume does (BenchConfig.from_dict's
     migrations and defaults), and keeps a skipped grid entry's partial model as stored."""
-    from zero_bench.config import BenchConfig
+    from zero_bench.config.schema import BenchConfig
     from zero_bench.report.tables import setup_of
 
     old = bench("parallel.dp=4").to_dict()

@@ -1,5 +1,5 @@
 """precision=auto fits the CPU: which vector units it has, whether torch is held below them, and so
-whether bf16 is native (zero_bench.cpu_features); what resolve, doctor and the runner make of it.
+whether bf16 is native (zero_bench.devices.cpu_features); what resolve, doctor and the runner make of it.
 The detection is tested at its one seam, `assess` (flags, capability and environment passed in);
 the rest fakes `cpu_features.detect` with an assessed record."""
 from __future__ import annotations
@@ -13,10 +13,16 @@ import sys
 import pytest
 import torch
 
-from zero_bench import commands, configure, cpu_features, doctor
-from zero_bench.config import ConfigError, Device, EngineName
-from zero_bench.cpu_features import BF16_ISAS, NO_BF16_ISAS, assess, bf16_warning, cpu_flags
-from zero_bench.metrics import peak_key
+from zero_bench.commands import subcommands as commands
+
+from zero_bench.config import configure
+
+from zero_bench.devices import cpu_features
+
+from zero_bench.commands import doctor
+from zero_bench.config.schema import ConfigError, Device, EngineName
+from zero_bench.devices.cpu_features import BF16_ISAS, NO_BF16_ISAS, assess, bf16_warning, cpu_flags
+from zero_bench.devices.metrics import peak_key
 
 from conftest import cpu_cfg
 
@@ -187,7 +193,7 @@ def test_auto_on_this_machine_without_restriction_is_the_detected_answer():
 def test_a_real_process_held_to_avx2_resolves_auto_to_fp32():
     """ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 in a real process: torch reports AVX2, auto
     is fp32 whatever this CPU has, and the cached matmul rate is another entry than unrestricted."""
-    code = ("from zero_bench.configure import compose, from_cfg; from zero_bench import cpu_features, metrics; "
+    code = ("from zero_bench.config.configure import compose, from_cfg; from zero_bench.devices import cpu_features, metrics; "
             "f = cpu_features.detect(); print(from_cfg(compose(['hardware=cpu'])).precision, f.capability, "
             "f.bf16_native); print(metrics.peak_key('bf16', 1))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -198,7 +204,7 @@ def test_a_real_process_held_to_avx2_resolves_auto_to_fp32():
     assert key.endswith("|bf16|torch=AVX2|onednn=AVX2")
     # the same machine unrestricted (whatever this test process runs under) keys another entry
     free = {k: v for k, v in os.environ.items() if k not in RESTRICTED}
-    p = subprocess.run([sys.executable, "-c", "from zero_bench import metrics; print(metrics.peak_key('bf16', 1))"],
+    p = subprocess.run([sys.executable, "-c", "from zero_bench.devices import metrics; print(metrics.peak_key('bf16', 1))"],
                        capture_output=True, text=True, timeout=120, env=free)
     assert p.returncode == 0 and p.stdout.strip().splitlines()[-1] != key, p.stderr[-2000:]
 
@@ -321,7 +327,7 @@ def test_the_resolved_precision_is_in_the_label_and_the_stored_config(cpu_is):
 def test_compiled_kernels_are_cached_apart_per_cpu_kernel_choice(tmp_path):
     """A compile=true trial reusing kernels inductor built under the other CPU restriction aborted
     (glibc heap corruption): each restriction gets its own cache (launcher.inductor_cache_dir)."""
-    code = "from zero_bench.launcher import inductor_cache_dir; print(inductor_cache_dir())"
+    code = "from zero_bench.trial.launcher import inductor_cache_dir; print(inductor_cache_dir())"
     base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
                                                              "TORCHINDUCTOR_CACHE_DIR")}
     base["ZERO_BENCH_CACHE"] = str(tmp_path)

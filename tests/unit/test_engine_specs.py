@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_bench.config import DEFAULT_ENGINE, EngineName
+from zero_bench.config.schema import DEFAULT_ENGINE, EngineName
 from zero_bench.engines.specs import SPECS, load, spec
 
 PACKAGE = Path(__file__).resolve().parents[2] / "zero_bench"
@@ -17,9 +17,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "zero_bench"
 NAME = r"""(EngineName\.(deepspeed|fsdp2)|["'](deepspeed|fsdp2)["'])"""
 BRANCH = re.compile(rf"(==|!=|\bin\b)\s*[([{{]?\s*{NAME}|{NAME}\s*(==|!=)|EngineName\.(deepspeed|fsdp2)")
 ALLOWED = {  # (file, the line stripped): the enum and the default's one declaration
-    ("config.py", 'deepspeed = "deepspeed"  # DeepSpeed ZeRO 0-3 (deepspeed.initialize)'),
-    ("config.py", 'fsdp2 = "fsdp2"  # PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), ZeRO 2/3 semantics'),
-    ("config.py", "DEFAULT_ENGINE = EngineName.deepspeed"),
+    ("config/schema.py", 'deepspeed = "deepspeed"  # DeepSpeed ZeRO 0-3 (deepspeed.initialize)'),
+    ("config/schema.py", 'fsdp2 = "fsdp2"  # PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), ZeRO 2/3 semantics'),
+    ("config/schema.py", "DEFAULT_ENGINE = EngineName.deepspeed"),
 }
 
 
@@ -47,7 +47,7 @@ def test_rank_side_resolves():
 
 def test_specs_import_no_torch():
     """The runner imports the specs: no torch, deepspeed or megatron at import time."""
-    code = ("import sys, zero_bench.engines.specs, zero_bench.config; "
+    code = ("import sys, zero_bench.engines.specs, zero_bench.config.schema; "
             "print(sorted(m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zero_bench.config import BenchConfig
-from zero_bench.configure import compose, from_cfg
+from zero_bench.config.schema import BenchConfig
+from zero_bench.config.configure import compose, from_cfg
 from zero_bench.errors import ConfigError
 from zero_bench.estimate import (GiB, MiB, activation_bytes_per_sample, deepspeed_buffers, estimate,
                                  model_states_bytes, param_numels, seed_micro)
@@ -251,7 +251,7 @@ def test_cli_refuses_gpt2_5b(tmp_path):
 
 
 def test_preflight_force_and_small():
-    from zero_bench.preflight import preflight
+    from zero_bench.search.preflight import preflight
 
     big = bench("gpt2.5b", zero=2)
     assert preflight(big, force=True) is None
@@ -261,7 +261,7 @@ def test_preflight_force_and_small():
 
 
 def test_preflight_gpu_cannot_initialize():
-    from zero_bench.preflight import preflight
+    from zero_bench.search.preflight import preflight
 
     b = bench("gpt5.8b", zero=0, precision="bf16", memory_gb=40)
     b = dataclasses.replace(b, hardware=dataclasses.replace(b.hardware, device="gpu"))

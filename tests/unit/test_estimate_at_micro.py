@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from zero_bench.configure import compose, from_cfg
+from zero_bench.config.configure import compose, from_cfg
 from zero_bench.estimate import GiB, estimate
-from zero_bench.estimate_table import estimate_report
+from zero_bench.estimate.table import estimate_report
 
 ALL = ["model=llama3-8b", "parallel=dp8", "hardware=h100_80gb", "recompute=full"]
 GPU = [*ALL, "zero=3"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_bench.configure import compose, from_cfg
+from zero_bench.config.configure import compose, from_cfg
 from zero_bench.estimate import estimate
 from zero_bench.estimate import gpu
 from zero_bench.units import MiB
@@ -50,7 +50,7 @@ def test_cpu_keeps_its_measured_runtime_and_no_fragmentation():
 
 @pytest.mark.parametrize("loading", ["eager", "lazy"])
 def test_the_estimate_command_answers_for_both_module_loadings(loading, capsys):
-    from zero_bench.estimate_table import estimate_report
+    from zero_bench.estimate.table import estimate_report
 
     cfg = compose(["+sweep=seed_grid", "model=gpt345m", "parallel=dp8", f"hardware.cuda_module_loading={loading}"])
     text = estimate_report(cfg, frozenset())

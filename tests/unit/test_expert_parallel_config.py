@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zero_bench.config import ConfigError
-from zero_bench.configure import compose, from_cfg
+from zero_bench.config.schema import ConfigError
+from zero_bench.config.configure import compose, from_cfg
 from zero_bench.models.megatron import expert_parallel_args
 
 from conftest import cpu_cfg
@@ -53,7 +53,7 @@ def test_megatron_gets_the_expert_groups_and_the_alltoall_dispatcher_at_ep_above
                                            ("+ds.zero_optimization.contiguous_gradients=false",
                                             "contiguous_gradients=false")])
 def test_deepspeed_settings_its_moe_path_asserts_are_refused_before_launch(override, key):
-    from zero_bench.ds_config import check_with_deepspeed
+    from zero_bench.engines.ds_config import check_with_deepspeed
 
     with pytest.raises(ConfigError) as err:
         check_with_deepspeed(bench("model=moe-tiny", "parallel.ep=2", "zero=2", override))

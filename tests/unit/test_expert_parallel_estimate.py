@@ -10,12 +10,12 @@ import math
 
 import pytest
 
-from zero_bench.configure import compose, from_cfg
+from zero_bench.config.configure import compose, from_cfg
 from zero_bench.estimate import estimate
 from zero_bench.estimate.buffers import deepspeed_buffers, group_partitions
 from zero_bench.estimate.fsdp2 import local_numel, model_states
 from zero_bench.estimate.states import model_states_bytes
-from zero_bench.estimate_table import estimate_report
+from zero_bench.estimate.table import estimate_report
 from zero_bench.models.params import params, split_numels
 from zero_bench.report.tables import estimate_or_error, setup_of
 

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from zero_bench import worker
-from zero_bench.config import BenchConfig, HardwareConfig, StepsConfig
+from zero_bench.trial import worker
+from zero_bench.config.schema import BenchConfig, HardwareConfig, StepsConfig
 from zero_bench.records import Mode, ModelStates, TrialSpec
 
 from conftest import model
@@ -152,7 +152,7 @@ def test_the_profiled_step_is_an_applied_one(tmp_path):
 
 def test_an_entry_without_time_is_ok_without_throughput():
     """outcome: the entry fits (memory says so) but has no time/it, and the reason says why."""
-    from zero_bench.outcome import LaunchEnd, classify
+    from zero_bench.trial.outcome import LaunchEnd, classify
     from zero_bench.records import Entry, RankRecord
 
     cfg = BenchConfig(model=model("gpt-tiny"), hardware=HardwareConfig(device="cpu"), precision="fp16")

@@ -7,12 +7,12 @@ import dataclasses
 import pandas as pd
 import pytest
 
-from zero_bench.config import CONF_DIR, ConfigError
-from zero_bench.configure import compose, from_cfg
+from zero_bench.config.schema import CONF_DIR, ConfigError
+from zero_bench.config.configure import compose, from_cfg
 from zero_bench.estimate import estimate
 from zero_bench.estimate.fsdp2 import groups, layer_phases, model_states
-from zero_bench.preflight import skipped_search
-from zero_bench.sweeps import sweep_size
+from zero_bench.search.preflight import skipped_search
+from zero_bench.search.sweeps import sweep_size
 
 from conftest import cpu_cfg, model
 from zero_bench.models.params import num_params
@@ -178,7 +178,7 @@ def test_fsdp2_states_below_zero3_in_fp32():
 
 def test_report_shows_the_engine_and_what_changing_it_buys(tmp_path, monkeypatch):
     from zero_bench import report
-    from zero_bench.config import ReportConfig
+    from zero_bench.config.schema import ReportConfig
     from zero_bench.records import SearchResult
     from zero_bench.store import Store
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from zero_bench.config import BenchConfig, HardwareConfig, ParallelConfig
-from zero_bench.launcher import trial_env
+from zero_bench.config.schema import BenchConfig, HardwareConfig, ParallelConfig
+from zero_bench.trial.launcher import trial_env
 from zero_bench.models.megatron import fusion_args, transformer_config
 
 from conftest import model

@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from zero_bench.config import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig
-from zero_bench.oom import is_oom
+from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig
+from zero_bench.trial.oom import is_oom
 from zero_bench.records import OOM_EXIT
 
 TINY = ModelConfig(name="GPT-tiny", num_layers=2, hidden_size=64, num_heads=4, seq_len=64, vocab_size=1024)
@@ -74,7 +74,7 @@ def test_is_oom_follows_the_cause_chain():
 def test_gpu_trial_env_selects_cuda_and_nccl(tmp_path):
     """hardware.device=gpu -> DS_ACCELERATOR=cuda -> DeepSpeed's CUDA accelerator: NCCL backend,
     CUDA_VISIBLE_DEVICES set per node, NCCL_* exported to remote nodes."""
-    from zero_bench.launcher import trial_env
+    from zero_bench.trial.launcher import trial_env
 
     env = trial_env(gpu_cfg())
     assert env["DS_ACCELERATOR"] == "cuda" and "MALLOC_MMAP_THRESHOLD_" not in env
@@ -101,7 +101,9 @@ def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, 
     of its own device (the local rank's), so a bigger batch raises a real CUDA OOM. The real worker,
     baseline and RankGpu; fakes only at the seams: NVML (gpu_fakes.fake_pynvml), torch.cuda
     (gpu_fakes.FakeCuda), and NCCL's process group (no GPU here to form it)."""
-    from zero_bench import gpu, nvml, worker
+    from zero_bench.devices import gpu
+    from zero_bench.devices import nvml
+    from zero_bench.trial import worker
     from zero_bench.engines import deepspeed as ds_engine
     from zero_bench.records import TrialSpec
 
@@ -154,7 +156,7 @@ def test_worker_sets_per_process_memory_fraction(tmp_path, monkeypatch, cap_gb, 
 
 def test_gpu_oom_record_classifies_as_oom():
     """A rank's CUDA OOM (record status oom, exit OOM_EXIT) ends the entry as oom, not error."""
-    from zero_bench.outcome import Entry, LaunchEnd, classify
+    from zero_bench.trial.outcome import Entry, LaunchEnd, classify
     from zero_bench.records import RankRecord
 
     cfg = gpu_cfg(memory_gb=20)
@@ -191,7 +193,7 @@ def test_real_memory_fraction_raises_classified_oom():
 
 @needs_gpu
 def test_real_nvml_maps_torch_devices_by_uuid():
-    from zero_bench.nvml import Nvml, torch_identity
+    from zero_bench.devices.nvml import Nvml, torch_identity
 
     n = Nvml()
     assert n.error is None, n.error
@@ -214,7 +216,7 @@ def test_real_nccl_available():
 def _demo_cfg(**hw):
     from omegaconf import OmegaConf
 
-    from zero_bench.config import CONF_DIR
+    from zero_bench.config.schema import CONF_DIR
 
     import hydra
 
@@ -224,8 +226,8 @@ def _demo_cfg(**hw):
 
 
 def test_doctor_reports_every_area(capsys):
-    from zero_bench.commands import doctor as doctor_command
-    from zero_bench.doctor import FIX, doctor_checks
+    from zero_bench.commands.subcommands import doctor as doctor_command
+    from zero_bench.commands.doctor import FIX, doctor_checks
 
     assert doctor_command(_demo_cfg()) == 0
     checks = doctor_checks(_demo_cfg())
@@ -242,12 +244,12 @@ def test_doctor_reports_every_area(capsys):
 
 
 def test_doctor_names_fixes_for_a_multinode_config(tmp_path, monkeypatch):
-    from zero_bench.doctor import FIX, check_launchers
+    from zero_bench.commands.doctor import FIX, check_launchers
 
     monkeypatch.setattr("shutil.which", lambda tool: None)
     import dataclasses
 
-    from zero_bench.config import BenchConfig
+    from zero_bench.config.schema import BenchConfig
 
     hf = tmp_path / "hostfile"
     hf.write_text("a slots=1\n")
@@ -271,7 +273,7 @@ def toolkit(monkeypatch, tmp_path):
     import deepspeed.git_version_info as info
     from deepspeed.ops.op_builder import builder
 
-    from zero_bench import toolkit as tk
+    from zero_bench.devices import toolkit as tk
 
     def install(nvcc, torch_cuda):
         def version(name=""):
@@ -294,7 +296,8 @@ def _gpu_bench(offload=False):
 
 
 def test_doctor_reports_nvcc_torch_mismatch_and_offers_torch_adamw(toolkit):
-    from zero_bench import doctor, ds_config
+    from zero_bench.commands import doctor
+    from zero_bench.engines import ds_config
 
     toolkit((12, 4), "13.0")
     checks = {c.name: c for c in doctor.check_gpu_optimizer(_gpu_bench())}
@@ -314,7 +317,7 @@ def test_doctor_reports_nvcc_torch_mismatch_and_offers_torch_adamw(toolkit):
 def test_doctor_without_nvcc_offers_torch_adamw(toolkit):
     from deepspeed.ops.op_builder.builder import MissingCUDAException
 
-    from zero_bench import doctor
+    from zero_bench.commands import doctor
 
     toolkit(MissingCUDAException("CUDA_HOME does not exist, unable to compile CUDA op(s)"), "12.8")
     checks = {c.name: c for c in doctor.check_gpu_optimizer(_gpu_bench())}
@@ -323,7 +326,8 @@ def test_doctor_without_nvcc_offers_torch_adamw(toolkit):
 
 
 def test_a_minor_cuda_difference_builds_fused_adam(toolkit):
-    from zero_bench import doctor, ds_config
+    from zero_bench.commands import doctor
+    from zero_bench.engines import ds_config
 
     toolkit((13, 1), "13.0")
     checks = {c.name: c for c in doctor.check_gpu_optimizer(_gpu_bench())}
@@ -336,7 +340,7 @@ def test_a_minor_cuda_difference_builds_fused_adam(toolkit):
 def test_a_timeout_whose_killed_rank_took_its_peer_along_is_a_timeout():
     """At timeout_s the runner kills the ranks; a peer that saw its partner go first records 'Connection
     closed by peer'. That is our kill's consequence, not an OOM kill and not a bug of the trial."""
-    from zero_bench.outcome import LaunchEnd, classify
+    from zero_bench.trial.outcome import LaunchEnd, classify
     from zero_bench.records import Entry, RankRecord
 
     cfg = gpu_cfg()

@@ -8,16 +8,16 @@ import types
 
 import pytest
 
-from zero_bench import nvml
-from zero_bench.capacity import memory_fraction
-from zero_bench.config import BenchConfig, ConfigError, HardwareConfig, ParallelConfig
-from zero_bench.gpu import DEVICES_ENV, RankGpu, select_devices
-from zero_bench.launch import LaunchOptions, _Launch
-from zero_bench.launcher import trial_env
-from zero_bench.outcome import gpu_devices
+from zero_bench.devices import nvml
+from zero_bench.devices.capacity import memory_fraction
+from zero_bench.config.schema import BenchConfig, ConfigError, HardwareConfig, ParallelConfig
+from zero_bench.devices.gpu import DEVICES_ENV, RankGpu, select_devices
+from zero_bench.trial.launch import LaunchOptions, _Launch
+from zero_bench.trial.launcher import trial_env
+from zero_bench.trial.outcome import gpu_devices
 from zero_bench.records import Entry, RankRecord, Status, TrialResult
 from zero_bench.report.tables import _memory, emulation_note
-from zero_bench.sampler import Sampler
+from zero_bench.trial.sampler import Sampler
 
 from conftest import model
 from gpu_fakes import A100, EIGHT, FakeCuda, GiB, MiB, fake_pynvml
@@ -82,7 +82,7 @@ def test_cuda_visible_devices_4_5_is_what_runs_is_sampled_and_is_reported(fake, 
 
 
 def test_too_few_gpus_for_the_ranks_is_one_line(monkeypatch):
-    from zero_bench.preflight import validate_machine
+    from zero_bench.search.preflight import validate_machine
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(ConfigError, match=r"CUDA_VISIBLE_DEVICES=3: lists 1 GPUs but 2 ranks per node"):
@@ -129,8 +129,8 @@ def test_memory_fraction():
 
 
 def test_memory_mib_and_the_a100_preset():
-    from zero_bench.capacity import capacity_bytes
-    from zero_bench.configure import compose
+    from zero_bench.devices.capacity import capacity_bytes
+    from zero_bench.config.configure import compose
 
     c = compose(["hardware=a100_40gb"])
     assert (c.hardware.device, c.hardware.memory_mib) == ("gpu", 40537)
@@ -226,7 +226,7 @@ def test_deepspeed_cpu_accelerator_is_left_alone(fake, monkeypatch):
                                   "ncclUnhandledCudaError: Call to CUDA function failed. Cuda failure 2 'x'",
                                   "CUDA error: CUDA_ERROR_OUT_OF_MEMORY"])
 def test_nccl_allocation_failures_are_oom(text):
-    from zero_bench.oom import is_oom
+    from zero_bench.trial.oom import is_oom
 
     assert is_oom(RuntimeError(text))
 
@@ -236,7 +236,7 @@ def test_gpu_ops_are_built_once_before_any_trial(monkeypatch, offload, op):
     import deepspeed.accelerator
     import deepspeed.git_version_info as info
 
-    from zero_bench import doctor
+    from zero_bench.commands import doctor
 
     built = []
     fake_acc = types.SimpleNamespace(create_op_builder=lambda cls: types.SimpleNamespace(
@@ -261,7 +261,7 @@ def test_gpu_ops_are_built_once_before_any_trial(monkeypatch, offload, op):
 
 def test_several_ranks_on_mig_slices_is_one_line_one_rank_is_fine(monkeypatch):
     """A CUDA process sees one MIG instance: rank 1 would ask for an ordinal that does not exist."""
-    from zero_bench.preflight import check_devices
+    from zero_bench.search.preflight import check_devices
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     two = gpu_cfg(dp=2, devices="MIG-aaaa,MIG-bbbb")

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from zero_bench.config import BenchConfig, ConfigError, HardwareConfig, ModelConfig, ParallelConfig, StepsConfig
+from zero_bench.config.schema import BenchConfig, ConfigError, HardwareConfig, ModelConfig, ParallelConfig, StepsConfig
 
 HOSTS = ("127.0.0.1", "127.0.0.2")
 TINY = ModelConfig(name="GPT-tiny", num_layers=2, hidden_size=64, num_heads=4, seq_len=64, vocab_size=1024)
@@ -26,7 +26,7 @@ def tiny_cfg(**hw) -> BenchConfig:
 # -- pure checks of the multi-node command line and environment (no launch) ----------------------
 
 def test_launcher_cmd_passes_hostfile_nodes_launcher(tmp_path, monkeypatch):
-    from zero_bench.launcher import launcher_cmd
+    from zero_bench.trial.launcher import launcher_cmd
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("ZERO_BENCH_LAUNCHER_ARGS", raising=False)
@@ -37,7 +37,7 @@ def test_launcher_cmd_passes_hostfile_nodes_launcher(tmp_path, monkeypatch):
     joined = " ".join(cmd)
     assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"]
     for frag in (f"--hostfile {hf}", "--num_nodes 2", "--num_gpus 1", "--launcher openmpi", "--no_ssh_check",
-                 "--master_addr 10.0.0.5", "--master_port 29999", "--module zero_bench.rank"):
+                 "--master_addr 10.0.0.5", "--master_port 29999", "--module zero_bench.trial.rank"):
         assert frag in joined
     monkeypatch.setenv("MASTER_ADDR", "node-a")
     monkeypatch.setenv("ZERO_BENCH_LAUNCHER_ARGS", "--mca btl_tcp_if_include lo")
@@ -60,7 +60,7 @@ def test_launcher_cmd_passes_hostfile_nodes_launcher(tmp_path, monkeypatch):
 ])
 def test_hostfile_checked_before_launch(tmp_path, text, hw, msg):
     """DeepSpeed would warn and run on this host alone when the hostfile is missing: refuse instead."""
-    from zero_bench.launcher import launcher_cmd
+    from zero_bench.trial.launcher import launcher_cmd
 
     hf = tmp_path / "hostfile"
     if text is not None:
@@ -74,7 +74,7 @@ def test_hostfile_checked_before_launch(tmp_path, text, hw, msg):
 
 
 def test_nodes_must_divide_world(tmp_path):
-    from zero_bench.launcher import launcher_cmd
+    from zero_bench.trial.launcher import launcher_cmd
 
     hf = tmp_path / "hostfile"
     hf.write_text("a slots=2\nb slots=2\n")
@@ -90,7 +90,7 @@ def dataclass_replace_dp(cfg: BenchConfig, dp: int) -> BenchConfig:
 
 
 def test_trial_env_carries_what_remote_ranks_need(tmp_path, monkeypatch):
-    from zero_bench.launcher import trial_env
+    from zero_bench.trial.launcher import trial_env
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/cache/ext")
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/lib")
@@ -114,13 +114,13 @@ def dataclass_replace_hw(cfg: BenchConfig, **kw) -> BenchConfig:
 
 def test_find_workers_matches_rank_processes_only(tmp_path):
     """The sampler's helper finds a trial's ranks by spec path, whoever their parent is."""
-    from zero_bench.sampler import env_of, find_workers
+    from zero_bench.trial.sampler import env_of, find_workers
 
     marker = str(tmp_path / "trial.json")
     code = "import time; time.sleep(30)"
-    rank = subprocess.Popen([sys.executable, "-c", code, "-m", "zero_bench.rank", "--spec", marker],
+    rank = subprocess.Popen([sys.executable, "-c", code, "-m", "zero_bench.trial.rank", "--spec", marker],
                             env={**os.environ, "RANK": "1", "CROSS_RANK": "1"})
-    other = subprocess.Popen([sys.executable, "-c", code, "-m", "zero_bench.rank", "--spec", marker + "x"])
+    other = subprocess.Popen([sys.executable, "-c", code, "-m", "zero_bench.trial.rank", "--spec", marker + "x"])
     try:
         deadline = time.time() + 10
         while time.time() < deadline and not find_workers(marker):

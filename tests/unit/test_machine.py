@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from zero_bench import machine
+from zero_bench.trial import machine
 from zero_bench.errors import MachineBusy
 
 HOLD = """
 import sys, time
-from zero_bench.machine import machine_lock
+from zero_bench.trial.machine import machine_lock
 with machine_lock():
     print("held", flush=True)
     time.sleep(float(sys.argv[1]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from zero_bench.capacity import marketed_gb_warning, preset_totals
+from zero_bench.devices.capacity import marketed_gb_warning, preset_totals
 
 
 def test_presets_carry_the_cards_real_totals():

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, matmul_flops, mfu_hfu, utilization
+from zero_bench.devices.metrics import cpu_peak_flops, gpu_peak_flops, matmul_flops, mfu_hfu, utilization
 from zero_bench.models.flops import convention_flops_per_seq, model_flops_per_seq
 
 from conftest import model
@@ -117,7 +117,8 @@ def test_cpu_peak_cache_key_has_torchs_capability_and_onednns_limit(tmp_path, mo
     of 212 GFLOP/s here with both set to AVX2): a restricted process measures its own rate instead of
     reusing the unrestricted one, and the unrestricted one stays. (The capability is replaced by one
     this process cannot have, DEFAULT, so the test means the same under any restriction.)"""
-    from zero_bench import cpu_features, metrics
+    from zero_bench.devices import cpu_features
+    from zero_bench.devices import metrics
 
     monkeypatch.setenv("ZERO_BENCH_CACHE", str(tmp_path))
     for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_bench.config import BenchConfig, CONF_DIR, HardwareConfig, ParallelConfig
-from zero_bench.configure import compose, from_cfg
+from zero_bench.config.schema import BenchConfig, CONF_DIR, HardwareConfig, ParallelConfig
+from zero_bench.config.configure import compose, from_cfg
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig, param_numels
 from zero_bench.models.description import from_stored

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from zero_bench.config import BenchConfig, HardwareConfig
+from zero_bench.config.schema import BenchConfig, HardwareConfig
 from zero_bench.models import ModelConfig
 from zero_bench.models.megatron import build_gpt, transformer_config
 from zero_bench.models.shims import cpu_checkpoint, install_cpu_shims, seed_cpu_rng

@@ -1,4 +1,4 @@
-"""NVML through the sampler's seam (`zero_bench.nvml.nvml_module`): a fake pynvml module object
+"""NVML through the sampler's seam (`zero_bench.devices.nvml.nvml_module`): a fake pynvml module object
 with pynvml's real function names and pynvml's own exception classes (tests/gpu_fakes.py), so that
 what the code catches is what a real driver raises. Device mapping follows CUDA_VISIBLE_DEVICES
 (index, UUID, UUID prefix, MIG) and local rank, by UUID or PCI bus id where the rank knows them;
@@ -12,10 +12,10 @@ import types
 import pynvml
 import pytest
 
-from zero_bench import nvml
-from zero_bench.gpu import DEVICES_ENV, RankGpu
-from zero_bench.nvml import Nvml, torch_identity
-from zero_bench.sampler import Sampler
+from zero_bench.devices import nvml
+from zero_bench.devices.gpu import DEVICES_ENV, RankGpu
+from zero_bench.devices.nvml import Nvml, torch_identity
+from zero_bench.trial.sampler import Sampler
 
 from gpu_fakes import A100, ERRORS, FAKE_NAMES, FakeCuda, fake_pynvml
 

@@ -17,15 +17,21 @@ import types
 import psutil
 import pytest
 
-from zero_bench import launch, nvml, pool, pool_rank
-from zero_bench.config import HardwareConfig, ParallelConfig
-from zero_bench.launch import LaunchOptions, run_launch
-from zero_bench.nvml import Nvml
-from zero_bench.pool import PoolSlot, pool_key
-from zero_bench.pool_rank import (PAGE, _wait, map_again, refused_path, release_nvml, resident_file_pages,
+from zero_bench.trial import launch
+
+from zero_bench.devices import nvml
+
+from zero_bench.trial import pool
+
+from zero_bench.trial import pool_rank
+from zero_bench.config.schema import HardwareConfig, ParallelConfig
+from zero_bench.trial.launch import LaunchOptions, run_launch
+from zero_bench.devices.nvml import Nvml
+from zero_bench.trial.pool import PoolSlot, pool_key
+from zero_bench.trial.pool_rank import (PAGE, _wait, map_again, refused_path, release_nvml, resident_file_pages,
                                   write_whole)
 from zero_bench.records import Entry, Event, RankRecord, RankStatus
-from zero_bench.sampler import Sampler
+from zero_bench.trial.sampler import Sampler
 
 from conftest import cpu_cfg, wait_until
 from gpu_fakes import fake_pynvml
@@ -97,8 +103,8 @@ WORKER = textwrap.dedent("""
 
 @pytest.mark.parametrize("forked,expected", [(True, 1), (False, 2)])
 def test_sampler_counts_the_forked_children_not_their_parents(forked, expected):
-    # "zero_bench.rank" in the command line is how the sampler knows a rank
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, "zero_bench.rank", "--pool", "x"],
+    # "zero_bench.trial.rank" in the command line is how the sampler knows a rank
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, "zero_bench.trial.rank", "--pool", "x"],
                             env={**os.environ, "RANK": "0"})
     try:
         wait_until(lambda: psutil.Process(proc.pid).children(), 30, "the worker forked its child")

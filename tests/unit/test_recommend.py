@@ -8,8 +8,8 @@ import pytest
 
 from zero_bench.errors import ConfigError
 from zero_bench.report.costs import COST_COLUMNS, assumptions, tokens_text, with_costs
-from zero_bench.config import ReportConfig
-from zero_bench.configure import compose, report_from_cfg
+from zero_bench.config.schema import ReportConfig
+from zero_bench.config.configure import compose, report_from_cfg
 from zero_bench.report.recommend import fmt, recommend
 
 SEQ = 64

@@ -13,9 +13,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from zero_bench import report
-from zero_bench.config import ReportConfig
-from zero_bench.config import ConfigError
-from zero_bench.metrics import mfu_hfu
+from zero_bench.config.schema import ReportConfig
+from zero_bench.config.schema import ConfigError
+from zero_bench.devices.metrics import mfu_hfu
 from zero_bench.store import Store
 
 from synthetic import GPT345, MiB, add_synthetic
@@ -107,7 +107,7 @@ def test_runs_may_be_a_store_a_directory_or_a_glob(synthetic, tmp_path):
 
 
 def test_the_report_subcommand_prints_the_paths(synthetic, tmp_path, capsys):
-    from zero_bench import commands
+    from zero_bench.commands import subcommands as commands
 
     cfg = OmegaConf.create({"store": str(synthetic), "report": {"runs": None, "out": str(tmp_path / "o.xlsx"),
                                                                 "compare": None}})
@@ -213,7 +213,7 @@ def test_costs_and_the_recommendation_reach_every_output(synthetic, tmp_path):
 
 
 def test_the_report_subcommand_takes_price_and_tokens(synthetic, tmp_path):
-    from zero_bench import commands
+    from zero_bench.commands import subcommands as commands
 
     section = {"runs": None, "out": str(tmp_path / "o.xlsx"), "compare": None, "price_per_device_hour": 2.5,
                "train_tokens": 1e9}
@@ -239,7 +239,7 @@ def _row(cfg, micro, peak_mib, states_mib, runtime_mib=None):
 
 def test_breakdown_takes_activations_from_one_source_for_every_stage():
     from synthetic import gpu_cfg
-    from zero_bench.config import BenchConfig
+    from zero_bench.config.schema import BenchConfig
     from zero_bench.estimate import estimate
     from zero_bench.report.views import OTHER, breakdown_frame
 
@@ -322,7 +322,7 @@ def test_a_mixture_of_experts_names_its_active_parameters(tmp_path, monkeypatch)
     """Total and active parameters side by side where a row is an MoE (FLOPs and MFU count the
     active ones); a report of dense models keeps the reference table's columns."""
     from zero_bench import report
-    from zero_bench.config import ReportConfig
+    from zero_bench.config.schema import ReportConfig
     from zero_bench.records import SearchResult
     from zero_bench.store import Store
 

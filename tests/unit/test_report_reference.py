@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 
 from zero_bench import report
-from zero_bench.config import ReportConfig
+from zero_bench.config.schema import ReportConfig
 from zero_bench.store import Store
 
 from synthetic import add_synthetic

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from zero_bench.records import DeviceMemStats
-from zero_bench.sampler import Sample, phase_at, summarize
+from zero_bench.trial.sampler import Sample, phase_at, summarize
 
 def test_summarize_names_the_phase_of_each_peak():
     samples = [Sample(1.0, "rank", 0, 100, 1000), Sample(2.0, "rank", 0, 300, 1000),

@@ -82,7 +82,7 @@ def test_a_pool_trials_command_is_what_the_query_counts_as_forked(tmp_path):
     import importlib.util
     import types
 
-    from zero_bench.pool import Pool
+    from zero_bench.trial.pool import Pool
 
     spec = importlib.util.spec_from_file_location("smoke_query", QUERY)
     query = importlib.util.module_from_spec(spec)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from zero_bench import ds_config
-from zero_bench.config import ConfigError
-from zero_bench.configure import compose, from_cfg
+from zero_bench.engines import ds_config
+from zero_bench.config.schema import ConfigError
+from zero_bench.config.configure import compose, from_cfg
 from zero_bench.estimate import estimate
 from zero_bench.estimate.fsdp2 import model_states
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.models.params import params
-from zero_bench.preflight import validate_machine
+from zero_bench.search.preflight import validate_machine
 
 from conftest import cpu_cfg, model
 

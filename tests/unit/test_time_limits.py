@@ -1,12 +1,12 @@
-"""How long a trial may go without progress (zero_bench/time_limits.py), and the one line a failed
+"""How long a trial may go without progress (zero_bench/trial/time_limits.py), and the one line a failed
 or hung trial's note carries (outcome.meaningful_line): pure, no launch."""
 from __future__ import annotations
 
 import pytest
 
-from zero_bench.outcome import LaunchEnd, classify, meaningful_line
+from zero_bench.trial.outcome import LaunchEnd, classify, meaningful_line
 from zero_bench.records import Entry, RankRecord, Status, TrialResult
-from zero_bench.time_limits import (FIRST_STEP, INIT_FACTOR, MARGIN, Limits, Pace, estimated_pace,
+from zero_bench.trial.time_limits import (FIRST_STEP, INIT_FACTOR, MARGIN, Limits, Pace, estimated_pace,
                                     measured_pace)
 
 from conftest import cpu_cfg
@@ -75,10 +75,10 @@ LOG = """/venv/megatron/core/fusions/fused_bias_dropout.py:4: UserWarning: Apex 
   warnings.warn("Apex is not installed. Falling back to Torch Norm")
 [2026-11-24 21:40:00,123] [INFO] [launch.py:100:main] WORLD INFO DICT: {'localhost': [0, 1]}
 Traceback (most recent call last):
-  File "/venv/zero_bench/worker.py", line 3, in <module>
+  File "/venv/zero_bench/trial/worker.py", line 3, in <module>
     foo()
 RuntimeError: the real reason
-[2026-11-24 21:40:01,123] [ERROR] [launch.py:321:sigkill_handler] ['python', '-m', 'zero_bench.rank'] exits with return code = 1
+[2026-11-24 21:40:01,123] [ERROR] [launch.py:321:sigkill_handler] ['python', '-m', 'zero_bench.trial.rank'] exits with return code = 1
 """
 
 

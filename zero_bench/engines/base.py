@@ -7,7 +7,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from zero_bench.config import BenchConfig
+from zero_bench.config.schema import BenchConfig
 from zero_bench.engines.specs import SPECS, load, spec
 from zero_bench.records import ModelStates, TrialSpec
 

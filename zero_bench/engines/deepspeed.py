@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import deepspeed
 import torch
 
-from zero_bench.config import BenchConfig
+from zero_bench.config.schema import BenchConfig
 from zero_bench.models.megatron import MpuAdapter, build_gpt, init_parallel, transformer_config
 from zero_bench.models.shims import install_cpu_checkpoint
 from zero_bench.records import ModelStates, TrialSpec

@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from zero_bench.config import BenchConfig, Precision, States
-from zero_bench.ds_config import load_template
+from zero_bench.config.schema import BenchConfig, Precision, States
+from zero_bench.engines.ds_config import load_template
 from zero_bench.models.megatron import build_gpt, init_parallel, transformer_config
 from zero_bench.models.params import params
 from zero_bench.models.shims import install_cpu_checkpoint

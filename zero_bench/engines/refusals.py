@@ -3,7 +3,7 @@ its spec's `refusals`, each raising ConfigError with one line naming the key and
 configure.validate_static asks at the place it checks that concern's shared conditions."""
 from __future__ import annotations
 
-from zero_bench.config import BenchConfig
+from zero_bench.config.schema import BenchConfig
 from zero_bench.errors import ConfigError
 
 

@@ -13,10 +13,11 @@ Sources
   Models", generalised to what megatron-core keeps for the description (SwiGLU, GQA, RMSNorm, RoPE,
   dropout, sdpa vs unfused attention) on this device, for recompute none / selective / full: see
   activations.py.
-- Buffers: DeepSpeed's own, sized from the ds_config a trial runs with (zero_bench.ds_config.build).
+- Buffers: DeepSpeed's own, sized from the ds_config a trial runs with (zero_bench.engines.ds_config.build).
 One module each: states.py, activations.py, buffers.py; this one adds them up (Estimate).
 engine=fsdp2 has its own states and phases (fsdp2.py: PyTorch FSDP2's memory model); it fills the
-same Estimate, whose peak is the largest phase either way.
+same Estimate, whose peak is the largest phase either way. gpu.py adds what a GPU rank holds beyond
+its tensors (CUDA context, NCCL, allocator rounding); table.py is `zero_bench estimate`'s output.
 
 A rank's peak, as the search compares it with the capacity (RSS on CPU, reserved bytes on GPU):
   fixed overhead + model states (incl. gradients) + max(buffers alive in backward + activations(micro),
@@ -32,12 +33,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from zero_bench import calibration
-from zero_bench.calibration import BUILT_IN_CPU, PUBLISHED, Calibration
-from zero_bench.capacity import search_capacity
-from zero_bench.config import DEFAULT_ENGINE, BenchConfig
+from zero_bench.devices import calibration
+from zero_bench.devices.calibration import BUILT_IN_CPU, PUBLISHED, Calibration
+from zero_bench.devices.capacity import search_capacity
+from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig
 from zero_bench.engines.specs import load, spec, tag
-from zero_bench.hosts import local_ranks
+from zero_bench.config.hosts import local_ranks
 from zero_bench.records import Seed
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
@@ -117,7 +118,7 @@ class Estimate:
     fragmentation: float = 1.0  # GPU: reserved / allocated at the peak (the caching allocator)
     terms: dict = dataclasses.field(default_factory=dict)  # the named fixed terms (bytes), for the report
     calibration: str = PUBLISHED  # where the fixed terms come from: "calibrated on <device>, <date>" or
-    # the published ranges (GPU) / the built-in figure (CPU): zero_bench.calibration
+    # the published ranges (GPU) / the built-in figure (CPU): zero_bench.devices.calibration
     fragmentation_calibrated: bool = False  # GPU: the factor was measured here, for this model and stage
 
     @property

@@ -1,11 +1,11 @@
 """DeepSpeed's buffers beyond the model states, sized from the ds_config a trial runs with
-(zero_bench.ds_config.build), and deepspeed.initialize's own peak."""
+(zero_bench.engines.ds_config.build), and deepspeed.initialize's own peak."""
 from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from zero_bench import ds_config
-from zero_bench.config import BenchConfig
+from zero_bench.engines import ds_config
+from zero_bench.config.schema import BenchConfig
 from zero_bench.estimate.states import master_bytes
 from zero_bench.models import ModelConfig, param_numels
 from zero_bench.units import BYTES
@@ -33,7 +33,7 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     Each entry: {"bytes", "phases"}, the phases it is alive in: "act" (forward and the start of the
     backward pass, with the activations), "bwd_end" (gradients complete, being reduced), "step"
     (the optimizer step). Sizes come from the ds_config (`ds`: its zero_optimization section;
-    default zero_bench.ds_config.build(bench)) and DeepSpeed's defaults for keys it leaves out.
+    default zero_bench.engines.ds_config.build(bench)) and DeepSpeed's defaults for keys it leaves out.
     - ZeRO-0: the engine all-reduces the gradients through a flat copy of up to 5e8 elements.
     - ZeRO-1/2: the contiguous-gradient reduce bucket (reduce_bucket_size elements, two with
       overlap_comm); ZeRO-1 reduces into an fp32 gradient partition (4P/dp) while the full

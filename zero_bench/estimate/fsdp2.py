@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional
 
-from zero_bench.config import BenchConfig
+from zero_bench.config.schema import BenchConfig
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
 from zero_bench.estimate.states import master_bytes, moment_bytes
 from zero_bench.models import ModelConfig

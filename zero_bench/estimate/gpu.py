@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zero_bench.config import DEFAULT_ENGINE
+from zero_bench.config.schema import DEFAULT_ENGINE
 from zero_bench.engines.specs import spec
 from zero_bench.units import MiB
 

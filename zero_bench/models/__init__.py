@@ -4,12 +4,14 @@ touches this package only; everything downstream reads the description.
 description.py  ModelConfig: the one description a preset or a Hugging Face config.json becomes
 params.py       its parameter list per tensor-parallel rank: name, shape, tp split, FSDP2 group,
                 and every count summed from it (num_params, params_per_shard, active_params ...)
-flops.py        training FLOPs per sequence (MFU / HFU numerators; zero_bench.metrics divides)
+flops.py        training FLOPs per sequence (MFU / HFU numerators; zero_bench.devices.metrics divides)
 hf.py           a local config.json (llama, mistral, qwen2) -> the description's keys
 megatron.py     the description -> megatron-core's TransformerConfig and GPTModel (local spec)
 sdpa.py         torch's scaled_dot_product_attention as megatron's core attention
 loss.py         the loss as a training loop builds it from the logits (megatron's, torch's, chunked)
 shims.py        what megatron-core needs on CPU (buffers, RoPE, causal mask, RNG streams, recompute)
+op_recompute.py recompute=op: torchtitan's per-op selective checkpointing of each layer
+qk_norm.py      Qwen3's query / key RMSNorm per head, in megatron's layer
 The activation bytes per sample, which also depend on precision, recompute and device, are
 zero_bench/estimate/activations.py's, from the same description.
 """

@@ -5,7 +5,7 @@ the live model from the same one, so the estimate cannot drift from what runs.
 The defaults describe the GPT-2-era models zero_bench ran first (learned positions, LayerNorm, GeLU
 4h MLP, multi-head attention, tied embeddings, linear biases, no dropout, megatron's unfused
 attention): a conf/model/gpt*.yaml or a stored record that names only the shape keys keeps its
-meaning and its parameter count. Ranges and choices are checked in zero_bench.configure.check_model.
+meaning and its parameter count. Ranges and choices are checked in zero_bench.config.configure.check_model.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training FLOPs from the description, for MFU and HFU (zero_bench.metrics divides them by the
+"""Training FLOPs from the description, for MFU and HFU (zero_bench.devices.metrics divides them by the
 peak). The convention is MPT's (llm-foundry scripts/train/benchmarking), so figures compare with
 published tables: per sequence, passes x (2 x N x s + 4 x L x (a x d) x s^2), 3 passes (forward,
 input gradient, weight gradient) for MFU, and what recompute re-runs on top for HFU.

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from zero_bench.config import BenchConfig
+from zero_bench.config.schema import BenchConfig
 from zero_bench.models.description import ModelConfig
 from zero_bench.models.loss import install_loss
 from zero_bench.models.shims import install_cpu_shims, seed_cpu_rng

@@ -5,6 +5,11 @@ Failed configurations keep their row, with the reason in Notes. Above the Summar
 the recommendation per model and device (recommend.py); with a price and/or a token count, cost
 and time to train (costs.py). Every file is written to a temporary name beside the target and moved
 over it, so a crash mid-export leaves the previous report intact.
+
+rows.py: stores -> one Row per configuration; tables.py: Rows -> DataFrames (Setup reads stored
+configs through the schema); views.py: the stakeholder's views of them; recommend.py, costs.py,
+predicted.py: recommendation, cost, predicted vs measured; xlsx.py, layout.py, formats.py,
+sheet_charts.py: the workbook; markdown.py, charts.py, files.py: .md / .csv, PNG charts, atomic writes.
 """
 from __future__ import annotations
 
@@ -14,8 +19,8 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import ConfigError, ReportConfig
-from zero_bench.environment import machine_environment
+from zero_bench.config.schema import ConfigError, ReportConfig
+from zero_bench.devices.environment import machine_environment
 from zero_bench.report.charts import write_charts
 from zero_bench.report.costs import assumptions, with_costs
 from zero_bench.report.markdown import markdown_report, write_csv, write_markdown

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import pandas as pd
 
-from zero_bench.calibration import BUILT_IN_CPU, PUBLISHED
+from zero_bench.devices.calibration import BUILT_IN_CPU, PUBLISHED
 from zero_bench.estimate import Estimate
 from zero_bench.records import RankRecord, TrialResult
 from zero_bench.report.rows import Row

@@ -15,7 +15,7 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import DEFAULT_ENGINE
+from zero_bench.config.schema import DEFAULT_ENGINE
 from zero_bench.engines.specs import SPECS
 from zero_bench.report.costs import COST_PER_HOUR, COST_PER_MTOK, COST_TO_TRAIN, DAYS_TO_TRAIN, tokens_text
 from zero_bench.report.views import baseline_index

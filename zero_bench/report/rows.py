@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from zero_bench.config import BenchConfig
+from zero_bench.config.schema import BenchConfig
 from zero_bench.estimate import Estimate, estimate
 from zero_bench.records import Mode, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.store import Store

@@ -10,9 +10,9 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import DEFAULT_ENGINE, BenchConfig, States, stored_settings
+from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, States, stored_settings
 from zero_bench.engines.specs import SPECS, load, spec
-from zero_bench.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu
+from zero_bench.devices.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu
 from zero_bench.models import ModelConfig
 from zero_bench.models.description import from_stored
 from zero_bench.models.flops import model_flops_per_seq
@@ -139,7 +139,7 @@ class Peaks:
         name = str(self.env.get("gpu", ""))
         flops = gpu_peak_flops(name, precision)
         return flops, (f"datasheet table: {name} {precision}" if flops else
-                       f"unknown: GPU '{name}' / {precision} not in zero_bench.metrics.PEAK_FLOPS")
+                       f"unknown: GPU '{name}' / {precision} not in zero_bench.devices.metrics.PEAK_FLOPS")
 
 
 # -- rows -> DataFrames ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config import DEFAULT_ENGINE
+from zero_bench.config.schema import DEFAULT_ENGINE
 from zero_bench.engines.specs import SPECS
 from zero_bench.records import TrialResult
 from zero_bench.report.costs import COST_PER_MTOK, present

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from zero_bench.config import BenchConfig, software_versions
-from zero_bench.cpu_features import onednn_limit, torch_capability
-from zero_bench.metrics import _read_json, _write_json_atomic, cache_dir, cpu_model, rank_threads
+from zero_bench.config.schema import BenchConfig, software_versions
+from zero_bench.devices.cpu_features import onednn_limit, torch_capability
+from zero_bench.devices.metrics import _read_json, _write_json_atomic, cache_dir, cpu_model, rank_threads
 
 CACHE_FILE = "calibration.json"
 PUBLISHED = "published ranges"  # the GPU terms without a calibration (estimate/gpu.py)
@@ -135,7 +135,7 @@ def gpu_identity(devices: Optional[str] = None) -> Optional[GpuIdentity]:
 
 @functools.lru_cache(maxsize=8)
 def _gpu_identity(visible: Optional[str]) -> Optional[GpuIdentity]:
-    from zero_bench.nvml import Nvml
+    from zero_bench.devices.nvml import Nvml
 
     n = Nvml(visible=visible)
     try:

@@ -1,6 +1,6 @@
 """How the deepspeed launcher is started and ended: its command line, the environment the ranks
 start with (also for remote nodes), a free master port, and killing the whole tree afterwards.
-Shared by a trial's own launch (zero_bench.launch) and a search's pool (zero_bench.pool).
+Shared by a trial's own launch (zero_bench.trial.launch) and a search's pool (zero_bench.trial.pool).
 """
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import psutil
 
-from zero_bench.config import BenchConfig
-from zero_bench.cpu_features import onednn_limit, torch_capability
-from zero_bench.gpu import DEVICES_ENV
-from zero_bench.hosts import check_hostfile, device_tokens, local_ranks, master_addr
-from zero_bench.metrics import cache_dir
-from zero_bench.sampler import RANK_MODULE
-from zero_bench.toolkit import extensions_dir
+from zero_bench.config.schema import BenchConfig
+from zero_bench.devices.cpu_features import onednn_limit, torch_capability
+from zero_bench.devices.gpu import DEVICES_ENV
+from zero_bench.config.hosts import check_hostfile, device_tokens, local_ranks, master_addr
+from zero_bench.devices.metrics import cache_dir
+from zero_bench.trial.sampler import RANK_MODULE
+from zero_bench.devices.toolkit import extensions_dir
 
 # Variables a remote rank needs from this process. Over pdsh/ssh only PYTHON*/UCX*/MV2*/MLFLOW*
 # (and NCCL* on CUDA) pass by themselves; the rest must travel in the env file (DS_ENV_FILE).
@@ -109,7 +109,7 @@ def venv_path() -> str:
 
 def launcher_cmd(cfg: BenchConfig, target: Path, port: int, flag: str = "--spec") -> list[str]:
     """DeepSpeed's own launcher; a hostfile makes it a multi-node launch through hw.launcher.
-    The ranks run `zero_bench.rank --spec trial.json` (one trial) or `--pool DIR` (zero_bench.pool).
+    The ranks run `zero_bench.trial.rank --spec trial.json` (one trial) or `--pool DIR` (zero_bench.trial.pool).
 
     --no_ssh_check: DeepSpeed's pre-check runs a plain `ssh host hostname` that ignores the pdsh
     ssh options (port, -F config); a host that cannot be reached fails the launch anyway, with

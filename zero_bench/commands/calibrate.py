@@ -1,5 +1,5 @@
 """`zero_bench calibrate`: this machine's fixed terms, measured in one short real launch and stored
-where the estimate finds them (zero_bench.calibration).
+where the estimate finds them (zero_bench.devices.calibration).
 
 The launch is the configuration's own: its tp x dp ranks, engine, ZeRO stage and precision, so the
 NCCL communicators are the ones its groups create; the model is gpt-tiny unless one is given (cli.py),
@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from zero_bench.calibration import Calibration, cpu_key, gpu_identity, gpu_key, save
-from zero_bench.config import BenchConfig, software_versions
+from zero_bench.devices.calibration import Calibration, cpu_key, gpu_identity, gpu_key, save
+from zero_bench.config.schema import BenchConfig, software_versions
 from zero_bench.estimate.gpu import communicators
-from zero_bench.launch import LaunchOptions, run_launch
-from zero_bench.machine import machine_lock
-from zero_bench.metrics import cpu_model, measure_cpu_peak, rank_threads
+from zero_bench.trial.launch import LaunchOptions, run_launch
+from zero_bench.trial.machine import machine_lock
+from zero_bench.devices.metrics import cpu_model, measure_cpu_peak, rank_threads
 from zero_bench.records import Entry, Mode, RankRecord, Status, TrialResult
 from zero_bench.units import MiB
 

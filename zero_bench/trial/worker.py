@@ -25,12 +25,12 @@ from typing import NoReturn, Optional
 
 import torch
 
-from zero_bench.calibration import FixedTermsProbe
-from zero_bench.capacity import compared_peak, over_capacity
+from zero_bench.devices.calibration import FixedTermsProbe
+from zero_bench.devices.capacity import compared_peak, over_capacity
 from zero_bench.engines.base import Engine, build_engine, init_distributed
-from zero_bench.faults import inject
-from zero_bench.gpu import RankGpu, baseline, near_full
-from zero_bench.oom import is_oom
+from zero_bench.trial.faults import inject
+from zero_bench.devices.gpu import RankGpu, baseline, near_full
+from zero_bench.trial.oom import is_oom
 from zero_bench.records import OOM_EXIT, Event, Mode, ModelStates, RankRecord, RankStatus, TrialSpec
 
 PHASES = ("init", "forward", "backward", "step", "idle")

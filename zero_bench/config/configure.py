@@ -1,4 +1,4 @@
-"""Compose conf/ over the schema (zero_bench.config) and check it: every bad input fails here with one
+"""Compose conf/ over the schema (zero_bench.config.schema) and check it: every bad input fails here with one
 line naming the key and what is allowed, before anything is launched. Types are the schema's (Hydra
 and OmegaConf enforce them); ranges and choices are one function per section below; checks across
 keys are validate_static's; "auto" and None become concrete in `resolve`, the one place that does.
@@ -9,8 +9,8 @@ import dataclasses
 import math
 from typing import Any, Optional
 
-from zero_bench import cpu_features
-from zero_bench.config import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
+from zero_bench.devices import cpu_features
+from zero_bench.config.schema import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
                                HardwareConfig, Precision, ReportConfig, SearchConfig, States, composition_error,
                                structured)
 from zero_bench.engines.specs import spec

@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from zero_bench.config import BenchConfig, ConfigError
-from zero_bench.configure import from_cfg, validate_static
+from zero_bench.config.schema import BenchConfig, ConfigError
+from zero_bench.config.configure import from_cfg, validate_static
 from zero_bench.engines.specs import spec
 from zero_bench.estimate import Estimate, estimate
 from zero_bench.models.description import summary

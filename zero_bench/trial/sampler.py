@@ -2,7 +2,7 @@
 
 Per rank process: resident memory (RSS) from the OS, on every machine. Per GPU: NVML's used/total
 bytes, the nvidia-smi figure (CUDA context and caching-allocator reserve included), through
-zero_bench.nvml.
+zero_bench.devices.nvml.
 After the trial, `summarize` joins samples with the phase marks each rank wrote (init / forward /
 backward / step) to name the phase in which every device peaked.
 """
@@ -17,12 +17,12 @@ from typing import Callable, Optional
 
 import psutil
 
-from zero_bench.nvml import Nvml
+from zero_bench.devices.nvml import Nvml
 from zero_bench.records import DeviceMemStats
 from zero_bench.units import MiB
 
 # The module every rank process runs (`python -m`): how a rank's command line is told from its launcher's.
-RANK_MODULE = "zero_bench.rank"
+RANK_MODULE = "zero_bench.trial.rank"
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True, name="zero_bench-sampler")
         self.root_pid, self.interval, self.budget, self.on_over = root_pid, interval, budget, on_over
         self.marker = marker  # the trial's spec path: finds ranks that sshd started on this host
-        self.forked = forked  # the ranks are children forked by a pool's ranks (zero_bench.pool)
+        self.forked = forked  # the ranks are children forked by a pool's ranks (zero_bench.trial.pool)
         self.expect = expect  # rank processes this host will have
         self.samples: list[Sample] = []
         self.procs: dict[int, psutil.Process] = {}  # pid -> process, every worker ever seen

@@ -1,6 +1,6 @@
 """Pay for the launcher once per search: ranks started once, a fresh forked child per trial.
 
-A `Pool` is one deepspeed launch of `zero_bench.rank --pool DIR` (zero_bench.pool_rank): every
+A `Pool` is one deepspeed launch of `zero_bench.trial.rank --pool DIR` (zero_bench.trial.pool_rank): every
 rank imports torch, deepspeed and megatron-core, then forks a child for each trial the runner
 requests. The child is the trial, exactly as a freshly launched rank would run it (its own process
 group, master port, records, logs and memory figures), so "fresh" keeps its meaning. A `PoolSlot`
@@ -9,7 +9,7 @@ holds at most one pool for a search: started on first use, replaced when a trial
 crash, hang), the runner ends that child only and the pool serves the next trial; a pool that does
 not answer a kill is closed and the next trial starts a new one. A pool that refuses to serve
 (its imports initialized CUDA: forked children could not use the GPU) turns the slot off: every
-trial from then on is a launch of its own (zero_bench.launch), and one line says why.
+trial from then on is a launch of its own (zero_bench.trial.launch), and one line says why.
 """
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ from typing import Optional
 
 import psutil
 
-from zero_bench.config import BenchConfig
-from zero_bench.launcher import free_port, kill_tree, launch_env, launcher_cmd, trial_env
-from zero_bench.machine import machine_lock
-from zero_bench.pool_rank import exit_path, refused_path, request_path, write_whole
+from zero_bench.config.schema import BenchConfig
+from zero_bench.trial.launcher import free_port, kill_tree, launch_env, launcher_cmd, trial_env
+from zero_bench.trial.machine import machine_lock
+from zero_bench.trial.pool_rank import exit_path, refused_path, request_path, write_whole
 from zero_bench.records import PoolRequest
-from zero_bench.sampler import is_worker
+from zero_bench.trial.sampler import is_worker
 
 # How long the ranks may take to report a killed child's exit before the pool counts as broken.
 KILL_ANSWER_S = 15.0

@@ -23,8 +23,8 @@ import os
 import threading
 from typing import Optional
 
-from zero_bench.capacity import memory_fraction
-from zero_bench.nvml import Gpu, Mem, Nvml, torch_identity
+from zero_bench.devices.capacity import memory_fraction
+from zero_bench.devices.nvml import Gpu, Mem, Nvml, torch_identity
 from zero_bench.units import GiB, MiB
 
 DEVICES_ENV = "ZERO_BENCH_DEVICES"

@@ -1,6 +1,6 @@
 """A pooled rank: started once per search by the deepspeed launcher, it forks a fresh child per trial.
 
-`python -m zero_bench.rank --pool DIR` (zero_bench.pool starts it). Most of a launch's fixed cost
+`python -m zero_bench.trial.rank --pool DIR` (zero_bench.trial.pool starts it). Most of a launch's fixed cost
 is the launcher and the imports of torch, deepspeed and megatron-core (issue 18: 10.7 s of a 16 s
 trial). The parent pays them once and then only waits: it never creates a process group, never
 touches CUDA and allocates no tensor, so each child starts from what a freshly launched rank holds
@@ -44,7 +44,7 @@ REFUSED_EXIT = 75  # sysexits.h EX_TEMPFAIL: this pool cannot serve; a launch pe
 PRELOAD = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
            "deepspeed.runtime.zero.stage_1_and_2", "torch.distributed.fsdp", "torch.distributed.tensor",
            "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.tensor_parallel",
-           "torch.profiler", "zero_bench.engines.fsdp2", "zero_bench.worker")
+           "torch.profiler", "zero_bench.engines.fsdp2", "zero_bench.trial.worker")
 
 
 def preload() -> None:
@@ -178,7 +178,7 @@ def write_whole(path: Path, text: str) -> None:
 
 def serve(pool_dir: Path, run_trial: Callable[[Path], NoReturn]) -> NoReturn:
     """Fork a child per request until told to stop (the caller already watches the runner); each
-    child runs `run_trial(spec path)` (zero_bench.rank.trial), which never returns."""
+    child runs `run_trial(spec path)` (zero_bench.trial.rank.trial), which never returns."""
     preload()
     if os.environ.get("DS_ACCELERATOR") == "cuda" and not cuda_untouched():
         # e.g. Transformer Engine's import, or a DeepSpeed older than 0.19.3's fork-safety fix

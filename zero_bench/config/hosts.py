@@ -9,7 +9,7 @@ import dataclasses
 import subprocess
 from typing import Optional
 
-from zero_bench.config import BenchConfig
+from zero_bench.config.schema import BenchConfig
 from zero_bench.errors import ConfigError
 
 

@@ -16,16 +16,18 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from zero_bench import cpu_features, metrics
-from zero_bench.config import DEFAULT_ENGINE, Device, EngineName
-from zero_bench.configure import auto_precision, from_cfg
-from zero_bench.cpu_features import CpuFeatures
+from zero_bench.devices import cpu_features
+
+from zero_bench.devices import metrics
+from zero_bench.config.schema import DEFAULT_ENGINE, Device, EngineName
+from zero_bench.config.configure import auto_precision, from_cfg
+from zero_bench.devices.cpu_features import CpuFeatures
 from zero_bench.engines.specs import spec
 from zero_bench.errors import ConfigError
-from zero_bench.hosts import check_hostfile, master_addr
-from zero_bench.nvml import Nvml
-from zero_bench.preflight import preflight, validate_machine
-from zero_bench.toolkit import cuda_toolkit, extensions_dir, fused_adam_fallback, jit_cached
+from zero_bench.config.hosts import check_hostfile, master_addr
+from zero_bench.devices.nvml import Nvml
+from zero_bench.search.preflight import preflight, validate_machine
+from zero_bench.devices.toolkit import cuda_toolkit, extensions_dir, fused_adam_fallback, jit_cached
 
 OK, FIX, NA = "ok", "FIX", "--"
 
@@ -113,7 +115,7 @@ def check_peak_flops(device: str, precision: str) -> Check:
     peak = metrics.gpu_peak_flops(name, precision)
     if peak is None:
         return Check(FIX, "peak FLOP/s", f"{name} is not in the table (A100/H100/H200/L40S/V100)",
-                     "add it to zero_bench/metrics.py PEAK_FLOPS to get MFU")
+                     "add it to zero_bench/devices/metrics.py PEAK_FLOPS to get MFU")
     return Check(OK, "peak FLOP/s", f"{name} {precision}: {peak / 1e12:.0f} TFLOP/s (for MFU)")
 
 

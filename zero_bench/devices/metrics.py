@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from zero_bench.cpu_features import onednn_limit, torch_capability
+from zero_bench.devices.cpu_features import onednn_limit, torch_capability
 from zero_bench.models import ModelConfig
 from zero_bench.models.flops import hardware_flops_per_seq, model_flops_per_seq
 

@@ -1,8 +1,8 @@
 """What the user can ask for: one dataclass per section of the composed config, each field with its
 default and a docstring. This is the one source of defaults: Hydra composes conf/ (presets and
 sweeps) over this schema (registered in Hydra's ConfigStore below), so conf/ only says what a
-preset changes. zero_bench.configure composes and checks it into a BenchConfig (one line per bad
-input); zero_bench.preflight checks that against this machine.
+preset changes. zero_bench.config.configure composes and checks it into a BenchConfig (one line per bad
+input); zero_bench.search.preflight checks that against this machine.
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from zero_bench.models.description import key_fields
 __all__ = ["ConfigError", "BenchConfig", "EngineName", "ModelConfig", "ParallelConfig", "HardwareConfig",
            "BatchConfig", "StepsConfig", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-DS_TEMPLATES = Path(__file__).resolve().parent.parent / "ds_configs"
+_CHECKOUT = Path(__file__).resolve().parents[2]  # zero_bench/config/schema.py -> the checkout
+CONF_DIR = _CHECKOUT / "conf"
+DS_TEMPLATES = _CHECKOUT / "ds_configs"
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -35,7 +36,7 @@ class Device(StrEnum):
 
 
 class Precision(StrEnum):
-    auto = "auto"  # CPU: bf16 where native (zero_bench/cpu_features.py), else fp32; GPU: bf16, else fp16
+    auto = "auto"  # CPU: bf16 where native (zero_bench/devices/cpu_features.py), else fp32; GPU: bf16, else fp16
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"  # GPU only: dynamic loss scaling, skipped steps recorded
@@ -230,7 +231,7 @@ class BenchConfig:
     timeout_s: float = 60.0
     """The least time a trial may go without finishing a step before it is called hung and killed;
     the limit grows with the time per sample this search measured (4x the expected step, 3x more
-    for an entry's first step; 10x timeout_s for the start-up): see zero_bench/time_limits.py."""
+    for an entry's first step; 10x timeout_s for the start-up): see zero_bench/trial/time_limits.py."""
     seed: int = 1234
     """Seeds the weights and the tokens: identical across runs and ZeRO stages."""
     ds: dict = field(default_factory=dict)
@@ -329,7 +330,7 @@ class SearchConfig:
     cpu_budget_gb: float = 0.75
     """Per-rank budget on CPU when hardware.memory_gb is null (host RAM would take hours)."""
     pool: bool = True
-    """Start the ranks once per search and fork a fresh process per trial (zero_bench.pool);
+    """Start the ranks once per search and fork a fresh process per trial (zero_bench.trial.pool);
     false: a deepspeed launch per trial. Either way each trial's ranks are fresh processes."""
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from zero_bench.errors import MachineBusy
-from zero_bench.toolkit import extensions_dir
+from zero_bench.devices.toolkit import extensions_dir
 
 SHM = Path("/dev/shm")
 # A JIT build's lock older than this, with no process building in its folder, was left by a killed build.

@@ -1,12 +1,12 @@
 """Run one trial's rank processes (one or more batch sizes) and hand on one TrialResult per entry.
 
 The ranks are a deepspeed launch of their own (`Ranks`) or, in a search, children forked from the
-search's pool (zero_bench.pool). The launch: DeepSpeed's own launcher (`python -m
+search's pool (zero_bench.trial.pool). The launch: DeepSpeed's own launcher (`python -m
 deepspeed.launcher.runner`, so hostfiles and multi-node launchers work unchanged) in its own
 process group, with a free master port, a timeout per batch size, a memory sampler beside it, and
 the whole tree killed afterwards whatever happened (the command line, environment and kill:
-zero_bench.launcher, shared with the pool).
-What the ranks wrote becomes results in zero_bench.outcome; the machine lock (zero_bench.machine)
+zero_bench.trial.launcher, shared with the pool).
+What the ranks wrote becomes results in zero_bench.trial.outcome; the machine lock (zero_bench.trial.machine)
 keeps two zero_bench processes from launching on one machine at once.
 """
 from __future__ import annotations
@@ -24,21 +24,21 @@ from typing import Callable, Optional, Protocol
 
 import psutil
 
-from zero_bench import ds_config as dsc
-from zero_bench.capacity import capacity_bytes
-from zero_bench.config import BenchConfig
-from zero_bench.configure import resolve
+from zero_bench.engines import ds_config as dsc
+from zero_bench.devices.capacity import capacity_bytes
+from zero_bench.config.schema import BenchConfig
+from zero_bench.config.configure import resolve
 from zero_bench.engines.specs import spec as engine_spec
-from zero_bench.environment import machine_environment_cached
-from zero_bench.gpu import DEVICES_ENV
-from zero_bench.hosts import local_ranks
-from zero_bench.launcher import free_port, kill_tree, launch_env, launcher_cmd
-from zero_bench.machine import machine_lock, remove_shm_buffers
-from zero_bench.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
-from zero_bench.pool import PoolSlot
+from zero_bench.devices.environment import machine_environment_cached
+from zero_bench.devices.gpu import DEVICES_ENV
+from zero_bench.config.hosts import local_ranks
+from zero_bench.trial.launcher import free_port, kill_tree, launch_env, launcher_cmd
+from zero_bench.trial.machine import machine_lock, remove_shm_buffers
+from zero_bench.trial.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
+from zero_bench.trial.pool import PoolSlot
 from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
-from zero_bench.sampler import Sampler, summarize
-from zero_bench.time_limits import Limits, Pace, device_flops, estimated_pace
+from zero_bench.trial.sampler import Sampler, summarize
+from zero_bench.trial.time_limits import Limits, Pace, device_flops, estimated_pace
 
 __all__ = ["Entry", "LaunchOptions", "RunningRanks", "run_launch", "read_rank_logs"]
 
@@ -53,7 +53,7 @@ class LaunchOptions:
     on_event: Optional[Callable[[RankRecord], None]] = None  # rank 0's records as they appear
     sample_interval: float = 0.05  # seconds between memory samples; 0 turns the sampler off
     pools: Optional[PoolSlot] = None  # fork the ranks from this search's pool; None: a launch of its own
-    fault: Optional[Fault] = None  # tests only: a fault the ranks inject into this trial (zero_bench.faults)
+    fault: Optional[Fault] = None  # tests only: a fault the ranks inject into this trial (zero_bench.trial.faults)
     pace: Optional[Pace] = None  # the slowest seconds per sample measured so far (None: estimated)
     calibrate: bool = False  # `zero_bench calibrate`: GPU ranks also measure their fixed terms
 

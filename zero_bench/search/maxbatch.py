@@ -28,15 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from zero_bench.capacity import search_capacity, trial_peak
-from zero_bench.config import BenchConfig, SearchConfig
-from zero_bench.configure import resolve
-from zero_bench.launch import LaunchOptions, run_launch
-from zero_bench.pool import PoolSlot
+from zero_bench.devices.capacity import search_capacity, trial_peak
+from zero_bench.config.schema import BenchConfig, SearchConfig
+from zero_bench.config.configure import resolve
+from zero_bench.trial.launch import LaunchOptions, run_launch
+from zero_bench.trial.pool import PoolSlot
 from zero_bench.records import (Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Seed, Status,
                                 TrialResult)
 from zero_bench.store import Store
-from zero_bench.time_limits import measured_pace
+from zero_bench.trial.time_limits import measured_pace
 from zero_bench.units import MiB
 
 
@@ -288,7 +288,7 @@ class SearchOptions:
     force: bool = False  # forget stored trials and measure again
     progress: Callable[[str], None] = print
     pools: Optional[PoolSlot] = None  # a pool shared with other searches (a sweep's); None: its own
-    fault: Optional[Fault] = None  # tests only: injected into every trial (zero_bench.faults)
+    fault: Optional[Fault] = None  # tests only: injected into every trial (zero_bench.trial.faults)
 
 
 def _mib(b: Optional[int]) -> str:

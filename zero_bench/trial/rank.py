@@ -1,6 +1,6 @@
-"""A rank process, as the deepspeed launcher starts it: `python -m zero_bench.rank --spec trial.json`
-runs one trial (zero_bench.worker) and exits; `--pool DIR` serves a search's pool
-(zero_bench.pool_rank), forking a fresh child per trial, each running the same `trial` function."""
+"""A rank process, as the deepspeed launcher starts it: `python -m zero_bench.trial.rank --spec trial.json`
+runs one trial (zero_bench.trial.worker) and exits; `--pool DIR` serves a search's pool
+(zero_bench.trial.pool_rank), forking a fresh child per trial, each running the same `trial` function."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from zero_bench.gpu import select_devices
-from zero_bench.pool_rank import serve
+from zero_bench.devices.gpu import select_devices
+from zero_bench.trial.pool_rank import serve
 
 
 def adopt_launcher_env() -> None:
@@ -50,7 +50,7 @@ def trial(spec_path: Path) -> NoReturn:
     """One trial in this process (a fresh launch's rank, or a pool's child)."""
     # torch, deepspeed and megatron come in here, after select_devices chose the GPUs (main)
     from zero_bench.records import TrialSpec
-    from zero_bench.worker import run_spec
+    from zero_bench.trial.worker import run_spec
 
     watch_parent()
     run_spec(TrialSpec.from_json(spec_path.read_text()))

@@ -17,9 +17,9 @@ from typing import Iterable, Optional
 
 import psutil
 
-from zero_bench.config import BenchConfig
-from zero_bench.hosts import device_tokens, local_ranks
-from zero_bench.nvml import Nvml
+from zero_bench.config.schema import BenchConfig
+from zero_bench.config.hosts import device_tokens, local_ranks
+from zero_bench.devices.nvml import Nvml
 from zero_bench.records import RankRecord
 from zero_bench.units import GiB, MiB
 
@@ -55,7 +55,7 @@ def preset_totals() -> dict[str, int]:
     """GPU preset -> its card's total in MiB, as nvidia-smi shows it (conf/hardware/*.yaml)."""
     import yaml
 
-    from zero_bench.config import CONF_DIR
+    from zero_bench.config.schema import CONF_DIR
 
     out = {}
     for path in sorted((CONF_DIR / "hardware").glob("*.yaml")):

@@ -4,7 +4,7 @@ Layers, later wins: ds_configs/base.json, zero{stage}.json, offload_*.json, the 
 templates ({preset}.json, {preset}_zero3.json with ZeRO-3, {preset}_offload.json with offload),
 cpu.json (on CPU), the values that follow from the config (batch, precision, bucket sizes on the
 default preset, the activation checkpoints), then the user's `ds.*` keys. Last, on a GPU where
-DeepSpeed's FusedAdam cannot be built, torch's fused AdamW (zero_bench.toolkit), unless the user
+DeepSpeed's FusedAdam cannot be built, torch's fused AdamW (zero_bench.devices.toolkit), unless the user
 chose the optimizer's implementation.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import json
 import os
 from pathlib import Path
 
-from zero_bench.config import DS_TEMPLATES, BenchConfig
+from zero_bench.config.schema import DS_TEMPLATES, BenchConfig
 from zero_bench.errors import ConfigError
-from zero_bench.toolkit import TORCH_FUSED_ADAMW, fused_adam_fallback
+from zero_bench.devices.toolkit import TORCH_FUSED_ADAMW, fused_adam_fallback
 from zero_bench.models.params import params_per_shard
 
 TEMPLATE_DIR = DS_TEMPLATES

@@ -12,7 +12,7 @@ search, probes and trials alike, this launch's own steps included; before anythi
 the model's FLOPs per sample over the measured matmul rate at ASSUMED_EFFICIENCY (metrics.py).
 timeout_s is the floor: a step expected to take a second still gets timeout_s. The time from the
 start to a rank's first record (imports in a launch of its own, the model, the engine) gets
-INIT_FACTOR x timeout_s. Pure arithmetic; launch.py applies it, search.py supplies the pace.
+INIT_FACTOR x timeout_s. Pure arithmetic; launch.py applies it, search/maxbatch.py supplies the pace.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from zero_bench import metrics
-from zero_bench.config import BenchConfig
-from zero_bench.environment import machine_environment_cached
+from zero_bench.devices import metrics
+from zero_bench.config.schema import BenchConfig
+from zero_bench.devices.environment import machine_environment_cached
 from zero_bench.models.flops import hardware_flops_per_seq
 from zero_bench.records import Event, RankRecord, Status, TrialResult
 

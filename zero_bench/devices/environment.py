@@ -9,8 +9,8 @@ import functools
 import os
 import platform
 
-from zero_bench.metrics import cpu_model
-from zero_bench.nvml import nvml_module
+from zero_bench.devices.metrics import cpu_model
+from zero_bench.devices.nvml import nvml_module
 from zero_bench.units import MiB
 
 

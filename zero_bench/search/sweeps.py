@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Optional
 
 import yaml
 
-from zero_bench.config import CONF_DIR
+from zero_bench.config.schema import CONF_DIR
 from zero_bench.records import SearchResult
 from zero_bench.store import Store
 
 if TYPE_CHECKING:
-    from zero_bench.pool import PoolSlot
+    from zero_bench.trial.pool import PoolSlot
 
 JOB_STORE = "zero_bench.sqlite"
 

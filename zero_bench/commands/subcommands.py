@@ -17,24 +17,24 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from zero_bench import calibrate as calibration_run
-from zero_bench import cpu_features
-from zero_bench.capacity import marketed_gb_warning, with_cpu_budget
-from zero_bench.config import BenchConfig, ConfigError, Precision
-from zero_bench.configure import from_cfg, report_from_cfg, search_from_cfg
-from zero_bench.doctor import doctor_checks, prebuild_ops
+from zero_bench.commands import calibrate as calibration_run
+from zero_bench.devices import cpu_features
+from zero_bench.devices.capacity import marketed_gb_warning, with_cpu_budget
+from zero_bench.config.schema import BenchConfig, ConfigError, Precision
+from zero_bench.config.configure import from_cfg, report_from_cfg, search_from_cfg
+from zero_bench.commands.doctor import doctor_checks, prebuild_ops
 from zero_bench.estimate import seed_micro
-from zero_bench.estimate_table import estimate_report
-from zero_bench.hosts import with_slurm_hostfile
-from zero_bench.launch import run_launch
-from zero_bench.machine import machine_lock
-from zero_bench.metrics import cpu_peak_flops
-from zero_bench.preflight import preflight, skipped_search, validate_machine
+from zero_bench.estimate.table import estimate_report
+from zero_bench.config.hosts import with_slurm_hostfile
+from zero_bench.trial.launch import run_launch
+from zero_bench.trial.machine import machine_lock
+from zero_bench.devices.metrics import cpu_peak_flops
+from zero_bench.search.preflight import preflight, skipped_search, validate_machine
 from zero_bench.records import Entry, Mode, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.report import write_reports
-from zero_bench.search import SearchOptions, run_search
+from zero_bench.search.maxbatch import SearchOptions, run_search
 from zero_bench.store import Store
-from zero_bench.sweeps import JOB_STORE, Sweep, finished_elsewhere, format_status, sweep_status, under_submitit
+from zero_bench.search.sweeps import JOB_STORE, Sweep, finished_elsewhere, format_status, sweep_status, under_submitit
 from zero_bench.units import MiB
 
 OK, BAD_INPUT, DID_NOT_FIT, FAILED, BUSY = 0, 2, 3, 4, 5
@@ -217,7 +217,7 @@ def doctor(cfg: Any, inv: Optional[Invocation] = None) -> int:
 
 def calibrate(cfg: DictConfig, inv: Invocation) -> int:
     """`zero_bench calibrate [overrides] [--json]`: this machine's fixed terms, measured in one short
-    launch of the configuration and stored for the estimate (zero_bench.calibrate)."""
+    launch of the configuration and stored for the estimate (zero_bench.commands.calibrate)."""
     bench = bench_here(cfg, inv.out)
     prebuild_ops(bench)
     as_json = bool(cfg.get("json", False))

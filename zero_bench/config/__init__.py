@@ -1,0 +1,7 @@
+"""What the user asked for, typed and checked: the schema (one dataclass per section, the one
+source of defaults), composing conf/ over it and checking every key, and where the ranks run.
+
+schema.py     BenchConfig and its sections, stored configs read back (migrations in one place)
+configure.py  Hydra composition + every check: bad input is one line naming the key, exit 2
+hosts.py      the GPUs of a node, the hostfile DeepSpeed's launcher reads, the master address
+"""
