@@ -88,10 +88,11 @@ class Seed:
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Exact bytes of one rank's model states as its engine counted them after an optimizer step,
-    every tensor wherever it lives (device or host). RankRecord.model_states stores it as to_dict()
-    (the key names below, which old stores carry too); readers go through from_dict, so one place
-    says what a missing key means."""
+    """Bytes of one rank's model states, every tensor wherever it lives (device or host): as its
+    engine counted them after an optimizer step (a trial's RankRecord.model_states, stored as
+    to_dict(): the key names below, which old stores carry too; readers go through from_dict, so one
+    place says what a missing key means), or as the estimate predicts them (estimate/states.py for
+    DeepSpeed, estimate/fsdp2.py for FSDP2), which also says how many of them are on the host."""
     params: int = 0
     """What the module holds (ZeRO-3: its partition; FSDP2 with bf16 compute: 0, its fp32 shards are
     the master)."""
@@ -107,24 +108,41 @@ class ModelStates:
     grads_at_step: Optional[int] = None
     """FSDP2: bytes of the sharded gradients the step read (grads is 0 after it); None: not counted
     (DeepSpeed), and then not stored."""
+    host: Optional[int] = None
+    """Bytes of the above in host memory (offloaded); the rest is on the device. None: not split
+    (a trial counts every tensor together), and then not stored."""
 
     @property
     def total(self) -> int:
         """params + master + moments + grads: what the report compares with the estimate."""
         return self.params + self.master + self.moments + self.grads
 
+    @property
+    def optimizer(self) -> int:
+        """What the optimizer keeps beside the params: master + moments (the estimate's and the
+        report's "optimizer"; the stored key "optimizer" is the moments alone)."""
+        return self.master + self.moments
+
+    @property
+    def device(self) -> int:
+        """Bytes on the device: total - host (all of them where the split is not known)."""
+        return self.total - (self.host or 0)
+
     def to_dict(self) -> dict:
         """The stored form: the keys (and their order) engines wrote before this record existed."""
         d = {"params": self.params, "master": self.master, "optimizer": self.moments, "grads": self.grads,
              "numel_local": self.numel_local}
-        return d if self.grads_at_step is None else {**d, "grads_at_step": self.grads_at_step}
+        for key in ("grads_at_step", "host"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelStates":
         """A stored dict; a key it lacks counts 0 (grads_at_step: None), unknown keys are ignored."""
         return cls(params=d.get("params", 0), master=d.get("master", 0), moments=d.get("optimizer", 0),
                    grads=d.get("grads", 0), numel_local=d.get("numel_local", 0),
-                   grads_at_step=d.get("grads_at_step"))
+                   grads_at_step=d.get("grads_at_step"), host=d.get("host"))
 
 
 @dataclass

@@ -100,8 +100,8 @@ def test_model_states_match_worker(measured, zero):
         got = ms["params"] + ms["master"] + ms["optimizer"] + ms["grads"]
         # after the step the gradients are freed: compare the persistent states
         assert got == pytest.approx(e.persistent, rel=0.01)
-        assert ms["params"] == pytest.approx(e.states["params"], rel=0.001)
-        assert ms["master"] + ms["optimizer"] == pytest.approx(e.states["optimizer"], rel=0.001)
+        assert ms["params"] == pytest.approx(e.states.params, rel=0.001)
+        assert ms["master"] + ms["optimizer"] == pytest.approx(e.states.optimizer, rel=0.001)
 
 
 @pytest.mark.parametrize("micro", MICROS)
@@ -175,7 +175,7 @@ def test_fsdp2_model_states_are_exact(measured, name):
         ms = rank.model_states
         want = model_states(b.model, b.parallel.dp, rank=rank.rank)
         assert (ms["params"], ms["master"], ms["optimizer"], ms["grads_at_step"]) == (
-            want["params"], want["master"], want["moments"], want["grads"])
+            want.params, want.master, want.moments, want.grads)
         # the step's gradients are freed: what persists is the estimate's 12P/dp, to the byte on rank 0
         total = ms["params"] + ms["master"] + ms["optimizer"] + ms["grads"]
         assert total == e.persistent if rank.rank == 0 else total <= e.persistent

@@ -108,8 +108,8 @@ def test_model_states_are_the_estimates_to_the_byte(runs, name):
     for r in res.ranks:
         want = model_states(cfg.model, dp, tp, cfg.precision, cfg.offload, rank=r.rank % dp)
         got = r.model_states
-        assert (got["params"], got["master"], got["optimizer"]) == (want["params"], want["master"], want["moments"])
-        assert got["grads"] == 0 and got["grads_at_step"] == want["grads"]  # freed after the step, as ZeRO's
+        assert (got["params"], got["master"], got["optimizer"]) == (want.params, want.master, want.moments)
+        assert got["grads"] == 0 and got["grads_at_step"] == want.grads  # freed after the step, as ZeRO's
     local = [r.model_states["numel_local"] for r in res.ranks]
     assert sum(local) == num_params(cfg.model) if tp == 1 else local == [params_per_shard(cfg.model, tp)] * tp
 

@@ -40,7 +40,7 @@ def test_hybrid_sharding_trains_the_same_model_and_holds_twice_the_shards(runs):
     for name, (cfg, res) in runs.items():
         want = estimate(cfg).states
         for r in res.ranks:
-            assert (r.model_states["params"], r.model_states["optimizer"]) == (want["params"], want["moments"]), name
+            assert (r.model_states["params"], r.model_states["optimizer"]) == (want.params, want.moments), name
     assert hsdp.ranks[0].model_states["params"] == 2 * runs["fsdp"][1].ranks[0].model_states["params"]
 
 

@@ -233,12 +233,12 @@ def test_moe_states_are_every_experts_and_peaks_near_the_estimate(moe_trials):
     for name, ep in (("fsdp2", 1), ("fsdp2_ep2", 2)):
         states = moe_trials[name][1].ranks[0].model_states
         want = fsdp2_states(MOE_TINY, 2, ep=ep)
-        assert (states["params"], states["optimizer"]) == (want["params"], want["moments"]), name
+        assert (states["params"], states["optimizer"]) == (want.params, want.moments), name
     for name in ("zero1_ep2", "zero2_ep2"):  # the estimate's: exact but Adam's 4-byte step per group
         cfg, res = moe_trials[name]
         want, got = estimate(cfg).states, res.ranks[0].model_states
-        assert (got["params"], got["master"]) == (want["params"], want["master"]), name
-        assert 0 <= got["optimizer"] - want["moments"] <= 16, (name, got, want)
+        assert (got["params"], got["master"]) == (want.params, want.master), name
+        assert 0 <= got["optimizer"] - want.moments <= 16, (name, got, want)
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "moe-tiny"])

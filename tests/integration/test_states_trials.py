@@ -53,8 +53,8 @@ def test_states_are_the_estimates_to_the_byte_and_it_trains(runs, name):
     for r in res.ranks:
         assert e.peak_bytes(2) == pytest.approx(r.peak_rss_bytes, rel=0.12), (name, r.rank)
         got = r.model_states
-        assert (got["params"], got["master"]) == (want["params"], want["master"]), (got, want)
-        assert got["optimizer"] == pytest.approx(want["moments"], abs=4 * 64), (got, want)  # + AdamW's step counters
+        assert (got["params"], got["master"]) == (want.params, want.master), (got, want)
+        assert got["optimizer"] == pytest.approx(want.moments, abs=4 * 64), (got, want)  # + AdamW's step counters
         assert all(map(math.isfinite, r.losses)) and r.losses[-1] < r.losses[0], r.losses
 
 

@@ -90,10 +90,10 @@ def deepspeed_expected(zero: int, dp: int, ep: int, precision: str) -> dict:
 def test_deepspeed_states_per_rank(zero, precision, dp, ep):
     want = deepspeed_expected(zero, dp, ep, precision)
     got = model_states_bytes(DENSE + EXPERTS, zero, dp, precision=precision, ep=ep, expert_params=EXPERTS)
-    assert {k: got[k] for k in want} == want
-    assert got["gpu"] == want["params"] + want["grads"] + want["optimizer"] and got["cpu"] == 0
+    assert {k: getattr(got, k) for k in want} == want
+    assert got.device == want["params"] + want["grads"] + want["optimizer"] and got.host == 0
     e = estimate(bench(f"zero={zero}", f"precision={precision}", f"parallel.dp={dp}", f"parallel.ep={ep}"))
-    assert {k: e.states[k] for k in want} == want
+    assert {k: getattr(e.states, k) for k in want} == want
     assert e.params_per_shard == local(ep) and e.ep == ep
 
 
@@ -101,8 +101,8 @@ def test_deepspeed_ep2_moe_tiny_in_bytes():
     """The figures the 2-rank trials (dp 2, ep 2, bf16) are to measure, per rank."""
     z1 = estimate(bench("zero=1", "precision=bf16", "parallel.dp=2", "parallel.ep=2")).states
     z2 = estimate(bench("zero=2", "precision=bf16", "parallel.dp=2", "parallel.ep=2")).states
-    assert (z1["params"], z1["master"], z1["moments"], z1["grads"]) == (8_671_744, 14_963_200, 29_926_400, 8_671_744)
-    assert (z2["params"], z2["master"], z2["moments"], z2["grads"]) == (8_671_744, 14_963_200, 29_926_400, 7_481_600)
+    assert (z1.params, z1.master, z1.moments, z1.grads) == (8_671_744, 14_963_200, 29_926_400, 8_671_744)
+    assert (z2.params, z2.master, z2.moments, z2.grads) == (8_671_744, 14_963_200, 29_926_400, 7_481_600)
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -112,7 +112,7 @@ def test_deepspeed_ep_1_is_todays(zero):
     today = model_states_bytes(n, zero, 2, precision="bf16")
     assert model_states_bytes(n, zero, 2, precision="bf16", ep=1, expert_params=EXPERTS) == today
     grads = 14_963_200 if zero == 1 else 7_481_600
-    assert (today["params"], today["master"], today["moments"], today["grads"]) == (14_963_200, 14_963_200,
+    assert (today.params, today.master, today.moments, today.grads) == (14_963_200, 14_963_200,
                                                                                   29_926_400, grads)
     assert estimate(bench(f"zero={zero}", "precision=bf16")).states == today
 
@@ -123,7 +123,7 @@ def test_deepspeed_offload_and_refusals():
     s = model_states_bytes(DENSE + EXPERTS, 2, 4, precision="bf16", offload_optimizer=True, ep=2,
                            expert_params=EXPERTS)
     part = partition(4, 2)
-    assert (s["gpu"], s["cpu"], s["grads"]) == (2 * local(2), 16 * part, 4 * part)
+    assert (s.device, s.host, s.grads) == (2 * local(2), 16 * part, 4 * part)
     e = estimate(bench("zero=1", "precision=bf16", "parallel.dp=4", "parallel.ep=2", "offload=true"))
     assert e._dev_grads() == 2 * local(2)  # the 16-bit gradients; the fp32 partition is on the host
     with pytest.raises(ValueError, match="^ep=2: must be >= 1 and divide dp=3"):
@@ -173,11 +173,11 @@ def fsdp2_expected(dp: int, ep: int, precision: str) -> dict:
 def test_fsdp2_states_per_rank(precision, dp, ep):
     want = fsdp2_expected(dp, ep, precision)
     got = model_states(model("moe-tiny"), dp, 1, precision, ep=ep)
-    assert {k: got[k] for k in want} == want
+    assert {k: getattr(got, k) for k in want} == want
     if dp in (2, 4, 8):  # bench needs the group sizes the config allows (dp_shard None)
         e = estimate(bench("engine=fsdp2", "zero=3", f"precision={precision}", f"parallel.dp={dp}",
                            f"parallel.ep={ep}"))
-        assert {k: e.states[k] for k in want} == want
+        assert {k: getattr(e.states, k) for k in want} == want
 
 
 def test_fsdp2_ep2_moe_tiny_in_bytes():
@@ -186,10 +186,10 @@ def test_fsdp2_ep2_moe_tiny_in_bytes():
     s = estimate(bench("engine=fsdp2", "zero=3", "precision=bf16", "parallel.dp=2", "parallel.ep=2")).states
     part = DENSE // 2 + EXPERTS // 2
     tensors = len(ROOT) + L * (len(LAYER_DENSE) + E // 2 * len(EXPERT))
-    assert (s["params"], s["master"], s["moments"], s["grads"]) == (0, 4 * part, 8 * part + 4 * tensors, 4 * part)
-    assert (s["master"], s["moments"]) == (14_963_200, 29_926_620)
+    assert (s.params, s.master, s.moments, s.grads) == (0, 4 * part, 8 * part + 4 * tensors, 4 * part)
+    assert (s.master, s.moments) == (14_963_200, 29_926_620)
     today = model_states(model("moe-tiny"), 2, 1, "bf16")
-    assert (today["master"], today["moments"]) == (14_963_200, 29_926_748)  # ep 1: 32 more tensors' step
+    assert (today.master, today.moments) == (14_963_200, 29_926_748)  # ep 1: 32 more tensors' step
 
 
 @pytest.mark.parametrize("dp, ep", [(2, 2), (4, 2), (6, 2), (8, 4)])
@@ -217,12 +217,12 @@ def test_report_estimate_follows_the_stored_ep():
         s = setup_of(stored)
         assert s.ep == 2
         want = estimate(b).states
-        assert estimate_or_error(s) == (want["gpu"] + want["cpu"], "")
+        assert estimate_or_error(s) == (want.total, "")
         old = json.loads(json.dumps(stored))
         del old["parallel"]["ep"]  # stored before parallel.ep existed
         assert setup_of(old).ep == 1
         one = estimate(dataclasses.replace(b, parallel=dataclasses.replace(b.parallel, ep=1))).states
-        assert estimate_or_error(setup_of(old)) == (one["gpu"] + one["cpu"], "")
+        assert estimate_or_error(setup_of(old)) == (one.total, "")
 
 
 def test_estimate_header_names_ep_only_above_1():

@@ -81,8 +81,8 @@ def test_model_states_are_the_measured_bytes(name, precision):
     held, optimizer, grads = MEASURED_STATES[name]
     for rank in (0, 1):
         s = model_states(model(name), dp=2, precision=precision, rank=rank)
-        assert (s["params"] + s["master"], s["moments"], s["grads"]) == (held, optimizer, grads)
-        assert (s["params"] == 0) == (precision == "bf16")  # no 16-bit copy persists
+        assert (s.params + s.master, s.moments, s.grads) == (held, optimizer, grads)
+        assert (s.params == 0) == (precision == "bf16")  # no 16-bit copy persists
     e = estimate(cpu_cfg(name, engine="fsdp2", zero=3, precision=precision))
     assert e.persistent == held + optimizer  # 12P/dp between steps
     assert e.states_on_rank == held + optimizer + grads  # 16P/dp at the step
@@ -91,10 +91,10 @@ def test_model_states_are_the_measured_bytes(name, precision):
 def test_shards_are_padded_to_whole_rows_and_offload_moves_them_all():
     m = dataclasses.replace(model("gpt-tiny"), seq_len=7)  # the position table's 7 rows do not split evenly
     r0, r1 = (model_states(m, dp=2, rank=r) for r in (0, 1))
-    assert r0["grads"] == r1["grads"]  # padded to ceil(7/2) rows on both
-    assert r0["moments"] - r1["moments"] == 8 * m.hidden_size  # AdamW's state covers the real rows only
+    assert r0.grads == r1.grads  # padded to ceil(7/2) rows on both
+    assert r0.moments - r1.moments == 8 * m.hidden_size  # AdamW's state covers the real rows only
     off = model_states(m, dp=2, offload=True)
-    assert off["gpu"] == 0 and off["cpu"] == r0["gpu"]
+    assert off.device == 0 and off.host == r0.device
 
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "hf")
@@ -245,6 +245,6 @@ def test_hybrid_sharding_keys_labels_and_states():
     plain, hybrid = bench("engine=fsdp2", "parallel.dp=4"), bench("engine=fsdp2", "parallel.dp=4", "parallel.dp_shard=2")
     assert "dp_shard" not in plain._key_dict()["parallel"] and hybrid._key_dict()["parallel"]["dp_shard"] == 2
     assert hybrid.label().endswith("fsdp2 dp_shard=2") and "dp_shard" not in plain.label()
-    assert estimate(hybrid).states["params"] == 2 * estimate(plain).states["params"]
+    assert estimate(hybrid).states.params == 2 * estimate(plain).states.params
     same = bench("engine=fsdp2", "parallel.dp=4", "parallel.dp_shard=4")  # one group: plain FSDP2
     assert estimate(same).states == estimate(plain).states

@@ -16,6 +16,7 @@ from zero_bench import report
 from zero_bench.config.schema import ReportConfig
 from zero_bench.config.schema import ConfigError
 from zero_bench.devices.metrics import mfu_hfu
+from zero_bench.records import ModelStates
 from zero_bench.store import Store
 
 from synthetic import GPT345, MiB, add_synthetic
@@ -89,7 +90,7 @@ def test_a_failing_estimate_is_shown_not_dropped(synthetic, monkeypatch):
     measured = df[df[report.ESTIMATE_COLUMNS[1]].notna()]
     assert len(measured) and measured[report.ESTIMATE_COLUMNS[0]].isna().all()
     assert measured["Notes"].str.contains("model states estimate failed: ZeroDivisionError").all()
-    monkeypatch.setattr(estimate, "model_states_bytes", lambda *a, **k: {"gpu": 1300 * MiB, "cpu": 0, "grads": 0})
+    monkeypatch.setattr(estimate, "model_states_bytes", lambda *a, **k: ModelStates(params=1300 * MiB, host=0))
     df = report.summary_frame(rows, peaks)
     row = df[df["search key"] == GPT345.search_key()].iloc[0]
     assert (row[report.ESTIMATE_COLUMNS[1]], row[report.ESTIMATE_COLUMNS[2]]) == pytest.approx((1300, 0))

@@ -37,7 +37,7 @@ def test_what_cannot_run_is_refused_in_one_line(overrides, message):
 
 def test_adam8bit_is_estimated_and_its_trials_refused():
     b = bench("states=adam8bit", "zero=2")
-    assert estimate(b).states["moments"] > 0
+    assert estimate(b).states.moments > 0
     with pytest.raises(ConfigError, match="^states=adam8bit: 8-bit AdamW needs torchao"):
         validate_machine(b)
 
@@ -63,16 +63,16 @@ def test_deepspeed_states_per_parameter():
     mixed = model_states_bytes(P, 2, 2, precision="bf16")
     pure = model_states_bytes(P, 2, 2, precision="bf16", states="bf16")
     int8 = model_states_bytes(P, 2, 2, precision="bf16", states="adam8bit")
-    assert (mixed["master"], mixed["moments"]) == (2 * P, 4 * P)
-    assert (pure["params"], pure["master"], pure["moments"], pure["grads"]) == (2 * P, P, 2 * P, P)
-    assert (int8["master"], int8["moments"]) == (2 * P, 2 * (P // 2 + 4 * 1954))  # ceil(500000 / 256) scales each
+    assert (mixed.master, mixed.moments) == (2 * P, 4 * P)
+    assert (pure.params, pure.master, pure.moments, pure.grads) == (2 * P, P, 2 * P, P)
+    assert (int8.master, int8.moments) == (2 * P, 2 * (P // 2 + 4 * 1954))  # ceil(500000 / 256) scales each
 
 
 def test_fsdp2_pure_bf16_holds_half_of_everything():
     m = model("llama-tiny")
     mixed, pure = model_states(m, 2, precision="bf16"), model_states(m, 2, precision="bf16", states="bf16")
-    assert pure["master"] == 0 and pure["params"] == mixed["master"] // 2 and pure["grads"] == mixed["grads"] // 2
+    assert pure.master == 0 and pure.params == mixed.master // 2 and pure.grads == mixed.grads // 2
     steps = 4 * len(params(m))  # AdamW's fp32 step counter per tensor
-    assert pure["moments"] - steps == (mixed["moments"] - steps) // 2
+    assert pure.moments - steps == (mixed.moments - steps) // 2
     e = estimate(cpu_cfg("llama-tiny", engine="fsdp2", zero=3, precision="bf16", states="bf16"))
-    assert e.persistent == pure["params"] + pure["moments"]
+    assert e.persistent == pure.params + pure.moments

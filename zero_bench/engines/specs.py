@@ -38,7 +38,7 @@ class EngineSpec:
     (states, buffers, activations, act_per_sample, init_peak, grads_phase)."""
     stored_states: str
     """"module:function" (report.tables.Setup) -> the estimate's model states of one rank of a stored
-    config (a dict with gpu, cpu, grads bytes)."""
+    config (a records.ModelStates, split device / host)."""
     refusals: str
     """"module:function" (BenchConfig, concern) raising ConfigError for what this engine cannot run
     of one concern (CONCERNS)."""

@@ -39,7 +39,7 @@ from zero_bench.devices.capacity import search_capacity
 from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig
 from zero_bench.engines.specs import load, spec, tag
 from zero_bench.config.hosts import local_ranks
-from zero_bench.records import Seed
+from zero_bench.records import ModelStates, Seed
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
 from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communicator_bytes, communicators, fragmentation,
@@ -89,7 +89,7 @@ class Estimate:
     tp: int
     num_params: int
     params_per_shard: int
-    states: dict  # model_states_bytes
+    states: ModelStates  # one rank's, split device / host (estimate/states.py, estimate/fsdp2.py)
     buffers: dict  # deepspeed_buffers
     activations: dict  # activation_bytes_per_sample
     act_per_sample: int  # calibrated for the device
@@ -124,20 +124,20 @@ class Estimate:
     @property
     def states_on_rank(self) -> int:
         """Model-state bytes in the memory the capacity is about (CPU: device + host; GPU: device)."""
-        return self.states["gpu"] + (self.states["cpu"] if self.device == "cpu" else 0)
+        return self.states.total if self.device == "cpu" else self.states.device
 
     @property
     def persistent(self) -> int:
         """States that live through the whole step: everything but the gradients."""
-        dev_grads = self.states["grads"] if self.device == "cpu" else self._dev_grads()
+        dev_grads = self.states.grads if self.device == "cpu" else self._dev_grads()
         return self.states_on_rank - dev_grads
 
     def _dev_grads(self) -> int:
         s = self.states
         if not self.offload_optimizer:
-            return s["grads"]
+            return s.grads
         partitioned = self.params_per_shard if self.partitioned_params is None else self.partitioned_params
-        return 0 if self.zero >= 2 else s["grads"] - 4 * partitioned // self.dp
+        return 0 if self.zero >= 2 else s.grads - 4 * partitioned // self.dp
 
     def phase_bytes(self, phase: str) -> int:
         """Gradients + buffers of one phase (no activations, no persistent states)."""
@@ -200,7 +200,7 @@ class Estimate:
 
     def host_bytes(self) -> int:
         """Host memory the offloaded states need on one node (all its ranks)."""
-        return self.states["cpu"] * self.local_ranks
+        return self.states.host * self.local_ranks
 
     def row(self) -> dict:
         s = self.states
@@ -209,8 +209,8 @@ class Estimate:
             "config": (f"{tag(self.engine)} " if tag(self.engine) else "") + f"zero{self.zero}"
                       + ("+offload" if self.offload_optimizer else "")
                       + ("+param" if self.offload_param else ""),
-            "params": s["params"], "grads": s["grads"], "optimizer": s["optimizer"],
-            "device_states": s["gpu"], "host_states": s["cpu"],
+            "params": s.params, "grads": s.grads, "optimizer": s.optimizer,
+            "device_states": s.device, "host_states": s.host,
             "buffers": self.buffers_total, "act_per_sample": self.act_per_sample,
             "overhead": self.overhead, "peak_micro1": self.peak_bytes(1),
             "host_needed": self.host_bytes(), "capacity": self.capacity,
@@ -251,7 +251,7 @@ def deepspeed_parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
     per_sample = act["total"] + (act["host"] if on_cpu else 0)  # on CPU the host is the device
     b = BYTES[bench.precision]
-    grads = states["grads"]
+    grads = states.grads
     if not on_cpu and bench.offload:  # the host part of the gradients is not on the device
         grads = 0 if bench.zero >= 2 else b * P
     first = b * max(param_numels(m, tp, ep))  # ZeRO-0/1: the (output) embedding's gradient comes first

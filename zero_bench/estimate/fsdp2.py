@@ -42,6 +42,7 @@ experts (G above, with E / ep experts). Hybrid sharding (dp_shard) with ep > 1 i
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping, Optional
 
@@ -50,6 +51,7 @@ from zero_bench.estimate.activations import activation_bytes_per_sample, loss_ch
 from zero_bench.estimate.states import master_bytes, moment_bytes
 from zero_bench.models import ModelConfig
 from zero_bench.models.params import ROOT, Param, params
+from zero_bench.records import ModelStates
 from zero_bench.units import BYTES
 
 LOGITS_BYTES = {"fp32": 4, "bf16": 8}  # per token and vocabulary row at the peak (see above)
@@ -109,9 +111,9 @@ def shard_elems(shape: tuple[int, ...], dp: int, rank: int, padded: bool) -> int
 
 
 def model_states(m: ModelConfig, dp: int, tp: int = 1, precision: str = "fp32", offload: bool = False,
-                 rank: int = 0, states: str = "mixed", ep: int = 1) -> dict:
-    """Exact bytes of one rank's states (rank 0 holds the most), split as estimate/states.py splits
-    ZeRO's: params, grads (at the step), master, moments, optimizer (master + moments), gpu, cpu.
+                 rank: int = 0, states: str = "mixed", ep: int = 1) -> ModelStates:
+    """Exact bytes of one rank's states (rank 0 holds the most), the record estimate/states.py
+    gives for ZeRO: params, grads (at the step), master, moments, and host.
     offload (CPUOffloadPolicy): all of them in host memory. states=bf16 (pure bf16): the shards,
     gradients and AdamW's moments in bf16, no master; adam8bit: 8-bit moments, fp32 shards.
     ep > 1: the rank's E / ep experts per MoE layer, sharded over dp / ep ranks (shard_ranks)."""
@@ -121,9 +123,8 @@ def model_states(m: ModelConfig, dp: int, tp: int = 1, precision: str = "fp32", 
     moments = sum(moment_bytes(_shard(p, dp, ep, rank, padded=False), states, w) for p in every) + 4 * len(every)
     mixed = precision == "bf16" and states != "bf16"
     weights, master = (0, held) if mixed else (held, 0)
-    total = weights + master + moments + held
-    return {"params": weights, "grads": held, "master": master, "moments": int(moments),
-            "optimizer": int(master + moments), "gpu": 0 if offload else int(total), "cpu": int(total) if offload else 0}
+    out = ModelStates(params=weights, master=master, moments=int(moments), grads=held)
+    return dataclasses.replace(out, host=out.total if offload else 0)
 
 
 def layer_phases(L: int) -> dict[str, int]:
@@ -135,7 +136,7 @@ def layer_phases(L: int) -> dict[str, int]:
     return out
 
 
-def stored_states(s) -> dict:
+def stored_states(s) -> ModelStates:
     """model_states for a stored config as the report reads it (report.tables.Setup): the fsdp2
     spec's stored_states. Sharded over the shard group (hybrid sharding: dp_shard ranks)."""
     return model_states(ModelConfig(**s.model), s.dp_shard or s.dp, s.tp, s.precision, s.offload,
@@ -170,7 +171,7 @@ def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
         largest = max(_shard(p, dp, ep, 0, padded=True) for p in root + layer)
         buffers["adamw_temporaries"] = (ADAM_TEMPORARIES * w * largest, ["step"])
     grads_phase = {"backward_start": 0, **{n: (L - 1 - i) * layer_grads for n, i in layers.items()},
-                   "step": dev_grads * states["grads"]}
+                   "step": dev_grads * states.grads}
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, device=bench.hardware.device,
                                       recompute_layers=bench.recompute_layers, loss=bench.loss)
     kept = act["layers"] / L  # per layer, after recompute's savings

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 
-from zero_bench.units import BYTES
 from zero_bench.models.params import routed_expert_params
+from zero_bench.records import ModelStates
+from zero_bench.units import BYTES
 
 
 def moment_bytes(numel: float, states: str = "mixed", dtype_bytes: int = 4) -> float:
@@ -29,7 +30,7 @@ def master_bytes(states: str = "mixed") -> int:
 
 def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1, precision: str = "bf16",
                        offload_optimizer: bool = False, offload_param: bool = False, states: str = "mixed",
-                       ep: int = 1, expert_params: float = 0) -> dict:
+                       ep: int = 1, expert_params: float = 0) -> ModelStates:
     """Bytes of model states per rank for Adam, split as ZeRO partitions them.
 
     num_params: parameters of the WHOLE model (all tensor-parallel shards together); this function
@@ -78,8 +79,8 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
     padding (each group to a multiple of 2 x its ranks) is left out, as at ep 1. ep=1: the formulas
     above, unchanged.
 
-    Returns {"params", "grads", "master", "moments", "optimizer" (= master + moments): bytes per
-    rank wherever they live; "gpu": bytes on the device; "cpu": bytes of host memory per rank}.
+    Returns one rank's ModelStates: params, grads, master, moments wherever they live (optimizer:
+    master + moments), host: the bytes of them in host memory (device: the rest).
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage}: allowed 0, 1, 2, 3")
@@ -123,12 +124,13 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
     if offload_param and zero_stage == 3:
         gpu -= params
         cpu += params
-    out = {"params": params, "grads": grads, "master": master, "moments": moments,
-           "optimizer": master + moments, "gpu": gpu, "cpu": cpu}
-    return {k: int(round(v)) for k, v in out.items()}
+    whole = [int(round(v)) for v in (params, master, moments, grads, cpu)]
+    states = ModelStates(*whole[:4], host=whole[4])
+    assert abs(states.device - gpu) <= 4, (states, gpu)  # the split adds up (rounding aside)
+    return states
 
 
-def stored_states(s) -> dict:
+def stored_states(s) -> ModelStates:
     """model_states_bytes for a stored config as the report reads it (report.tables.Setup): the
     deepspeed spec's stored_states, so the report asks the engine's spec, not its name."""
     experts = routed_expert_params(s.description, 1) if s.ep > 1 else 0  # ep > 1 runs at tp 1

@@ -250,8 +250,7 @@ def estimate_or_error(s: Setup, with_grads: bool = True) -> tuple[Optional[int],
     """The estimate's model states for one rank, or None and why it could not answer."""
     try:
         est = load(spec(s.engine).stored_states)(s)
-        total = int(est["gpu"]) + int(est["cpu"])
-        return (total if with_grads else total - int(est.get("grads", 0))), ""
+        return (est.total if with_grads else est.total - est.grads), ""
     except Exception as exc:  # noqa: BLE001 - the row says so (Notes); its columns stay, empty
         return None, f"{type(exc).__name__}: {exc}"
 

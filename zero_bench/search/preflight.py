@@ -118,7 +118,7 @@ def preflight(bench: BenchConfig, force: bool = False, micro: Optional[int] = No
             reason = (f"cannot initialize (estimated): model states + buffers {fixed / GiB:.1f} GiB per device > "
                       f"capacity {cap / GiB:.1f} GiB; force=true launches anyway")
         elif not bench.hardware.hostfile and est.host_bytes() > avail:
-            reason = (f"does not fit (estimated): offloaded states {est.states['cpu'] / GiB:.1f} GiB per rank x "
+            reason = (f"does not fit (estimated): offloaded states {est.states.host / GiB:.1f} GiB per rank x "
                       f"{ranks} ranks > {avail / GiB:.1f} GiB available on this host; force=true launches anyway")
     if not reason:
         return None
