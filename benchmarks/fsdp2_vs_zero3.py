@@ -19,9 +19,9 @@ import yaml
 
 from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
 from zero_bench.estimate import estimate
+from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot
-from zero_bench.records import Entry
 from zero_bench.units import MiB
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,9 +25,9 @@ from pathlib import Path
 import yaml
 
 from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
+from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.launcher import free_port
-from zero_bench.records import Entry
 from zero_bench.trial.pool import PoolSlot
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,8 +17,8 @@ from pathlib import Path
 import yaml
 
 from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
-from zero_bench.trial.launch import run_launch
 from zero_bench.records import Entry
+from zero_bench.trial.launch import run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20

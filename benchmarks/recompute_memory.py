@@ -20,8 +20,8 @@ import yaml
 
 from zero_bench.config.schema import Recompute, BenchConfig, HardwareConfig, ModelConfig, StepsConfig
 from zero_bench.estimate import activation_bytes_per_sample
-from zero_bench.trial.launch import run_launch
 from zero_bench.records import Entry
+from zero_bench.trial.launch import run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import yaml
 
-from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, SearchConfig
 from zero_bench.config.configure import resolve
+from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, SearchConfig
 from zero_bench.estimate import seed_micro
-from zero_bench.store import Store
 from zero_bench.search.maxbatch import SearchOptions, run_search
+from zero_bench.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import yaml
 
 from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, StepsConfig
+from zero_bench.records import Entry, Mode
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot
-from zero_bench.records import Entry, Mode
 
 ROOT = Path(__file__).resolve().parent.parent
 

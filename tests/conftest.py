@@ -22,8 +22,8 @@ import psutil
 import pytest
 import yaml
 
-from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig, StepsConfig
 from zero_bench.config.configure import resolve
+from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig, StepsConfig
 from zero_bench.errors import MachineBusy
 from zero_bench.trial.machine import machine_lock
 

@@ -14,11 +14,11 @@ from typing import Optional
 
 from zero_bench.commands.calibrate import DEFAULT_MODEL as CALIBRATE_MODEL
 from zero_bench.commands.subcommands import COMMANDS, Invocation
-from zero_bench.config.schema import CONF_DIR
 from zero_bench.config.configure import check_all, compose, keys_help
+from zero_bench.config.schema import CONF_DIR
 from zero_bench.errors import ConfigError, MachineBusy
-from zero_bench.trial.pool import PoolSlot
 from zero_bench.search.sweeps import current_sweep, swept_values
+from zero_bench.trial.pool import PoolSlot
 
 GROUPS = ("model", "parallel", "hardware", "sweep")
 BAD_INPUT, BUSY = 2, 5

@@ -372,6 +372,11 @@ class TrialResult:
     env: dict = field(default_factory=dict)  # the machine: CPU/GPU, memory, library versions
     created: float = field(default_factory=time.time)
 
+    @property
+    def failed_initializing(self) -> bool:
+        """Out of memory before the first step (phase "init"): the engine could not even be built."""
+        return self.status in (Status.OOM, Status.ESTIMATED_OOM) and self.phase == "init"
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["ranks"] = [r.to_dict() for r in self.ranks]

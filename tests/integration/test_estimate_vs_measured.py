@@ -17,9 +17,9 @@ import pytest
 
 from zero_bench.estimate import CPU_RANK_OVERHEAD, estimate
 from zero_bench.estimate.fsdp2 import model_states
+from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot
-from zero_bench.records import Entry
 
 from conftest import cpu_cfg
 

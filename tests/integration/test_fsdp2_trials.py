@@ -16,14 +16,13 @@ import pytest
 from zero_bench.config.schema import ParallelConfig
 from zero_bench.estimate import estimate
 from zero_bench.estimate.fsdp2 import model_states
-from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.models.params import layer_numels
-from zero_bench.trial.pool import PoolSlot
+from zero_bench.models.params import layer_numels, num_params, params_per_shard
 from zero_bench.records import Entry, Fault, SearchStatus
 from zero_bench.store import Store
+from zero_bench.trial.launch import LaunchOptions, run_launch
+from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, model
-from zero_bench.models.params import num_params, params_per_shard
 
 pytestmark = pytest.mark.slow
 

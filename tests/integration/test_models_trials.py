@@ -14,11 +14,11 @@ from zero_bench.config.schema import HardwareConfig, ParallelConfig, SearchConfi
 from zero_bench.estimate import estimate, seed_micro
 from zero_bench.estimate.fsdp2 import local_numel as fsdp2_local_numel
 from zero_bench.estimate.fsdp2 import model_states as fsdp2_states
-from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 from zero_bench.records import Entry
 from zero_bench.search.maxbatch import SearchOptions, run_search
 from zero_bench.store import Store
+from zero_bench.trial.launch import LaunchOptions, run_launch
+from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, model
 from zero_bench.models.params import num_params, params_per_shard

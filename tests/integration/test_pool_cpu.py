@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.records import Entry, Fault
+from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, worker_processes

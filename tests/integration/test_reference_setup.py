@@ -15,10 +15,10 @@ import pytest
 
 from zero_bench.config.schema import HardwareConfig, ModelConfig
 from zero_bench.estimate import activation_bytes_per_sample
-from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 from zero_bench.records import Entry
 from zero_bench.store import Store
+from zero_bench.trial.launch import LaunchOptions, run_launch
+from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg
 

@@ -10,12 +10,12 @@ import pandas as pd
 import pytest
 
 from zero_bench import report
-from zero_bench.config.schema import ReportConfig
+from zero_bench.config.schema import (BenchConfig, HardwareConfig, ParallelConfig, ReportConfig, SearchConfig,
+                                      StepsConfig)
 from zero_bench.devices.metrics import cpu_peak_flops
 from zero_bench.models.flops import model_flops_per_seq
-from zero_bench.config.schema import BenchConfig, HardwareConfig, ParallelConfig, SearchConfig, StepsConfig
-from zero_bench.store import Store
 from zero_bench.search.maxbatch import SearchOptions, run_search
+from zero_bench.store import Store
 
 from synthetic import EXPECTED_NOTES, GPT345, NUMERIC, TINY, add_synthetic, row_of, summary_of
 from zero_bench.models.params import num_params

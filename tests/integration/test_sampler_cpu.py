@@ -5,8 +5,8 @@ import csv
 
 import pytest
 
-from zero_bench.trial.launch import run_launch
 from zero_bench.records import Entry
+from zero_bench.trial.launch import run_launch
 from zero_bench.trial.worker import PHASES
 
 from conftest import cpu_cfg

@@ -16,12 +16,11 @@ import pytest
 
 from zero_bench.config.schema import HardwareConfig, SearchConfig
 from zero_bench.estimate import seed_micro
+from zero_bench.records import Entry, Fault, SearchStatus, Status
+from zero_bench.search.maxbatch import SearchOptions, run_search
+from zero_bench.store import Store
 from zero_bench.trial.launch import run_launch
 from zero_bench.trial.pool import PoolSlot
-from zero_bench.records import Entry
-from zero_bench.records import Fault, SearchStatus, Status
-from zero_bench.store import Store
-from zero_bench.search.maxbatch import SearchOptions, run_search
 
 from conftest import FRESH_MICROS, cpu_cfg, worker_processes
 

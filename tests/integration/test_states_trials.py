@@ -11,9 +11,9 @@ import math
 import pytest
 
 from zero_bench.estimate import estimate
+from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot
-from zero_bench.records import Entry
 
 from conftest import cpu_cfg, model
 

@@ -15,9 +15,9 @@ import pandas as pd
 import psutil
 import pytest
 
-from zero_bench.trial.machine import lock_path
-from zero_bench.store import Store
 from zero_bench.search.sweeps import JOB_STORE, sweep_status
+from zero_bench.store import Store
+from zero_bench.trial.machine import lock_path
 
 from conftest import worker_processes
 

@@ -25,10 +25,10 @@ import pandas as pd
 import pytest
 
 from zero_bench.config.schema import HardwareConfig
-from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 from zero_bench.records import Entry
 from zero_bench.store import Store
+from zero_bench.trial.launch import LaunchOptions, run_launch
+from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, model, worker_processes
 

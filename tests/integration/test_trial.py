@@ -9,9 +9,9 @@ import math
 import pytest
 
 from zero_bench.config.schema import ParallelConfig
+from zero_bench.records import Entry, Fault
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot
-from zero_bench.records import Entry, Fault
 
 from conftest import cpu_cfg, model
 from zero_bench.models.params import num_params, params_per_shard

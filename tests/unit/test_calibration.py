@@ -9,20 +9,20 @@ import types
 
 import pytest
 
-from zero_bench.devices import calibration
+from zero_bench.devices import calibration, nvml
 
-from zero_bench.devices import nvml
 from zero_bench.commands.calibrate import CalibrationFailed, from_result, lines
 from zero_bench.devices.calibration import (BUILT_IN_CPU, PUBLISHED, Calibration, FixedTermsProbe, card_matches, cpu_key,
                                     gpu_key, load, save)
 from zero_bench.cli import COMMAND_NAMES, help_text, parse
 from zero_bench.commands.subcommands import COMMANDS
 from zero_bench.config.configure import compose, from_cfg
-from zero_bench.estimate import CPU_RANK_OVERHEAD, estimate
-from zero_bench.estimate.gpu import CUBLAS_HANDLES, CUBLAS_WORKSPACE, NCCL_COMMUNICATOR, fragmentation, outside_allocator
-from zero_bench.estimate.table import estimate_report
 from zero_bench.devices.gpu import RankGpu, baseline
 from zero_bench.devices.metrics import cpu_model
+from zero_bench.estimate import CPU_RANK_OVERHEAD, estimate
+from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, NCCL_COMMUNICATOR, fragmentation,
+                                     outside_allocator)
+from zero_bench.estimate.table import estimate_report
 from zero_bench.records import Event, RankRecord, Status, TrialResult
 
 from gpu_fakes import A100, FakeCuda, GiB, MiB, fake_pynvml

@@ -6,12 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from zero_bench.config.configure import compose, from_cfg, search_from_cfg
+from zero_bench.config.schema import ConfigError
 from zero_bench.devices import cpu_features
 from zero_bench.engines import ds_config
-from zero_bench.config.schema import ConfigError
-from zero_bench.config.configure import compose, from_cfg, search_from_cfg
-from zero_bench.search.preflight import validate_machine
 from zero_bench.models.params import num_params, params_per_shard
+from zero_bench.search.preflight import validate_machine
 
 
 

@@ -13,13 +13,12 @@ import sys
 import pytest
 import torch
 
-from zero_bench.commands import subcommands as commands
+from zero_bench.commands import doctor, subcommands as commands
 
 from zero_bench.config import configure
 
 from zero_bench.devices import cpu_features
 
-from zero_bench.commands import doctor
 from zero_bench.config.schema import ConfigError, Device, EngineName
 from zero_bench.devices.cpu_features import BF16_ISAS, NO_BF16_ISAS, assess, bf16_warning, cpu_flags
 from zero_bench.devices.metrics import peak_key

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-from zero_bench.engines import ds_config
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.engines import ds_config
 from zero_bench.estimate.buffers import deepspeed_buffers
 
 GOLDEN = Path(__file__).parents[1] / "data" / "ds_json_golden.json"

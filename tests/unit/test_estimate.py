@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zero_bench.config.schema import BenchConfig
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.schema import BenchConfig
 from zero_bench.errors import ConfigError
 from zero_bench.estimate import (GiB, MiB, activation_bytes_per_sample, deepspeed_buffers, estimate,
                                  model_states_bytes, param_numels, seed_micro)

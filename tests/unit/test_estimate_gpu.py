@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from zero_bench.config.configure import compose, from_cfg
-from zero_bench.estimate import estimate
-from zero_bench.estimate import gpu
+from zero_bench.estimate import estimate, gpu
 from zero_bench.units import MiB
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zero_bench.config.schema import ConfigError
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.schema import ConfigError
 from zero_bench.models.megatron import expert_parallel_args
 
 from conftest import cpu_cfg

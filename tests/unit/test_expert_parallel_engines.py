@@ -10,8 +10,7 @@ import types
 import pytest
 import torch
 
-from zero_bench.engines import deepspeed as ds_engine
-from zero_bench.engines import fsdp2
+from zero_bench.engines import deepspeed as ds_engine, fsdp2
 
 
 @pytest.fixture

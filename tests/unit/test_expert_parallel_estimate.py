@@ -16,11 +16,11 @@ from zero_bench.estimate.buffers import deepspeed_buffers, group_partitions
 from zero_bench.estimate.fsdp2 import local_numel, model_states
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.estimate.table import estimate_report
-from zero_bench.models.params import params, split_numels
+from zero_bench.models.params import (dense_params, num_params, params, params_per_shard, routed_expert_params,
+                                      split_numels)
 from zero_bench.report.tables import estimate_or_error, setup_of
 
 from conftest import model
-from zero_bench.models.params import dense_params, num_params, params_per_shard, routed_expert_params
 
 # moe-tiny: h 256, 4 layers, 8 heads of 32 / 2 query groups, vocabulary 1024 (padded to 128: 1024
 # rows), untied, RMSNorm, no biases, 8 SwiGLU experts of 256 in every layer, no shared expert.

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from zero_bench.trial import worker
 from zero_bench.config.schema import BenchConfig, HardwareConfig, StepsConfig
 from zero_bench.records import Mode, ModelStates, TrialSpec
+from zero_bench.trial import worker
 
 from conftest import model
 

@@ -7,8 +7,8 @@ import dataclasses
 import pandas as pd
 import pytest
 
-from zero_bench.config.schema import CONF_DIR, ConfigError
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.schema import CONF_DIR, ConfigError
 from zero_bench.estimate import estimate
 from zero_bench.estimate.fsdp2 import groups, layer_phases, model_states
 from zero_bench.search.preflight import skipped_search

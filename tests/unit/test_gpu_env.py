@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from zero_bench.config.schema import BenchConfig, HardwareConfig, ParallelConfig
-from zero_bench.trial.launcher import trial_env
 from zero_bench.models.megatron import fusion_args, transformer_config
+from zero_bench.trial.launcher import trial_env
 
 from conftest import model
 

@@ -11,12 +11,12 @@ import torch
 
 from zero_bench.devices import nvml
 
-from zero_bench.trial import worker
-from zero_bench.devices.capacity import compared_peak, over_capacity
 from zero_bench.config.schema import StepsConfig
+from zero_bench.devices.capacity import compared_peak, over_capacity
 from zero_bench.devices.gpu import DEVICES_ENV, REFRESH_GROWTH, RankGpu, baseline, near_full
-from zero_bench.trial.oom import is_oom
 from zero_bench.records import Event, Mode, ModelStates, RankRecord, RankStatus, TrialSpec
+from zero_bench.trial import worker
+from zero_bench.trial.oom import is_oom
 
 from conftest import cpu_cfg
 from gpu_fakes import EIGHT, FakeCuda, GiB, MiB, fake_pynvml

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig
-from zero_bench.trial.oom import is_oom
 from zero_bench.records import OOM_EXIT
+from zero_bench.trial.oom import is_oom
 
 TINY = ModelConfig(name="GPT-tiny", num_layers=2, hidden_size=64, num_heads=4, seq_len=64, vocab_size=1024)
 NO_GPU = "no CUDA device visible: torch.cuda.is_available() is False (torch %s)" % torch.__version__

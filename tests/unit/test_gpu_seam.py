@@ -8,15 +8,15 @@ import types
 
 import pytest
 
+from zero_bench.config.schema import BenchConfig, ConfigError, HardwareConfig, ParallelConfig
 from zero_bench.devices import nvml
 from zero_bench.devices.capacity import memory_fraction
-from zero_bench.config.schema import BenchConfig, ConfigError, HardwareConfig, ParallelConfig
 from zero_bench.devices.gpu import DEVICES_ENV, RankGpu, select_devices
+from zero_bench.records import Entry, RankRecord, Status, TrialResult
+from zero_bench.report.tables import _memory, emulation_note
 from zero_bench.trial.launch import LaunchOptions, _Launch
 from zero_bench.trial.launcher import trial_env
 from zero_bench.trial.outcome import gpu_devices
-from zero_bench.records import Entry, RankRecord, Status, TrialResult
-from zero_bench.report.tables import _memory, emulation_note
 from zero_bench.trial.sampler import Sampler
 
 from conftest import model

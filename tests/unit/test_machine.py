@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from zero_bench.trial import machine
 from zero_bench.errors import MachineBusy
+from zero_bench.trial import machine
 
 HOLD = """
 import sys, time

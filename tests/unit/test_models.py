@@ -13,16 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_bench.config.schema import BenchConfig, CONF_DIR, HardwareConfig, ParallelConfig
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.schema import BenchConfig, CONF_DIR, HardwareConfig, ParallelConfig
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig, param_numels
 from zero_bench.models.description import from_stored
 from zero_bench.models.megatron import build_gpt, transformer_config
-from zero_bench.models.params import params
+from zero_bench.models.params import active_params, dense_params, expert_params, num_params, params, params_per_shard
 
 from conftest import model
-from zero_bench.models.params import active_params, dense_params, expert_params, num_params, params_per_shard
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if p.stem != "hf")
 HF_DIR = Path(__file__).resolve().parents[1] / "data" / "hf"

@@ -17,16 +17,14 @@ import types
 import psutil
 import pytest
 
-from zero_bench.trial import launch
+from zero_bench.trial import launch, pool, pool_rank
 
 from zero_bench.devices import nvml
 
-from zero_bench.trial import pool
 
-from zero_bench.trial import pool_rank
 from zero_bench.config.schema import HardwareConfig, ParallelConfig
-from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.devices.nvml import Nvml
+from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot, pool_key
 from zero_bench.trial.pool_rank import (PAGE, _wait, map_again, refused_path, release_nvml, resident_file_pages,
                                   write_whole)

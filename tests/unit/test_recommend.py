@@ -6,10 +6,10 @@ Expected values are worked out here by hand from the inputs, not with the functi
 import pandas as pd
 import pytest
 
+from zero_bench.config.configure import compose, report_from_cfg
+from zero_bench.config.schema import ReportConfig
 from zero_bench.errors import ConfigError
 from zero_bench.report.costs import COST_COLUMNS, assumptions, tokens_text, with_costs
-from zero_bench.config.schema import ReportConfig
-from zero_bench.config.configure import compose, report_from_cfg
 from zero_bench.report.recommend import fmt, recommend
 
 SEQ = 64

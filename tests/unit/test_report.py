@@ -13,8 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from zero_bench import report
-from zero_bench.config.schema import ReportConfig
-from zero_bench.config.schema import ConfigError
+from zero_bench.config.schema import ConfigError, ReportConfig
 from zero_bench.devices.metrics import mfu_hfu
 from zero_bench.records import ModelStates
 from zero_bench.store import Store

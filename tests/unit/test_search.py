@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from zero_bench.config.schema import BenchConfig, HardwareConfig, ParallelConfig, SearchConfig
 from zero_bench.devices import capacity
 from zero_bench.devices.capacity import compared_peak
-from zero_bench.config.schema import BenchConfig, HardwareConfig, ParallelConfig, SearchConfig
 from zero_bench.estimate import estimate
 from zero_bench.records import RankRecord, SearchStatus, Seed, Status, TrialResult
 from zero_bench.search.maxbatch import FIT_LAUNCHES, Known, Search, next_plan, predict, snap, verdict

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from zero_bench.engines import ds_config
-from zero_bench.config.schema import ConfigError
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.schema import ConfigError
+from zero_bench.engines import ds_config
 from zero_bench.estimate import estimate
 from zero_bench.estimate.fsdp2 import model_states
 from zero_bench.estimate.states import model_states_bytes

@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from zero_bench import report
-from zero_bench.config.schema import ConfigError
 from zero_bench.config.hosts import with_slurm_hostfile
+from zero_bench.config.schema import ConfigError
 from zero_bench.records import SearchResult, SearchStatus, Status, TrialResult
-from zero_bench.store import Store
 from zero_bench.search.sweeps import JOB_STORE, finished_elsewhere, format_status, sweep_status
+from zero_bench.store import Store
 
 from conftest import cpu_cfg
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zero_bench.trial.outcome import LaunchEnd, classify, meaningful_line
 from zero_bench.records import Entry, RankRecord, Status, TrialResult
+from zero_bench.trial.outcome import LaunchEnd, classify, meaningful_line
 from zero_bench.trial.time_limits import (FIRST_STEP, INIT_FACTOR, MARGIN, Limits, Pace, estimated_pace,
                                     measured_pace)
 

@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from zero_bench.devices.calibration import Calibration, cpu_key, gpu_identity, gpu_key, save
 from zero_bench.config.schema import BenchConfig, software_versions
+from zero_bench.devices.calibration import Calibration, cpu_key, gpu_identity, gpu_key, save
+from zero_bench.devices.metrics import cpu_model, measure_cpu_peak, rank_threads
 from zero_bench.estimate.gpu import communicators
+from zero_bench.records import Entry, Mode, RankRecord, Status, TrialResult
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.machine import machine_lock
-from zero_bench.devices.metrics import cpu_model, measure_cpu_peak, rank_threads
-from zero_bench.records import Entry, Mode, RankRecord, Status, TrialResult
 from zero_bench.units import MiB
 
 DEFAULT_MODEL = "gpt-tiny"  # a short launch: the smallest preset unless the command line names a model

@@ -16,18 +16,17 @@ import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from zero_bench.devices import cpu_features
+from zero_bench.devices import cpu_features, metrics
 
-from zero_bench.devices import metrics
-from zero_bench.config.schema import DEFAULT_ENGINE, Device, EngineName
 from zero_bench.config.configure import auto_precision, from_cfg
+from zero_bench.config.hosts import check_hostfile, master_addr
+from zero_bench.config.schema import DEFAULT_ENGINE, Device, EngineName
 from zero_bench.devices.cpu_features import CpuFeatures
+from zero_bench.devices.nvml import Nvml
+from zero_bench.devices.toolkit import cuda_toolkit, extensions_dir, fused_adam_fallback, jit_cached
 from zero_bench.engines.specs import spec
 from zero_bench.errors import ConfigError
-from zero_bench.config.hosts import check_hostfile, master_addr
-from zero_bench.devices.nvml import Nvml
 from zero_bench.search.preflight import preflight, validate_machine
-from zero_bench.devices.toolkit import cuda_toolkit, extensions_dir, fused_adam_fallback, jit_cached
 
 OK, FIX, NA = "ok", "FIX", "--"
 

@@ -18,23 +18,23 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from zero_bench.commands import calibrate as calibration_run
+from zero_bench.commands.doctor import doctor_checks, prebuild_ops
+from zero_bench.config.configure import from_cfg, report_from_cfg, search_from_cfg
+from zero_bench.config.hosts import with_slurm_hostfile
+from zero_bench.config.schema import BenchConfig, ConfigError, Precision
 from zero_bench.devices import cpu_features
 from zero_bench.devices.capacity import marketed_gb_warning, with_cpu_budget
-from zero_bench.config.schema import BenchConfig, ConfigError, Precision
-from zero_bench.config.configure import from_cfg, report_from_cfg, search_from_cfg
-from zero_bench.commands.doctor import doctor_checks, prebuild_ops
+from zero_bench.devices.metrics import cpu_peak_flops
 from zero_bench.estimate import seed_micro
 from zero_bench.estimate.table import estimate_report
-from zero_bench.config.hosts import with_slurm_hostfile
-from zero_bench.trial.launch import run_launch
-from zero_bench.trial.machine import machine_lock
-from zero_bench.devices.metrics import cpu_peak_flops
-from zero_bench.search.preflight import preflight, skipped_search, validate_machine
 from zero_bench.records import Entry, Mode, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.report import write_reports
 from zero_bench.search.maxbatch import SearchOptions, run_search
-from zero_bench.store import Store
+from zero_bench.search.preflight import preflight, skipped_search, validate_machine
 from zero_bench.search.sweeps import JOB_STORE, Sweep, finished_elsewhere, format_status, sweep_status, under_submitit
+from zero_bench.store import Store
+from zero_bench.trial.launch import run_launch
+from zero_bench.trial.machine import machine_lock
 from zero_bench.units import MiB
 
 OK, BAD_INPUT, DID_NOT_FIT, FAILED, BUSY = 0, 2, 3, 4, 5

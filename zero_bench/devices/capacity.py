@@ -17,8 +17,8 @@ from typing import Iterable, Optional
 
 import psutil
 
-from zero_bench.config.schema import BenchConfig
 from zero_bench.config.hosts import device_tokens, local_ranks
+from zero_bench.config.schema import BenchConfig
 from zero_bench.devices.nvml import Nvml
 from zero_bench.records import RankRecord
 from zero_bench.units import GiB, MiB

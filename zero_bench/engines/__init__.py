@@ -3,6 +3,7 @@ and does not know which library is behind it; each engine builds the model (mode
 optimizer step, and counts its own exact model states.
 
 deepspeed.py: DeepSpeed ZeRO 0-3, CPU offload, DeepSpeed's activation checkpointing.
+storages.py: bytes per storage, each once: how engines count their states and the worker its live tensors.
 fsdp2.py: PyTorch FSDP2 (fully_shard per layer and root; zero 2/3, bf16, CPU offload, megatron's recompute).
 specs.py: each engine as the runner sees it (EngineSpec, registered by name in SPECS; no torch).
 base.py: the Engine protocol and build_engine, by the registry.

@@ -12,6 +12,7 @@ import deepspeed
 import torch
 
 from zero_bench.config.schema import BenchConfig
+from zero_bench.engines.storages import storage_bytes
 from zero_bench.models.megatron import MpuAdapter, build_gpt, init_parallel, transformer_config
 from zero_bench.models.shims import install_cpu_checkpoint
 from zero_bench.records import ModelStates, TrialSpec
@@ -82,15 +83,6 @@ class DeepSpeedEngine:
         self.engine.compile()
 
 
-def _storage_bytes(tensors) -> dict:
-    out = {}
-    for t in tensors:
-        if t is not None and t.numel():
-            st = t.untyped_storage()
-            out[st.data_ptr()] = st.nbytes()
-    return out
-
-
 def model_state_bytes(engine) -> ModelStates:
     """Exact bytes of this rank's model states, by walking DeepSpeed's objects (after a step).
 
@@ -100,17 +92,17 @@ def model_state_bytes(engine) -> ModelStates:
     or by ZeRO's flat partition buffers.
     """
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
-    p_map = _storage_bytes(params)
+    p_map = storage_bytes(params)
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     opt_params = [p for g in inner.param_groups for p in g["params"]]
     # ZeRO-3 hands its fp32 partitions to the inner optimizer only during step(); read them directly.
     for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
         opt_params += list(getattr(engine.optimizer, attr, None) or [])
-    m_map = {k: v for k, v in _storage_bytes(opt_params).items() if k not in p_map}
+    m_map = {k: v for k, v in storage_bytes(opt_params).items() if k not in p_map}
     states = [v for s in inner.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
-    o_map = _storage_bytes(states)
+    o_map = storage_bytes(states)
     grads = [p.grad for p in engine.module.parameters()] + [p.grad for p in opt_params]
-    g_map = {k: v for k, v in _storage_bytes(grads).items() if k not in p_map and k not in m_map}
+    g_map = {k: v for k, v in storage_bytes(grads).items() if k not in p_map and k not in m_map}
     return ModelStates(params=sum(p_map.values()), master=sum(m_map.values()), moments=sum(o_map.values()),
                        grads=sum(g_map.values()), numel_local=sum(p.numel() for p in params))
 

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 
 from zero_bench.config.schema import DS_TEMPLATES, BenchConfig
-from zero_bench.errors import ConfigError
 from zero_bench.devices.toolkit import TORCH_FUSED_ADAMW, fused_adam_fallback
+from zero_bench.errors import ConfigError
 from zero_bench.models.params import params_per_shard
 
 TEMPLATE_DIR = DS_TEMPLATES

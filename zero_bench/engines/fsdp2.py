@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from zero_bench.config.schema import BenchConfig, Precision, States
 from zero_bench.engines.ds_config import load_template
+from zero_bench.engines.storages import storage_bytes
 from zero_bench.models.megatron import build_gpt, init_parallel, transformer_config
 from zero_bench.models.params import params
 from zero_bench.models.shims import install_cpu_checkpoint
@@ -281,12 +282,7 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def storages(tensors: Iterable[Optional[torch.Tensor]]) -> dict:
     """{storage address: bytes} of the local shards, each storage once. FSDP2 pads a shard to
     ceil(dim0 / dp) rows; its storage holds the padding, so this counts what is allocated."""
-    out = {}
-    for t in map(local, tensors):
-        if t is not None and t.numel():
-            st = t.untyped_storage()
-            out[st.data_ptr()] = st.nbytes()
-    return out
+    return storage_bytes(map(local, tensors))
 
 
 def count_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mixed: bool) -> ModelStates:

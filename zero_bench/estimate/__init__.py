@@ -33,22 +33,21 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from zero_bench.config.hosts import local_ranks
+from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig
 from zero_bench.devices import calibration
 from zero_bench.devices.calibration import BUILT_IN_CPU, PUBLISHED, Calibration
 from zero_bench.devices.capacity import search_capacity
-from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig
 from zero_bench.engines.specs import load, spec, tag
-from zero_bench.config.hosts import local_ranks
-from zero_bench.records import ModelStates, Seed
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
+from zero_bench.records import ModelStates, Seed
 from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communicator_bytes, communicators, fragmentation,
                                      outside_allocator)
 from zero_bench.estimate.states import model_states_bytes
-from zero_bench.units import BYTES
 from zero_bench.models import param_numels
-from zero_bench.units import GiB, MiB
 from zero_bench.models.params import num_params, params_per_shard, routed_expert_params
+from zero_bench.units import BYTES, GiB, MiB
 
 __all__ = ["BYTES", "Estimate", "GiB", "MiB", "activation_bytes_per_sample", "deepspeed_buffers", "estimate",
            "model_states_bytes", "param_numels", "seed_micro"]

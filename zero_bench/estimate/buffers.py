@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from zero_bench.engines import ds_config
 from zero_bench.config.schema import BenchConfig
+from zero_bench.engines import ds_config
 from zero_bench.estimate.states import master_bytes
 from zero_bench.models import ModelConfig, param_numels
-from zero_bench.units import BYTES
 from zero_bench.models.params import dense_params, params_per_shard, routed_expert_params
+from zero_bench.units import BYTES
 
 # DeepSpeed defaults for keys the ds_config leaves out (deepspeed/runtime/zero/config.py, engine.py).
 DS_DEFAULTS = {

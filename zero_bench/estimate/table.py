@@ -11,15 +11,15 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from zero_bench.config.schema import BenchConfig, ConfigError
 from zero_bench.config.configure import from_cfg, validate_static
+from zero_bench.config.schema import BenchConfig, ConfigError
 from zero_bench.engines.specs import spec
 from zero_bench.estimate import Estimate, estimate
 from zero_bench.models.description import summary
+from zero_bench.models.params import active_params, num_params, params_per_shard
 from zero_bench.records import SearchStatus
 from zero_bench.store import Store
 from zero_bench.units import GiB, MiB
-from zero_bench.models.params import active_params, num_params, params_per_shard
 
 COLUMNS = {"config": "config", "params": "params GiB", "grads": "grads GiB", "optimizer": "optim GiB",
            "device_states": "states/dev GiB", "host_states": "host/rank GiB", "buffers": "buffers GiB",

@@ -10,8 +10,8 @@ from typing import Optional
 import pandas as pd
 
 from zero_bench.report.costs import COST_PER_MTOK
-from zero_bench.report.views import PARTS
 from zero_bench.report.files import replacing
+from zero_bench.report.views import PARTS
 
 COLOURS = ("#4472C4", "#ED7D31", "#A5A5A5", "#FFC000")
 

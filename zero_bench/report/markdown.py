@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from zero_bench.report.formats import PY_FORMATS, number_format
 from zero_bench.report.files import replacing
+from zero_bench.report.formats import PY_FORMATS, number_format
 from zero_bench.report.views import summary_view
 
 BREAKDOWN_NOTE = ("Model states: the worker's exact counts. Activations: the estimate's bytes per sample x the "

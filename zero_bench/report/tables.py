@@ -11,8 +11,8 @@ from typing import Optional
 import pandas as pd
 
 from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, States, stored_settings
-from zero_bench.engines.specs import SPECS, load, spec
 from zero_bench.devices.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu
+from zero_bench.engines.specs import SPECS, load, spec
 from zero_bench.models import ModelConfig
 from zero_bench.models.description import from_stored
 from zero_bench.models.flops import model_flops_per_seq

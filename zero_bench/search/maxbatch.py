@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from zero_bench.devices.capacity import search_capacity, trial_peak
-from zero_bench.config.schema import BenchConfig, SearchConfig
 from zero_bench.config.configure import resolve
+from zero_bench.config.schema import BenchConfig, SearchConfig
+from zero_bench.devices.capacity import search_capacity, trial_peak
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot
 from zero_bench.records import (Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Seed, Status,
@@ -433,7 +433,7 @@ class Search:
         if res.status == SearchStatus.DOES_NOT_FIT:
             first = next(t for t in reversed(self.trials) if t.micro == self.spec.min and t.fresh
                          and t.status == Status.OOM)
-            init = first.phase == "init"
+            init = first.failed_initializing
             res.status = SearchStatus.CANNOT_INITIALIZE if init else SearchStatus.DOES_NOT_FIT
             res.note = ("cannot even initialize model" if init else f"batch {self.spec.min * dp} does not fit") + \
                 f" ({first.reason})"

@@ -9,14 +9,14 @@ from typing import Optional
 
 import psutil
 
-from zero_bench.devices.capacity import search_capacity
-from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, ConfigError, States, make_label
-from zero_bench.engines.specs import spec
-from zero_bench.engines.ds_config import check_with_deepspeed
-from zero_bench.estimate import estimate
 from zero_bench.config.hosts import check_hostfile, device_tokens, local_ranks
-from zero_bench.trial.outcome import trial
+from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, ConfigError, States, make_label
+from zero_bench.devices.capacity import search_capacity
+from zero_bench.engines.ds_config import check_with_deepspeed
+from zero_bench.engines.specs import spec
+from zero_bench.estimate import estimate
 from zero_bench.records import Entry, SearchResult, SearchStatus, Status, TrialResult
+from zero_bench.trial.outcome import trial
 from zero_bench.units import GiB
 
 

@@ -24,19 +24,19 @@ from typing import Callable, Optional, Protocol
 
 import psutil
 
-from zero_bench.engines import ds_config as dsc
-from zero_bench.devices.capacity import capacity_bytes
-from zero_bench.config.schema import BenchConfig
 from zero_bench.config.configure import resolve
-from zero_bench.engines.specs import spec as engine_spec
+from zero_bench.config.hosts import local_ranks
+from zero_bench.config.schema import BenchConfig
+from zero_bench.devices.capacity import capacity_bytes
 from zero_bench.devices.environment import machine_environment_cached
 from zero_bench.devices.gpu import DEVICES_ENV
-from zero_bench.config.hosts import local_ranks
+from zero_bench.engines import ds_config as dsc
+from zero_bench.engines.specs import spec as engine_spec
+from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
 from zero_bench.trial.launcher import free_port, kill_tree, launch_env, launcher_cmd
 from zero_bench.trial.machine import machine_lock, remove_shm_buffers
 from zero_bench.trial.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
 from zero_bench.trial.pool import PoolSlot
-from zero_bench.records import Entry, Event, Fault, RankRecord, RankStatus, Status, TrialResult, TrialSpec
 from zero_bench.trial.sampler import Sampler, summarize
 from zero_bench.trial.time_limits import Limits, Pace, device_flops, estimated_pace
 

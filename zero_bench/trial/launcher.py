@@ -14,13 +14,13 @@ from pathlib import Path
 
 import psutil
 
+from zero_bench.config.hosts import check_hostfile, device_tokens, local_ranks, master_addr
 from zero_bench.config.schema import BenchConfig
 from zero_bench.devices.cpu_features import onednn_limit, torch_capability
 from zero_bench.devices.gpu import DEVICES_ENV
-from zero_bench.config.hosts import check_hostfile, device_tokens, local_ranks, master_addr
 from zero_bench.devices.metrics import cache_dir
-from zero_bench.trial.sampler import RANK_MODULE
 from zero_bench.devices.toolkit import extensions_dir
+from zero_bench.trial.sampler import RANK_MODULE
 
 # Variables a remote rank needs from this process. Over pdsh/ssh only PYTHON*/UCX*/MV2*/MLFLOW*
 # (and NCCL* on CUDA) pass by themselves; the rest must travel in the env file (DS_ENV_FILE).

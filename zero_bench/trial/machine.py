@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from zero_bench.errors import MachineBusy
 from zero_bench.devices.toolkit import extensions_dir
+from zero_bench.errors import MachineBusy
 
 SHM = Path("/dev/shm")
 # A JIT build's lock older than this, with no process building in its folder, was left by a killed build.

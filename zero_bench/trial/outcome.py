@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from zero_bench.devices.capacity import trial_peak
 from zero_bench.config.schema import BenchConfig
+from zero_bench.devices.capacity import trial_peak
 from zero_bench.trial.oom import oom_in_log
 from zero_bench.records import (OOM_EXIT, DeviceMemStats, Entry, Event, RankRecord, RankStatus, Status,
                                 TrialResult)

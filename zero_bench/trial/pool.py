@@ -26,10 +26,10 @@ from typing import Optional
 import psutil
 
 from zero_bench.config.schema import BenchConfig
+from zero_bench.records import PoolRequest
 from zero_bench.trial.launcher import free_port, kill_tree, launch_env, launcher_cmd, trial_env
 from zero_bench.trial.machine import machine_lock
 from zero_bench.trial.pool_rank import exit_path, refused_path, request_path, write_whole
-from zero_bench.records import PoolRequest
 from zero_bench.trial.sampler import is_worker
 
 # How long the ranks may take to report a killed child's exit before the pool counts as broken.

@@ -20,8 +20,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from zero_bench.devices import metrics
 from zero_bench.config.schema import BenchConfig
+from zero_bench.devices import metrics
 from zero_bench.devices.environment import machine_environment_cached
 from zero_bench.models.flops import hardware_flops_per_seq
 from zero_bench.records import Event, RankRecord, Status, TrialResult

@@ -27,11 +27,12 @@ import torch
 
 from zero_bench.devices.calibration import FixedTermsProbe
 from zero_bench.devices.capacity import compared_peak, over_capacity
-from zero_bench.engines.base import Engine, build_engine, init_distributed
-from zero_bench.trial.faults import inject
 from zero_bench.devices.gpu import RankGpu, baseline, near_full
-from zero_bench.trial.oom import is_oom
+from zero_bench.engines.base import Engine, build_engine, init_distributed
+from zero_bench.engines.storages import storage_bytes
 from zero_bench.records import OOM_EXIT, Event, Mode, ModelStates, RankRecord, RankStatus, TrialSpec
+from zero_bench.trial.faults import inject
+from zero_bench.trial.oom import is_oom
 
 PHASES = ("init", "forward", "backward", "step", "idle")
 # An fp16 run that overflows this often in a row is broken (DeepSpeed halves the scale each time
@@ -53,16 +54,14 @@ class Marks:
 
 def live_tensor_bytes() -> int:
     """Bytes of every tensor storage Python can reach, each storage once."""
-    seen = {}
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-                st = obj.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-        except Exception:  # storages of meta/fake tensors and the like
-            continue
-    seen.pop(0, None)
-    return sum(seen.values())
+    return sum(storage_bytes(obj for obj in gc.get_objects() if _on_cpu(obj)).values())
+
+
+def _on_cpu(obj) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor) and obj.device.type == "cpu"
+    except Exception:  # objects that fail even this (proxies and the like): not a tensor to count
+        return False
 
 
 def append_record(path: Path, record: RankRecord, sync: bool = True) -> None:
