@@ -43,6 +43,15 @@ def test_model_states_keep_their_stored_keys():
     assert (old.total, old.numel_local, old.grads_at_step) == (24, 0, None)
 
 
+def test_model_states_split_device_and_host():
+    """The estimate's form of the record: how much of it is offloaded; a trial's count has no split."""
+    offloaded = ModelStates(params=2, master=4, moments=8, grads=16, host=12)
+    assert (offloaded.total, offloaded.optimizer, offloaded.device) == (30, 12, 18)
+    assert ModelStates.from_dict(offloaded.to_dict()) == offloaded and offloaded.to_dict()["host"] == 12
+    counted = ModelStates(params=2, master=4, moments=8, grads=16)
+    assert counted.device == counted.total and "host" not in counted.to_dict()
+
+
 def test_schema_1_devices_are_read(tmp_path):
     d = trial().to_dict()
     d["devices"] = {"rank1": {"peak_bytes": 7, "total_bytes": 9, "phase": "step", "samples": 2}}
