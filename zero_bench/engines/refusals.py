@@ -18,9 +18,12 @@ def deepspeed(b: BenchConfig, concern: str) -> None:
                               "(fp32_optimizer_states=false), which zero_bench does not run; allowed with "
                               "offload=true: states=mixed")
     if concern == "hybrid":
+        # MiCS, DeepSpeed's sharding within groups, is gone from 0.19 (its keys raise
+        # DeepSpeedConfigError); ZeRO++ hpZ runs here but keeps every state sharded over all dp ranks.
         raise ConfigError(f"parallel.dp_shard={b.parallel.dp_shard}: hybrid sharding runs with engine=fsdp2 (a 2-D "
-                          "device mesh); DeepSpeed's MiCS / ZeRO++ hpZ are not wired in; allowed with "
-                          "engine=deepspeed: parallel.dp_shard=null")
+                          "device mesh); DeepSpeed 0.19 removed MiCS, its sharding within groups, and ZeRO++ hpZ "
+                          "still shards the states over all dp ranks; allowed with engine=deepspeed: "
+                          "parallel.dp_shard=null")
     if concern == "expert_parallel" and b.zero in (0, 3):
         why = ("DeepSpeed refuses its MoE with ZeRO stage 3 (engine.py: 'Native DeepSpeed MoE is not "
                "supported with ZeRO Stage 3')" if b.zero == 3 else
