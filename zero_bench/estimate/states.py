@@ -110,24 +110,17 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
         master = 4 * part
     else:
         master = 0.0
-    gpu = params + grads + master + moments
-    cpu = 0.0
+    host = 0.0  # device = the rest (ModelStates.device)
     if offload_optimizer and zero_stage >= 1:
-        gpu -= master + moments
-        cpu += master + moments
-        if zero_stage >= 2:  # the device keeps no gradient partition, only its reduce buckets
-            gpu -= grads
-            grads = 4 * part
-        else:
-            grads = b * P + 4 * part
-        cpu += 4 * part
+        host += master + moments
+        # the host optimizer reads an fp32 gradient partition; stage 2-3 keep none on the device
+        # (only the reduce buckets), stage 1 still holds its full 16-bit gradients there
+        grads = 4 * part if zero_stage >= 2 else b * P + 4 * part
+        host += 4 * part
     if offload_param and zero_stage == 3:
-        gpu -= params
-        cpu += params
-    whole = [int(round(v)) for v in (params, master, moments, grads, cpu)]
-    states = ModelStates(*whole[:4], host=whole[4])
-    assert abs(states.device - gpu) <= 4, (states, gpu)  # the split adds up (rounding aside)
-    return states
+        host += params
+    params, master, moments, grads, host = (int(round(v)) for v in (params, master, moments, grads, host))
+    return ModelStates(params=params, master=master, moments=moments, grads=grads, host=host)
 
 
 def stored_states(s) -> ModelStates:
