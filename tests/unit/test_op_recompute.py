@@ -59,3 +59,33 @@ def test_hfu_counts_the_recomputed_down_projections():
     assert 1.0 < ratio < hardware_flops_per_seq(m, "full") / model_flops_per_seq(m)
     parts = m.seq_len * (2 * m.num_layers * m.hidden_size * (m.hidden_size + m.ffn))  # proj + fc2 per sequence
     assert hardware_flops_per_seq(m, "op") - model_flops_per_seq(m) == parts
+
+
+def test_the_hidden_states_reach_torchs_checkpoint_positionally(monkeypatch):
+    """megatron calls each layer with keywords only; torch's checkpoint looks for the devices whose
+    RNG it saves and restores in its positional arguments alone (_infer_device_type(*args),
+    get_device_states(*args)). Given none, on GPU it saves no CUDA state and the recompute's hidden
+    dropout draws other masks. The tensors that seam sees must include the hidden states, so a
+    layer's input on cuda:N puts cuda:N's generator in the saved device states."""
+    from torch.utils import checkpoint as torch_checkpoint
+    from torch.utils._pytree import tree_leaves
+
+    from zero_bench.models.op_recompute import checkpointed
+
+    seen, infer = [], torch_checkpoint._infer_device_type
+    monkeypatch.setattr(torch_checkpoint, "_infer_device_type", lambda *args: seen.append(args) or infer(*args))
+
+    def layer_forward(*, hidden_states, attention_mask=None):  # megatron's keyword call
+        return torch.nn.functional.dropout(hidden_states @ hidden_states.T, p=0.5), attention_mask
+
+    x, mask = torch.randn(4, 4, requires_grad=True), torch.ones(1)
+    torch.manual_seed(0)
+    out, passed = checkpointed(layer_forward, set())(hidden_states=x, attention_mask=mask)
+    assert passed is mask
+    assert seen and any(t is x for args in seen for t in tree_leaves(args) if isinstance(t, torch.Tensor))
+    # the layer still runs as megatron calls it, and its recompute draws the forward's masks
+    out.sum().backward()
+    y = x.detach().clone().requires_grad_()
+    torch.manual_seed(0)
+    layer_forward(hidden_states=y)[0].sum().backward()
+    assert torch.equal(x.grad, y.grad)

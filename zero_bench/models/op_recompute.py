@@ -62,7 +62,17 @@ def policy(gate_shapes: set) -> Callable:
 
 def checkpointed(forward: Callable, gate_shapes: set) -> Callable:
     """`forward` under torch's non-reentrant checkpoint with the op policy; megatron's RNG tracker
-    streams are put back for the recompute (shims.tracker_as), so dropout masks equal the forward's."""
+    streams are put back for the recompute (shims.tracker_as), so dropout masks equal the forward's.
+
+    The hidden states go to torch's checkpoint positionally. megatron's TransformerBlock calls each
+    layer with keywords only (`layer(hidden_states=..., attention_mask=..., ...)`), and torch's
+    checkpoint finds the devices whose generators it saves and restores from its positional
+    arguments alone (checkpoint.py _infer_device_type(*args), get_device_states(*args)): with none,
+    it records no CUDA device, its recompute's fork_rng(devices=[]) neither restores nor protects
+    the CUDA generator, and the recomputed hidden-dropout masks (the default CUDA generator) differ
+    from the forward's: wrong gradients on GPU with dropout (pytorch#121462 is the same failure for
+    nested arguments). The CPU generator is restored whatever the arguments, so CPU runs hid it.
+    The layer itself is still called with the keywords megatron gave."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -79,8 +89,16 @@ def checkpointed(forward: Callable, gate_shapes: set) -> Callable:
 
             return in_forward, recompute()
 
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts,
-                          **kwargs)
+        if "hidden_states" not in kwargs:
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=contexts, **kwargs)
+        hidden_states = kwargs.pop("hidden_states")
+
+        def as_megatron_calls(hidden_states, *positional):
+            return forward(*positional, hidden_states=hidden_states, **kwargs)
+
+        return checkpoint(as_megatron_calls, hidden_states, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=contexts)
 
     return run
 
