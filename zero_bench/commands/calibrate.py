@@ -71,7 +71,7 @@ def from_result(bench: BenchConfig, res: TrialResult, key: str, device: str, sof
     ranks = res.ranks
     common = dict(key=key, kind=str(bench.hardware.device), device=device, date=time.strftime("%Y-%m-%d %H:%M"),
                   label=f"{bench.label()} micro={res.micro}", model=bench.model.name, engine=str(bench.engine),
-                  zero=bench.zero, tp=bench.parallel.tp, dp=bench.parallel.dp, software=software,
+                  zero=bench.zero, tp=bench.parallel.tp, dp=bench.parallel.dp, ep=bench.parallel.ep, software=software,
                   runtime_bytes=_largest(ranks, lambda r: r.runtime_bytes))
     if bench.hardware.device == "cpu":
         overhead = _largest(ranks, lambda r: None if r.peak_rss_bytes is None or r.peak_live_bytes is None
@@ -83,7 +83,9 @@ def from_result(bench: BenchConfig, res: TrialResult, key: str, device: str, sof
     context = _largest(ranks, lambda r: r.context_bytes)
     if outside is None or context is None:
         raise CalibrationFailed("the ranks recorded no CUDA context / memory outside the allocator")
-    comms = communicators(bench.parallel.tp, bench.parallel.dp)
+    # every communicator the launch's groups connected, the expert groups too (ep > 1): the estimate adds
+    # NCCL's bytes for each of them (estimate.calibrated_gpu_terms), so none may stay in the context term
+    comms = communicators(bench.parallel.tp, bench.parallel.dp, bench.parallel.ep)
     return Calibration(
         **common, module_loading=str(bench.hardware.cuda_module_loading), context_at_init_bytes=context,
         nccl_bytes={} if nccl is None else {str(bench.parallel.world_size): nccl},
@@ -110,7 +112,7 @@ def terms(cal: Calibration) -> list[tuple[str, str, str]]:
                  "RSS at each rank's start, before its model is built (largest rank)"),
                 ("rank overhead (the estimate's term)", _mib(cal.overhead_bytes),
                  "peak RSS - peak live tensors at the entry's end (largest rank)"), *rates]
-    comms = len(communicators(cal.tp, cal.dp))
+    comms = len(communicators(cal.tp, cal.dp, cal.ep))
     nccl = [(f"NCCL per communicator ({n} ranks)", _mib(b), "growth outside the allocator over the world "
              "group's first all-reduce") for n, b in cal.nccl_bytes.items()]
     frag = "-" if cal.fragmentation is None else f"x{cal.fragmentation:.3f}"

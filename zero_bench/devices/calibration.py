@@ -51,6 +51,9 @@ class Calibration:
     zero: int
     tp: int
     dp: int
+    ep: int = 1
+    """The launch's expert-parallel size: its expert groups are communicators of their own
+    (estimate/gpu.communicators). Entries written before it was recorded ran ep=1."""
     software: dict = field(default_factory=dict)
     """Versions in the key: torch, deepspeed, megatron-core (GPU: cuda, nccl, driver)."""
     runtime_bytes: Optional[int] = None
@@ -78,7 +81,7 @@ class Calibration:
     """GPU: outside the allocator at the entry's end (context, kernels loaded so far, NCCL)."""
     context_bytes: Optional[int] = None
     """GPU: the CUDA context with the kernels the entry loaded: outside_bytes less NCCL's bytes for
-    the launch's communicators (estimate/gpu.communicators); the estimate's context term."""
+    the launch's communicators (estimate/gpu.communicators of tp, dp and ep); the estimate's context term."""
     peak_allocated_bytes: Optional[int] = None
     """GPU: torch's max allocated over the entry."""
     peak_reserved_bytes: Optional[int] = None
