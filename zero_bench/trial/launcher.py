@@ -20,6 +20,8 @@ from zero_bench.devices.cpu_features import onednn_limit, torch_capability
 from zero_bench.devices.gpu import DEVICES_ENV
 from zero_bench.devices.metrics import cache_dir
 from zero_bench.devices.toolkit import extensions_dir
+from zero_bench.engines import ds_config as dsc
+from zero_bench.engines.specs import spec
 from zero_bench.trial.sampler import RANK_MODULE
 
 # Variables a remote rank needs from this process. Over pdsh/ssh only PYTHON*/UCX*/MV2*/MLFLOW*
@@ -76,16 +78,50 @@ def gpu_order_env(cfg: BenchConfig) -> dict:
     default order (FASTEST_FIRST) numbers mixed GPUs differently, while zero_bench resolves indices
     with NVML (PCI order, nvml.Nvml.resolve), and GPU UUIDs become NVML indices (gpu.select_devices):
     under one order for all three, a rank runs on, and is sampled on, the GPU the user named.
-    CUDA_DEVICE_MAX_CONNECTIONS=1 with tp > 1: megatron's tensor-parallel backward starts its
-    all-reduce of the input gradient asynchronously and relies on one hardware queue to run it
-    before the weight-gradient GEMM it overlaps with (tensor_parallel/layers.py,
-    LinearWithGradAccumulationAndAsyncCommunication.backward: "Here we rely on
-    CUDA_DEVICE_MAX_CONNECTIONS=1"); Megatron-LM's training scripts set it. A value the user
-    exported is kept."""
+    CUDA_DEVICE_MAX_CONNECTIONS=1 where megatron's tensor-parallel overlap is all that overlaps
+    (one_hardware_queue). A value the user exported is kept."""
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    if cfg.parallel.tp > 1:
+    if one_hardware_queue(cfg):
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return env
+
+
+def one_hardware_queue(cfg: BenchConfig) -> bool:
+    """Whether the ranks get CUDA_DEVICE_MAX_CONNECTIONS=1: at tp > 1, unless the engine overlaps
+    data-parallel collectives of its own with the compute (overlaps_data_parallel).
+
+    What needs it in megatron-core 0.16.1, with the TransformerConfig zero_bench builds (no sequence
+    parallelism, no tp_comm_overlap, which needs Transformer Engine, no gradient_accumulation_fusion):
+    only ColumnParallelLinear's asynchronous all-reduce of the input gradient at tp > 1
+    (allreduce_dgrad = tp > 1 and not sequence_parallel), which LinearWithGradAccumulationAnd-
+    AsyncCommunication.backward issues before the weight-gradient GEMM it overlaps, "Here we rely on
+    CUDA_DEVICE_MAX_CONNECTIONS=1" (tensor_parallel/layers.py): one hardware queue runs kernels in
+    the order they were launched. It buys the overlap, not correctness ("necessary for a speedup but
+    not for correctness", linear_with_grad_accumulation_and_async_allreduce's docstring).
+    The same single queue makes every other stream wait behind the compute launched before it: the
+    reduce-scatters and all-gathers FSDP2 and ZeRO-3 run on streams of their own, to overlap
+    backward and forward, are serialized (torchtitan#1147; Megatron-LM's validate_args leaves the
+    variable unset when tp > 1 meets FSDP, warning that the two want different values). So it is
+    set only where megatron's overlap is the only one."""
+    return cfg.hardware.device != "cpu" and cfg.parallel.tp > 1 and not overlaps_data_parallel(cfg)
+
+
+def overlaps_data_parallel(cfg: BenchConfig) -> bool:
+    """Whether the engine runs data-parallel collectives on streams of their own during forward and
+    backward. An engine that takes DeepSpeed's JSON: as that JSON says, in DeepSpeed 0.19.8's terms -
+    ZeRO-3 always (parameter_offload.py's all-gather stream prefetches parameters; overlap_comm,
+    on by default at stage 3, adds the reduce-and-partition stream), ZeRO-1/2 with overlap_comm
+    (stage_1_and_2.py's reduction_stream; off by default, on in the megatron_deepspeed preset or
+    with ds.zero_optimization.overlap_comm=true), ZeRO-0 never (its all-reduce follows backward on
+    the compute stream). An engine without DeepSpeed's JSON is taken to overlap, as FSDP2 always
+    does (its all-gather and reduce-scatter streams); there an unset variable costs at most
+    megatron's dgrad overlap, a set one the engine's."""
+    if not spec(cfg.engine).reads_ds_config:
+        return True
+    if cfg.zero == 3:
+        return True
+    overlap = (dsc.build(cfg).get("zero_optimization") or {}).get("overlap_comm")
+    return cfg.zero in (1, 2) and bool(overlap)
 
 
 def inductor_cache_dir() -> str:
