@@ -13,6 +13,7 @@ import torch
 
 from zero_bench.config.schema import BenchConfig
 from zero_bench.engines.storages import storage_bytes
+from zero_bench.models.compiled import same_graphs_on_every_rank
 from zero_bench.models.megatron import MpuAdapter, build_gpt, init_parallel, transformer_config
 from zero_bench.models.shims import install_cpu_checkpoint
 from zero_bench.records import ModelStates, TrialSpec
@@ -43,6 +44,8 @@ class DeepSpeedEngine:
                                  data_parallel_group=mpu.get_data_parallel_group()):
             model = build_gpt(cfg, config, on_cpu)
         self.zero_init = all(hasattr(p, "ds_id") for p in model.parameters())
+        if cfg.zero == 3 and cfg.compile:
+            tied_weight_gathered_by_root(model)
         with deepspeed_moe(model, cfg.parallel.ep) as parameters:
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters,
                                                    config=ds_config, mpu=mpu)
@@ -80,6 +83,7 @@ class DeepSpeedEngine:
                 "params": bool(getattr(opt, "offload_param", False))}
 
     def compile(self) -> None:
+        same_graphs_on_every_rank()
         self.engine.compile()
 
 
@@ -226,6 +230,21 @@ def use_deepspeed_rng_tracker(seed: int) -> None:
 
     deepspeed.checkpointing.model_parallel_cuda_manual_seed(seed)
     tensor_parallel.get_cuda_rng_tracker = deepspeed.checkpointing.get_cuda_rng_tracker
+
+
+def tied_weight_gathered_by_root(model: torch.nn.Module) -> None:
+    """ZeRO-3 with compile=true: the tied embedding / output weight registered as the root module's
+    external parameter, so that DeepSpeed's pre-forward hook of the root gathers it.
+
+    GPTModel.forward reads the shared weight itself and hands it to the output layer. In eager mode
+    that read goes through DeepSpeed's parameter getter (parameter_offload.py ZeROOrderedDict
+    __getitem__), which gathers the partition and registers it as an external parameter of the
+    module in forward (FWD_MODULE_STACK[-1]: the root). Under torch.compile the getter returns the
+    partition untouched (`if torch.compiler.is_compiling(): return param`), and megatron's output
+    layer got a (0,)-shaped weight ("supplied weight's shape is (0,), not (8192, 256)"). Registered
+    up front, the same parameter is gathered by the same module as in eager mode."""
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        deepspeed.zero.register_external_parameter(model, model.shared_embedding_or_output_weight())
 
 
 def gathered(init):
