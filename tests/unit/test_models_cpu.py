@@ -97,3 +97,38 @@ def test_attention_dropout_draws_from_the_tensor_parallel_stream():
     assert torch.equal(torch.get_rng_state(), default_before)  # the default stream did not move
     seed_cpu_rng(1234)
     assert not torch.equal(torch.rand(4), inside)
+
+
+def test_fsdp2_bf16_layers_get_megatrons_fp32_rope_angles():
+    """Issue 43 item 5: FSDP2's MixedPrecisionPolicy cast every floating-point argument of a
+    layer to bf16, megatron's fp32 RoPE angles (rotary_pos_emb, a keyword argument) included;
+    DeepSpeed keeps them fp32. One rank, llama-tiny at 1024 tokens, bf16 compute over fp32 shards,
+    sharded as the engine shards it: each layer sees fp32 angles and bf16 hidden states, and the
+    loss is the one of the same weights cast to bf16 whole (as DeepSpeed's bf16 module holds them)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from zero_bench.engines.fsdp2 import compute_config, dp_mesh, shard_layer, shard_options
+
+    m = dataclasses.replace(SMALL, seq_len=1024)
+    cfg = BenchConfig(model=m, hardware=HardwareConfig(device="cpu"), precision="bf16", engine="fsdp2", zero=3)
+    seed_cpu_rng(1234)
+    whole = build_gpt(cfg, compute_config(cfg, on_cpu=True), on_cpu=True)
+    state = {k: v.clone() for k, v in whole.state_dict().items() if torch.is_tensor(v)}
+    kw = shard_options(dp_mesh(True, 1), cfg, on_cpu=True)
+    seed_cpu_rng(1234)
+    gpt = build_gpt(cfg, compute_config(cfg, on_cpu=True), on_cpu=True, on_layer=lambda layer: shard_layer(layer, kw, None))
+    fully_shard(gpt, **kw)
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append((kwargs["rotary_pos_emb"].dtype, (args[0] if args else kwargs["hidden_states"]).dtype))
+
+    for layer in gpt.decoder.layers:
+        layer.self_attention.register_forward_pre_hook(record, with_kwargs=True)
+    tok = torch.randint(0, m.vocab_size, (1, m.seq_len + 1), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(m.seq_len).unsqueeze(0)
+    loss = gpt(tok[:, :-1], pos, None, labels=tok[:, 1:]).float().mean().item()
+    assert seen == [(torch.float32, torch.bfloat16)] * m.num_layers
+    whole.load_state_dict(state, strict=False)
+    ref = whole.bfloat16()(tok[:, :-1], pos, None, labels=tok[:, 1:]).float().mean().item()
+    assert loss == pytest.approx(ref, rel=1e-6)

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from zero_bench.config.schema import BenchConfig, Precision, States
 from zero_bench.engines.ds_config import load_template
 from zero_bench.engines.storages import storage_bytes
+from zero_bench.models.compiled import same_graphs_on_every_rank
 from zero_bench.models.megatron import build_gpt, init_parallel, transformer_config
 from zero_bench.models.params import params
 from zero_bench.models.shims import install_cpu_checkpoint
@@ -131,6 +132,7 @@ class Fsdp2Engine:
     def compile(self) -> None:
         """torch.compile each transformer layer (torchtitan's per-block compile): FSDP2's hooks stay
         outside the compiled regions, so its all-gathers and reduce-scatters run as in eager mode."""
+        same_graphs_on_every_rank()
         for layer in self.module.decoder.layers:
             layer.compile()
 
@@ -189,8 +191,15 @@ def shard_options(mesh: DeviceMesh, cfg: BenchConfig, on_cpu: bool) -> dict:
     all-gather / reduce-scatter group, the root holds the rest (word and position embeddings, the
     final norm, the output layer or, tied, the word embedding it reuses). FSDP2 moves each group to
     the mesh's device as it shards it."""
-    # pure bf16 (states=bf16): the parameters are bf16 already; gradients are reduced in bf16
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # pure bf16 (states=bf16): the parameters are bf16 already; gradients are reduced in bf16.
+    # cast_forward_inputs=False: by default FSDP2 casts every floating-point argument of a unit's
+    # forward to param_dtype (_fsdp_state.py _cast_forward_inputs), keyword arguments included, and
+    # megatron hands each layer its RoPE angles (rotary_pos_emb, fp32; cos/sin are taken inside
+    # the layer) as one: at position 1000 bf16's spacing is 4 radians. DeepSpeed casts no inputs
+    # (its bf16 module computes the angles from megatron's fp32 inv_freq, a plain attribute that
+    # .bfloat16() leaves alone), and the hidden states reaching a layer are bf16 already (the
+    # embedding's output), so nothing needs the cast.
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
           if mixed_bf16(cfg) else MixedPrecisionPolicy())
     # pin_memory needs an accelerator: on CPU the "offload" copies CPU to CPU and only runs the path.
     offload = CPUOffloadPolicy(pin_memory=not on_cpu) if cfg.offload else OffloadPolicy()
