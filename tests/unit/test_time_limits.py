@@ -96,3 +96,49 @@ def test_a_hung_launchs_note_says_what_did_not_happen_within_how_long():
     (res,) = classify(cpu_cfg(), [Entry(8)], {0: [RankRecord(rank=0, event="begin", micro=8)]},
                       LaunchEnd(rc=-9, timed_out=True, hung=hung, log_tail=LOG))
     assert res.status == Status.TIMEOUT and res.reason == hung
+
+
+# What the ranks of `python -m zero_bench compile=true` (ZeRO-2, GPT-mini) left before the fix in
+# models/compiled.py: rank 0 aborted in gloo's thread, rank 1 lost its peer.
+GLOO_ABORT = """/work/x/megatron/core/utils.py:501: DeprecationWarning: Warning: tp_group is None
+terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [enforce fail at gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 132224 vs 131456. Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?
+RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:62187: Connection reset by peer.
+"""
+
+
+def _aborted_rank0() -> dict:
+    return {0: [RankRecord(rank=0, event="begin", micro=2)],
+            1: [RankRecord(rank=1, event="begin", micro=2),
+                RankRecord(rank=1, event="end", micro=2, status="error", time=1.0,
+                           error="RuntimeError: [pair.cc:537] Read error: Connection reset by peer.")]}
+
+
+@pytest.mark.parametrize("rc", [-6, 250, 134])  # waitpid / Popen, DeepSpeed's sys.exit(-6), a shell's 128 + 6
+def test_an_aborted_rank_is_an_error_with_its_cause_never_an_oom(rc):
+    """Issue 43: a rank that aborted (SIGABRT) while its peer lost the connection was reported as
+    `oom` ("killed, e.g. by the OOM killer") and a search took it for a memory boundary."""
+    (res,) = classify(cpu_cfg(), [Entry(2)], _aborted_rank0(), LaunchEnd(rc=rc, log_tail=GLOO_ABORT))
+    assert res.status == Status.ERROR
+    assert res.reason.startswith("rank 0 died of SIGABRT: what():") and "collective mismatch" in res.reason
+
+
+def test_a_rank_killed_by_sigkill_not_ours_is_an_oom_and_after_our_timeout_a_timeout():
+    logs = _aborted_rank0()
+    for rc in (-9, 137, 247):
+        (res,) = classify(cpu_cfg(), [Entry(2)], logs, LaunchEnd(rc=rc, log_tail="Killed\n"))
+        assert res.status == Status.OOM and res.reason.startswith("rank 0 was killed (SIGKILL")
+    (res,) = classify(cpu_cfg(), [Entry(2)], logs, LaunchEnd(rc=-9, timed_out=True, log_tail="Killed\n"))
+    assert res.status == Status.TIMEOUT
+
+
+def test_an_abort_with_an_allocation_failure_in_its_log_is_an_oom():
+    """A C++ allocation failure ends in std::terminate too: the log, not the signal, says it was memory."""
+    log = "terminate called after throwing an instance of 'c10::OutOfMemoryError'\n  what():  CUDA out of memory.\n"
+    (res,) = classify(cpu_cfg(), [Entry(2)], _aborted_rank0(), LaunchEnd(rc=-6, log_tail=log))
+    assert res.status == Status.OOM
+
+
+def test_a_silent_rank_whose_exit_is_no_signal_is_an_error_with_the_log_line():
+    (res,) = classify(cpu_cfg(), [Entry(2)], _aborted_rank0(), LaunchEnd(rc=1, log_tail=GLOO_ABORT))
+    assert res.status == Status.ERROR and res.reason.startswith("rank 0 died without a result (exit 1): what():")

@@ -2,12 +2,15 @@
 
 An entry every rank ended "ok" fits. Any rank "over_capacity" or "oom" -> oom. An entry that
 began but did not end on some rank failed with the launch: oom if the sampler stopped it over
-budget, a rank exited with OOM_EXIT or was SIGKILLed, or the logs show an allocation failure;
-timeout if the clock ran out; otherwise error with the log tail.
+budget, the logs show an allocation failure, a rank was SIGKILLed by someone other than
+zero_bench (the kernel's OOM killer) or exited with OOM_EXIT; timeout if the clock ran out;
+error for everything else - an abort, a segfault, an exception - with its meaningful line (a
+crash is no memory boundary, and a search must not take it for one).
 """
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass
 from typing import Optional
 
@@ -108,21 +111,48 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
     if end.timed_out and peers_lost:
         # our own kill at the timeout: a peer that lost the killed rank is a consequence of it
         return Status.TIMEOUT, _timeout_reason(end)
-    if silent and peers_lost:
-        # A rank vanished without a word (every exception is recorded, so: SIGKILL, as the kernel's
-        # OOM killer sends) and its peers only lost the connection to it.
-        return Status.OOM, (f"rank {silent[0]} died without a result (killed, e.g. by the OOM killer); "
-                            f"peers: {errs[0].error[:200]}")
-    if not end.timed_out and end.rc in (OOM_EXIT, -9, 137, 247, 256 - OOM_EXIT):  # after a timeout, -9 is ours
-        return Status.OOM, f"a rank was killed or ran out of memory (launcher exit {end.rc})"
     sign = oom_in_log(end.log_tail)
-    if sign:
+    if sign:  # before the signal: a C++ allocation failure aborts (SIGABRT) with this in its log
         return Status.OOM, "allocation failure in the logs: " + sign
+    died = None if end.timed_out else death_signal(end.rc)  # after a timeout, the SIGKILL is ours
+    who = f"rank {silent[0]}" if silent else "a rank"
+    peers = f"; peers: {errs[0].error[:200]}" if errs else ""
+    if died == signal.SIGKILL:
+        # Every exception a rank raises is recorded; a rank that vanished by SIGKILL that zero_bench
+        # did not send was killed by the kernel's OOM killer, the one other sender of SIGKILL to a
+        # process that outgrows the memory (its record, dmesg or memory.events, is rarely readable
+        # inside a container: docs/measuring.md).
+        return Status.OOM, f"{who} was killed (SIGKILL, as the kernel's OOM killer sends){peers}"
+    if died is not None:
+        # An abort, a segfault, a bus error: a crash, whatever the peers lost by it.
+        return Status.ERROR, f"{who} died of {signal.Signals(died).name}: {meaningful_line(end.log_tail) or '(no output)'}"
+    if end.rc in (OOM_EXIT, 256 - OOM_EXIT):
+        return Status.OOM, f"a rank ran out of memory (launcher exit {end.rc})"
+    if silent and peers_lost and not end.timed_out:
+        return Status.ERROR, (f"{who} died without a result (exit {end.rc}): "
+                              f"{meaningful_line(end.log_tail) or '(no output)'}{peers}")
     if errs:
         return Status.ERROR, f"rank {errs[0].rank}: {errs[0].error}"
     if end.timed_out:
         return Status.TIMEOUT, _timeout_reason(end)
     return Status.ERROR, f"launcher exit {end.rc}: {meaningful_line(end.log_tail) or '(no output)'}"
+
+
+def death_signal(rc: Optional[int]) -> Optional[int]:
+    """The signal that ended the first failed rank, from an exit code as the ranks' parent reports it:
+    -N from a pool's waitpid or Popen, 128 + N from a shell, 256 - N from DeepSpeed's launcher
+    (launch.py sys.exit(-N), which the OS reports modulo 256). None: an exit, not a signal."""
+    if rc is None or rc == 0:
+        return None
+    for n in (-rc, rc - 128, 256 - rc):
+        if n in _SIGNALS:
+            return n
+    return None
+
+
+# The signals a rank dies of by a fault or a kill (not exit codes 1-127 a program chooses).
+_SIGNALS = {int(s) for s in (signal.SIGKILL, signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL,
+                             signal.SIGFPE, signal.SIGTERM)}
 
 
 def _timeout_reason(end: LaunchEnd) -> str:
@@ -133,7 +163,8 @@ def meaningful_line(log: str) -> str:
     """The line of a log that says why it failed: the last exception, else the last line the launcher
     flags [ERROR], else the last line that is no warning; never a library's start-up warning."""
     lines = [x.strip() for x in log.splitlines() if x.strip()]
-    for pick in (lambda x: EXCEPTION_LINE.search(x), lambda x: "[ERROR]" in x, lambda x: True):
+    for pick in (lambda x: x.startswith("what():"), lambda x: EXCEPTION_LINE.search(x) and not PEER_LOST.search(x),
+                 lambda x: EXCEPTION_LINE.search(x), lambda x: "[ERROR]" in x, lambda x: True):
         found = [x for x in lines if pick(x) and not NOISE.search(x)]
         if found:
             return found[-1][:500]

@@ -116,7 +116,9 @@ class PoolTrial:
                 return True
             failed = [c for _, c in sorted(exits.items()) if c]
             if failed and not self.killed:
-                self.first_failure = failed[0]
+                # a child ended by a signal (killed, aborted) is the cause; an exit code is what
+                # its peers did once they lost it
+                self.first_failure = next((c for c in failed if c < 0), failed[0])
                 self.kill()
             if time.time() >= end:
                 return False
