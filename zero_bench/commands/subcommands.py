@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from zero_bench.commands import calibrate as calibration_run
 from zero_bench.commands.doctor import doctor_checks, prebuild_ops
+from zero_bench.config import honoured
 from zero_bench.config.configure import from_cfg, report_from_cfg, search_from_cfg
 from zero_bench.config.hosts import with_slurm_hostfile
 from zero_bench.config.schema import BenchConfig, ConfigError, Precision
@@ -67,6 +68,12 @@ def warn_slow_bf16(bench: BenchConfig, inv: Invocation) -> None:
         warn_once(cpu_features.bf16_warning(features, fp32, bf16), inv)
 
 
+def warn_unhonoured(bench: BenchConfig, inv: Invocation) -> None:
+    """Keys this trial does not read, where ignoring them is harmless (config/honoured.py): one line each."""
+    for line in honoured.check(bench):
+        warn_once(line, inv)
+
+
 def warn_marketed_gb(device: str, memory_gb: Optional[float], inv: Invocation) -> None:
     line = marketed_gb_warning(device, memory_gb)
     if line:
@@ -103,6 +110,7 @@ def run(cfg: DictConfig, inv: Invocation) -> int:
     """One trial at the configured batch with full timed steps."""
     bench = bench_here(cfg, inv.out)
     warn_slow_bf16(bench, inv)
+    warn_unhonoured(bench, inv)
     warn_marketed_gb(bench.hardware.device, bench.hardware.memory_gb, inv)
     store = Store(store_path(cfg, inv))
     refused = preflight(bench, force=cfg.force)
@@ -154,6 +162,7 @@ def _maxbatch(cfg: DictConfig, inv: Invocation) -> SearchResult:
         print(f"zero_bench maxbatch: skipped {res.label}: {exc}", file=sys.stderr)
         return res
     warn_slow_bf16(bench, inv)
+    warn_unhonoured(bench, inv)
     warn_marketed_gb(bench.hardware.device, bench.hardware.memory_gb, inv)
     store = Store(store_path(cfg, inv))
     refused = preflight(bench, force=cfg.force, micro=spec.min)

@@ -9,6 +9,7 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from zero_bench.config import honoured
 from zero_bench.devices import cpu_features
 from zero_bench.config.schema import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
                                HardwareConfig, Precision, ReportConfig, SearchConfig, States, composition_error,
@@ -324,6 +325,9 @@ def validate_static(b: BenchConfig) -> None:
     spec(b.engine).validate(b, "offload_param")
     if b.precision == "fp16" and b.hardware.device == "cpu":
         raise ConfigError("precision=fp16: not supported by DeepSpeed's CPU accelerator; allowed on cpu: fp32, bf16")
+    # last: a key nothing reads is refused only once the config is otherwise one that runs
+    honoured.refuse_unhonoured(b)
+    spec(b.engine).validate(b, "ignored")
 
 
 def check_hybrid(b: BenchConfig) -> None:

@@ -33,6 +33,41 @@ def deepspeed(b: BenchConfig, concern: str) -> None:
                           "or engine=fsdp2")
     if concern == "offload_param" and b.offload_param and b.zero != 3:
         raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
+    if concern == "ignored":
+        ds_keys_read(b)
+
+
+def ds_keys_read(b: BenchConfig) -> None:
+    """`ds.*` keys DeepSpeed accepts and then ignores at this stage or recompute, refused in one line:
+    its ZeRO-3 keys (DeepSpeedZeroConfig's fields whose name or alias starts with stage3_, read by
+    stage 3 alone) below stage 3, optimizer offload at stage 0 (no ZeRO optimizer), and
+    activation_checkpointing without recompute=full/block (zero_bench calls DeepSpeed's checkpointing
+    only for those: engines/deepspeed.py install_checkpointing)."""
+    zero_keys = set((b.ds.get("zero_optimization") or {}).keys())
+    if zero_keys and b.zero != 3:
+        stage3 = zero_keys & stage3_zero_keys()
+        if stage3:
+            key = sorted(stage3)[0]
+            raise ConfigError(f"ds.zero_optimization.{key}: DeepSpeed reads it at ZeRO stage 3 only (got zero={b.zero}); "
+                              "leave it out or set zero=3")
+    if "offload_optimizer" in zero_keys and b.zero == 0:
+        raise ConfigError("ds.zero_optimization.offload_optimizer: DeepSpeed offloads the optimizer with ZeRO 1-3 "
+                          "only (got zero=0); use zero=1, 2 or 3 (or offload=true)")
+    if "activation_checkpointing" in b.ds and b.recompute not in ("full", "block"):
+        raise ConfigError(f"ds.activation_checkpointing: read only with recompute=full or recompute=block (got "
+                          f"recompute={b.recompute}: DeepSpeed's checkpointing is not called); leave it out here")
+
+
+def stage3_zero_keys() -> set:
+    """DeepSpeed's ZeRO-3-only keys, from its own config model (deepspeed/runtime/zero/config.py),
+    by field name and alias; offload_param too (ZeRO-3's parameter offload, its docstring)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    keys = {"offload_param"}
+    for name, f in DeepSpeedZeroConfig.model_fields.items():
+        if name.startswith("stage3_") or (f.alias or "").startswith("stage3_"):
+            keys |= {name, f.alias} - {None}
+    return keys
 
 
 def fsdp2(b: BenchConfig, concern: str) -> None:

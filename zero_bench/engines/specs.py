@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-CONCERNS = ("engine", "states", "hybrid", "expert_parallel", "offload_param")
+CONCERNS = ("engine", "states", "hybrid", "expert_parallel", "offload_param", "ignored")
 """What `EngineSpec.validate` is asked about, each at the place configure.validate_static checks that
 concern's shared conditions, so that a config wrong in two ways keeps the message it had."""
 
