@@ -226,6 +226,15 @@ class BenchConfig:
     checkpointing; with CPU offload or ZeRO-3 its offload/zero3 templates too)."""
     compile: bool = False
     """DeepSpeed's engine.compile() (torch.compile); compile time is reported apart from time/it."""
+    fusions: bool = True
+    """megatron's jit-fused bias-dropout-add and bias-activation (SwiGLU, biased GeLU) on GPU, as
+    megatron's own training scripts run: plain torch under megatron's jit_fuser, which is
+    torch.compile, so each GPU rank compiles them with inductor and Triton in its first step (a C
+    compiler, Python's headers and libcuda needed: `zero_bench doctor` checks). false: megatron's
+    eager ops, nothing compiled; the estimate then counts the eager SwiGLU (5 intermediates of
+    ffn per token, 3 fused). CPU runs always take the eager ops (a compile there costs minutes per
+    shape), so on CPU this key changes nothing, trial keys included. A gated MoE model with biases
+    runs eager on GPU too (megatron's fused SwiGLU for experts has no bias: models/megatron.py)."""
     batch: BatchConfig = field(default_factory=BatchConfig)
     steps: StepsConfig = field(default_factory=StepsConfig)
     timeout_s: float = 60.0
@@ -284,6 +293,8 @@ class BenchConfig:
             d.pop("states")
         if d["loss"] == Loss.megatron:
             d.pop("loss")
+        if d["fusions"] or d["hardware"]["device"] == Device.cpu:
+            d.pop("fusions")  # CPU runs eager whatever the key says
         d["hardware"].pop("card", None)  # names the card for the estimate; the trial is the same
         if d["parallel"].get("dp_shard") is None:
             d["parallel"].pop("dp_shard", None)
@@ -299,7 +310,8 @@ class BenchConfig:
                   f"loss={self.loss}" if self.loss != Loss.megatron else "",
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",
                   f"recompute=block({self.recompute_layers})" if self.recompute == "block" else "",
-                  "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else ""]
+                  "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else "",
+                  "fusions=false" if not self.fusions and self.hardware.device != Device.cpu else ""]
         return " ".join([make_label(self.model.name, self.parallel.tp, self.parallel.dp, self.zero,
                                     self.offload, self.precision, self.engine)] + [x for x in extras if x])
 

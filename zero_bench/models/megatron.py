@@ -137,26 +137,48 @@ def transformer_config(cfg: BenchConfig, on_cpu: bool, initialize: bool = True):
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
-        **fusion_args(cfg.model, on_cpu),
+        **fusion_args(cfg.model, on_cpu, cfg.fusions),
         **recompute_args(cfg),
     )
 
 
-def fusion_args(m: ModelConfig, on_cpu: bool) -> dict:
+def fusion_args(m: ModelConfig, on_cpu: bool, fusions: bool = True) -> dict:
     """megatron's fusions that run here. Never: the fused masked softmax, RoPE, persistent LayerNorm
     and the weight-gradient accumulation, which need CUDA extensions (megatron's fused kernels,
-    Apex, Transformer Engine >= 1.4) this install does not have. On GPU: bias-dropout-add and
-    bias-activation, which megatron-core 0.16.1 writes in plain torch under its jit_fuser
-    (torch.compile, megatron/core/jit.py) - what megatron's users train with (its GPT scripts
-    turn them on). Off on CPU, where that torch.compile costs minutes of inductor per shape.
-    bias_activation_fusion takes gelu only with a bias when not gated (TransformerConfig's check),
-    and never for MoE experts (SequentialMLP hands each expert its routing weights as
-    per_token_scale, and mlp.py fuses only SwiGLU with those: gelu raises ValueError)."""
-    gpu = not on_cpu
-    return dict(bias_dropout_fusion=gpu,
-                bias_activation_fusion=gpu and (m.gated or (m.add_bias and not m.is_moe)),
+    Apex, Transformer Engine >= 1.4) this install does not have. Where jit_fused (GPU, the
+    `fusions` key): bias-dropout-add, and bias-activation where bias_activation_fused says."""
+    jit = jit_fused(on_cpu, fusions)
+    return dict(bias_dropout_fusion=jit, bias_activation_fusion=bias_activation_fused(m, on_cpu, fusions),
                 masked_softmax_fusion=False, gradient_accumulation_fusion=False,
                 persist_layer_norm=False, apply_rope_fusion=False)
+
+
+def jit_fused(on_cpu: bool, fusions: bool = True) -> bool:
+    """Whether megatron's jit-fused bias-dropout-add / bias-activation run: on GPU with `fusions`.
+    megatron-core 0.16.1 writes them in plain torch under its jit_fuser, which is torch.compile
+    (megatron/core/jit.py enable_jit_fuser, torch >= 2.2): each rank compiles them with inductor
+    and Triton in its first step (trial/time_limits.py allows for it; `zero_bench doctor` tries a
+    tiny one). What megatron's users train with (its GPT scripts turn them on). Off on CPU, where
+    that torch.compile costs minutes of inductor per shape; off with fusions=false: eager ops."""
+    return fusions and not on_cpu
+
+
+def bias_activation_fused(m: ModelConfig, on_cpu: bool, fusions: bool = True) -> bool:
+    """megatron's bias_activation_fusion for this model (transformer/mlp.py MLP.forward then takes
+    fusions/fused_bias_swiglu.py bias_swiglu_impl, or for MoE experts weighted_bias_swiglu_impl,
+    or fused_bias_gelu.py bias_gelu_impl). Where jit_fused, and:
+    - gated (SwiGLU), unless an MoE model has biases: SequentialMLP hands each expert its routing
+      weights as per_token_scale, and weighted_bias_swiglu_impl raises NotImplementedError when
+      fc1 has a bias; one TransformerConfig serves every MLP of the model, so the whole model runs
+      megatron's eager glu then;
+    - GeLU only with a bias (TransformerConfig.__post_init__'s check) and never for MoE experts
+      (mlp.py fuses only SwiGLU and quick-GeGLU with per_token_scale: GeLU raises ValueError).
+    What the fusion keeps for backward is the estimate's (estimate/activations.py mlp_bytes)."""
+    if not jit_fused(on_cpu, fusions):
+        return False
+    if m.gated:
+        return not (m.is_moe and m.add_bias)
+    return m.add_bias and not m.is_moe
 
 
 def layer_spec(m: ModelConfig):
