@@ -5,6 +5,12 @@
                                         measured (report/predicted.py, the report's own comparison); the
                                         device peak passes within TOL percent (default 15), the other
                                         terms are INFO: they say which term is off, not whether it is
+  validate_query.py STORE pools [MIB]   per search that ran trials, what the smoke test's CUDA-OOM search
+                                        checked: every trial forked from the search's pool, none launched
+                                        on its own; with MIB (a GPU's emulated card) the memory reported
+                                        against MIB and, where a boundary was found, a real CUDA OOM
+                                        (the allocator's "out of memory") among its failures; "-": no GPU
+  validate_query.py STORE all [MIB|-] [TOL]   the three above, in one process (the pack's budget)
 
 The figures are the report's, computed by the same code, so the pack cannot disagree with the workbook
 it writes. A store with no search prints one FAIL line.
@@ -13,12 +19,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's zero_bench
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # smoke_query, beside this script
 
-from zero_bench.records import SearchStatus  # noqa: E402
+from smoke_query import POOL_REQUEST  # noqa: E402
+from zero_bench.records import SearchStatus, Status  # noqa: E402
 from zero_bench.report.predicted import predicted_frame  # noqa: E402
 from zero_bench.report.rows import Row, load, rows_of  # noqa: E402
+from zero_bench.store import Store  # noqa: E402
 
 DEVICE_PEAK = "device peak"  # the term the capacity is compared with (GPU: NVML used; CPU: "peak RSS")
 CPU_PEAK = "peak RSS"
@@ -55,6 +65,30 @@ def term_lines(rows: list[Row], tol: float) -> list[str]:
     return out or ["FAIL estimate no search reached a boundary to compare with"]
 
 
+def pool_lines(store: str, capacity_mib: Optional[int]) -> list[str]:
+    """Per search with trials: forked from its pool (pool.Pool.submit's command text) or launched on
+    their own; on a GPU the emulated card's size it reported and its real CUDA OOMs."""
+    db = Store(store)
+    trials = db.trials()
+    out = []
+    for s in db.searches():
+        mine = [t for t in trials if t.search_key == s.search_key]
+        if not mine:
+            continue
+        forked = sum(POOL_REQUEST in (t.cmd or "") for t in mine)
+        launched = len(mine) - forked
+        real = sum(t.status == Status.OOM and "out of memory" in (t.reason or "").lower() for t in mine)
+        gpus = s.measure.devices_of("gpu") if s.measure else []
+        total = (gpus[0].total_bytes or 0) // MiB if gpus else 0
+        text = f"{s.label}: {forked} trial(s) forked from its pool, {launched} launched on their own"
+        ok = forked >= 1 and launched == 0
+        if capacity_mib is not None:
+            text += f", {real} real CUDA OOM(s), reported against {total} MiB"
+            ok = ok and total == capacity_mib and (real >= 1 or s.status != SearchStatus.DONE)
+        out.append(f"{'PASS' if ok else 'FAIL'} pool {text}")
+    return out
+
+
 def _mib(v) -> str:
     return "-" if v is None or v != v else f"{v:.0f} MiB"
 
@@ -65,12 +99,18 @@ def main(argv: list[str]) -> int:
     if not rows:
         print(f"FAIL searches no search in {store}")
         return 0
+    capacity = None if len(argv) < 4 or argv[3] == "-" or what not in ("pools", "all") else int(argv[3])
     if what == "searches":
         print("\n".join(search_line(r) for r in rows))
     elif what == "terms":
         print("\n".join(term_lines(rows, float(argv[3]) if len(argv) > 3 else 15.0)))
+    elif what == "pools":
+        print("\n".join(pool_lines(store, capacity)))
+    elif what == "all":
+        lines = [search_line(r) for r in rows] + pool_lines(store, capacity)
+        print("\n".join(lines + term_lines(rows, float(argv[4]) if len(argv) > 4 else 15.0)))
     else:
-        print(f"unknown query {what!r}: searches, terms", file=sys.stderr)
+        print(f"unknown query {what!r}: searches, terms, pools, all", file=sys.stderr)
         return 2
     return 0
 

@@ -61,3 +61,53 @@ def test_an_empty_store_fails_in_one_line(tmp_path):
     store = tmp_path / "empty.sqlite"
     Store(store)
     assert query(store, "searches") == [f"FAIL searches no search in {store}"]
+
+
+POOLED = "deepspeed ... --pool  # request {n}: /x/trial.json, MASTER_PORT=1"  # pool.Pool.submit's command text
+
+
+def pooled_search(store_path: Path, *, cmds: list, oom_reason: str, total_mib: int = 24576) -> None:
+    """GPT-345M's search at micro 8 on a card of total_mib: its trials (micro 6, 7, ...) with these
+    commands, the last one a failure with oom_reason."""
+    store = Store(store_path)
+    m = measured(GPT345, 8, 1.0, [20000] * 8, total_mib=total_mib)
+    trials = [measured(GPT345, 6 + i, 1.0, [20000] * 8, total_mib=total_mib) for i in range(len(cmds))]
+    for i, (t, cmd) in enumerate(zip(trials, cmds)):
+        t.cmd = cmd.format(n=i)
+    trials[-1].status, trials[-1].reason = "oom", oom_reason
+    for t in trials:
+        store.add_trial(t)
+    store.put_search(SearchResult(search_key=GPT345.search_key(), label=GPT345.label(), status="done", max_micro=8,
+                                  max_global_batch=64, first_fail_micro=9, config=GPT345.to_dict(), measure=m))
+
+
+def test_pools_pass_a_search_forked_from_its_pool_and_bounded_by_a_real_cuda_oom(tmp_path):
+    """The smoke test's CUDA-OOM search, asked of every search the pack ran: its trials forked from
+    one pool, none launched on their own, a real CUDA OOM at the boundary, the emulated card reported."""
+    store = tmp_path / "v.sqlite"
+    pooled_search(store, cmds=[POOLED] * 3, oom_reason="torch.OutOfMemoryError: CUDA out of memory. Tried to ...")
+    (line,) = query(store, "pools", "24576")
+    assert line.startswith(f"PASS pool {GPT345.label()}: 3 trial(s) forked from its pool, 0 launched")
+    assert "1 real CUDA OOM(s), reported against 24576 MiB" in line
+    assert query(store, "pools", "4096")[0].startswith("FAIL pool")  # reported against another card
+
+
+def test_pools_fail_a_trial_launched_on_its_own_or_a_boundary_without_a_real_oom(tmp_path):
+    launched = tmp_path / "launched.sqlite"
+    pooled_search(launched, cmds=[POOLED, "deepspeed --num_gpus 1 -m zero_bench.trial.rank", POOLED],
+                  oom_reason="CUDA out of memory")
+    assert query(launched, "pools", "24576")[0].startswith("FAIL pool")
+    verdict = tmp_path / "verdict.sqlite"  # the boundary's failure was zero_bench's verdict, not the allocator's
+    pooled_search(verdict, cmds=[POOLED] * 3, oom_reason="peak above the capacity")
+    assert query(verdict, "pools", "24576")[0].startswith("FAIL pool")
+    # without a GPU ("-", the pack's --cpu) only the pool is asked
+    assert query(verdict, "pools", "-")[0].startswith("PASS pool")
+
+
+def test_all_answers_the_three_queries_in_one_process(tmp_path):
+    store = tmp_path / "v.sqlite"
+    pooled_search(store, cmds=[POOLED] * 3, oom_reason="CUDA out of memory")
+    lines = query(store, "all", "24576", "15")
+    assert [x.split(" ")[1] for x in lines[:2]] == ["search", "pool"]
+    assert any(x.split(" ")[1] == "estimate" for x in lines[2:])
+    assert lines == query(store, "searches") + query(store, "pools", "24576") + query(store, "terms", "15")
