@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # The first run on a GPU machine (about 10 minutes): does zero_bench's GPU path work here?
+# launch/gpu_validate.sh (within 8 minutes) does not run it: it folds its checks into its own steps
+# (the 1-GPU trial and NVML mapping into its ZeRO-3 search's last trial, the CUDA-OOM search into
+# every search's pool and OOM verdicts, the memory lines into its first step). This script stays for
+# a machine where only these checks are wanted, one after the other.
 #
 #   bash launch/gpu_smoke.sh            # PYTHON=... to choose the interpreter (default: python)
 #
