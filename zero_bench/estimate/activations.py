@@ -21,9 +21,12 @@ per token, B bytes per element (fp32 4, bf16 2), q = a*d/t, kv = g*d/t, f = ffn/
   context         q*B (unfused: the permuted copy; sdpa: the kernel's output, the same tensor)
   dropout         m*h after attention and after the MLP
   pre-MLP norm    as the input norm; fc1 input B*h
-  MLP             GeLU: 2f*B (GeLU input, fc2 input); SwiGLU (megatron's unfused glu, mlp.py): fc1
-                  output 2f, SiLU output f, `x_linear + glu_linear_offset` f (a copy even at offset
-                  0), fc2 input f = 5f*B (a fused SwiGLU would keep 3f)
+  MLP             GeLU: 2f*B (GeLU input, fc2 input; fused or not); SwiGLU, eager (megatron's glu,
+                  transformer/mlp.py MLP.forward): fc1 output 2f, SiLU output f,
+                  `x_linear + glu_linear_offset` f (a copy even at offset 0), fc2 input f = 5f*B;
+                  fused (GPU with fusions=true: fusions/fused_bias_swiglu.py bias_swiglu_impl, whose
+                  SwiGLUFunction / BiasSwiGLUFunction save only their input): fc1 output 2f, fc2
+                  input f = 3f*B. swiglu_fused says which one megatron runs.
 m is 1 byte on GPU (native_dropout's bool mask) and B on CPU (torch's CPU dropout keeps a scaled
 noise tensor of the input's dtype). selective (megatron's core_attn): the core attention's inputs
 stay alive in the checkpoint (with RoPE: the rotated Q, K and the whole QKV output V is a view of),
@@ -46,7 +49,9 @@ f_e = moe_ffn):
   experts         per routed row (k per token): its input B*h (index_select's output, fc1's input),
                   the MLP as dense (SwiGLU 5f_e, GeLU 2f_e) plus the activation scaled by its
                   routing weight (mlp.py per_token_scale: the product's input and output, f_e more),
-                  and the weight B
+                  and the weight B; fused (weighted_bias_swiglu_impl: WeightedSwiGLUFunction saves
+                  its input 2f_e and the weight, and returns the scaled product, fc2's input f_e):
+                  3f_e and the weight B
   unpermute       scatter_add_ keeps only the indices above; the shared expert keeps its MLP (its
                   input is the router's)
 Measured against live tensors on CPU (benchmarks/activation_memory.py, docs/verified.md,
@@ -152,15 +157,29 @@ def core_attention_terms(m: ModelConfig, tp: int, precision: str, device: str) -
     return {"qkv": (q + 2 * kv_kept) * B, "internal": 4 * x["heads"], "context": q * B}
 
 
-def mlp_bytes(m: ModelConfig, f: int, B: int) -> int:
-    """Bytes per token an MLP of width f (this rank's share) keeps besides its input."""
-    return (5 if m.gated else 2) * f * B
+def swiglu_fused(m: ModelConfig, device: str, fusions: bool) -> bool:
+    """Whether megatron runs its fused SwiGLU for this model here: models/megatron.py
+    bias_activation_fused (GPU with the fusions key; not a gated MoE model with biases), the one
+    place the model's TransformerConfig takes it from."""
+    if device == "cpu" or not fusions or not m.gated:
+        return False  # never fused: answered without importing torch (models/megatron.py does)
+    from zero_bench.models.megatron import bias_activation_fused
+
+    return bias_activation_fused(m, on_cpu=False, fusions=True)
 
 
-def moe_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16") -> dict:
+def mlp_bytes(m: ModelConfig, f: int, B: int, fused: bool = False) -> int:
+    """Bytes per token an MLP of width f (this rank's share) keeps besides its input: GeLU 2f,
+    SwiGLU 5f eager and 3f fused (the module docstring's MLP line)."""
+    return (2 if not m.gated else 3 if fused else 5) * f * B
+
+
+def moe_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", fused: bool = False) -> dict:
     """Bytes per token an MoE layer keeps in place of fc1's input and the dense MLP (see the module
-    docstring): router, dispatch, the k experts' rows, the shared expert."""
+    docstring): router, dispatch, the k experts' rows, the shared expert. fused: megatron's fused
+    SwiGLU (swiglu_fused), whose routed rows keep no separate product input."""
     B, h, E, k, f_e = BYTES[precision], m.hidden_size, m.num_experts, m.moe_router_topk, m.moe_ffn // tp
+    scaled = 0 if fused else f_e * B  # eager: the activation before its routing weight scales it
     topk_softmax = 4 * k if m.norm_topk_prob else 4 * E  # fp32 softmax over the top-k, or over all E
     shared = m.moe_shared_expert_intermediate_size
     return {
@@ -168,19 +187,21 @@ def moe_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16") -> dict:
         "router": 8 * k + topk_softmax + (4 * E if m.moe_aux_loss_coeff > 0 else 0),
         "dispatch": 2 * E + 8 * k,
         "expert_inputs": k * B * h,
-        "experts": k * (mlp_bytes(m, f_e, B) + f_e * B + B),
-        "shared_expert": mlp_bytes(m, shared // tp, B) if shared else 0,
+        "experts": k * (mlp_bytes(m, f_e, B, fused) + scaled + B),
+        "shared_expert": mlp_bytes(m, shared // tp, B, fused) if shared else 0,  # bias_swiglu_impl when fused
     }
 
 
 def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu",
-                moe: bool = False) -> dict:
-    """Bytes per token one layer keeps for backward without recompute, by term (moe: an MoE layer)."""
+                moe: bool = False, fusions: bool = False) -> dict:
+    """Bytes per token one layer keeps for backward without recompute, by term (moe: an MoE layer;
+    fusions: megatron's jit fusions asked for, the BenchConfig key; False counts the eager ops)."""
     B, x = BYTES[precision], _dims(m, tp)
     h, f = x["h"], x["f"]
     mb = _mask_bytes(B, device) if m.dropout > 0 else 0
     core = core_attention_terms(m, tp, precision, device)
-    mlp = moe_terms(m, tp, precision) if moe else {"fc1_input": B * h, "mlp": mlp_bytes(m, f, B)}
+    fused = swiglu_fused(m, device, fusions)
+    mlp = moe_terms(m, tp, precision, fused) if moe else {"fc1_input": B * h, "mlp": mlp_bytes(m, f, B, fused)}
     return {
         "input_norm": norm_bytes(m, precision, device),
         "qkv_input": B * h,
@@ -315,16 +336,17 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
     return sum(n * sum(t.values()) for n, t, _ in kinds), 0.0, 0.0
 
 
-def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str) -> list:
+def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str, fusions: bool = False) -> list:
     """[(layers, terms, MoE)] per kind of layer, the last layer's kind last (dense models: one kind)."""
     flags = m.moe_layers
     order = [not flags[-1], flags[-1]]
-    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe), moe) for moe in order if moe in flags]
+    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe, fusions), moe)
+            for moe in order if moe in flags]
 
 
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
                                 checkpointing: Optional[Mapping] = None, device: str = "gpu",
-                                recompute_layers: int = 1, loss: str = "megatron") -> dict:
+                                recompute_layers: int = 1, loss: str = "megatron", fusions: bool = False) -> dict:
     """Activation bytes one sample (sequence) adds to a rank.
 
     saved: what the forward leaves for backward (layers + embedding + logits + scratch); measured
@@ -345,12 +367,14 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     checkpointing: ds_config's activation_checkpointing (recompute=full through DeepSpeed:
     partition_activations keeps 1/t of each input, cpu_checkpointing moves them to the host).
     device: "cpu" or "gpu" (torch keeps different tensors: RMSNorm, dropout masks, sdpa's kernel).
+    fusions: BenchConfig.fusions, megatron's jit fusions asked for (on GPU a fused SwiGLU keeps 3f
+    where the eager one keeps 5f: swiglu_fused); False, the default here, counts the eager ops.
     Returns bytes: per_layer (one layer, no recompute), layers (L layers through the forward),
     recomputed (what one layer rebuilds in backward), embedding, logits, logits_transient, scratch
     (unfused attention's buffer), host (cpu_checkpointing), saved, the three moments and total.
     """
     m, s, B, h = model, model.seq_len, BYTES[precision], model.hidden_size
-    kinds = layer_kinds(m, tp, precision, device)
+    kinds = layer_kinds(m, tp, precision, device, fusions)
     terms = kinds[-1][1]  # the last layer's, whose backward the moments below are about
     ck, L = checkpointing or {}, m.num_layers
     if recompute == "block" and recompute_layers >= L:
