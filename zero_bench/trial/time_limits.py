@@ -10,9 +10,11 @@ optimizer step (records.Event.STEP), and the time allowed until the next record 
 where the pace (seconds per sample on one rank) is the slowest one measured so far in the same
 search, probes and trials alike, this launch's own steps included; before anything was measured,
 the model's FLOPs per sample over the measured matmul rate at ASSUMED_EFFICIENCY (metrics.py).
-timeout_s is the floor: a step expected to take a second still gets timeout_s. The time from the
-start to a rank's first record (imports in a launch of its own, the model, the engine) gets
-INIT_FACTOR x timeout_s. Pure arithmetic; launch.py applies it, search/maxbatch.py supplies the pace.
+timeout_s is the floor: a step expected to take a second still gets timeout_s. An entry's first step
+gets FIRST_STEP x that, plus COLD_COMPILE_S where megatron's jit fusions compile in it (GPU,
+BenchConfig.fusions). The time from the start to a rank's first record (imports in a launch of its
+own, the model, the engine) gets INIT_FACTOR x timeout_s. Pure arithmetic; launch.py applies it
+(Limits.for_trial), search/maxbatch.py supplies the pace.
 """
 from __future__ import annotations
 
@@ -32,6 +34,16 @@ MARGIN = 4.0
 # The first step of an entry allocates the new batch's activations and, in a fresh process, the
 # optimizer states (lazily, at the first update); with compile=true it compiles.
 FIRST_STEP = 3.0
+# A GPU rank with megatron's jit fusions on (models/megatron.py jit_fused) compiles bias-dropout-add
+# and the bias-activation in an entry's first step: megatron-core 0.16.1's jit_fuser is torch.compile
+# (megatron/core/jit.py enable_jit_fuser), so dynamo, AOTAutograd's forward and backward graphs,
+# inductor, and Triton's build of each kernel and of its CUDA launcher with the host's C compiler.
+# Cold (nothing in the inductor / Triton caches: a fresh machine, another torch) that is tens of
+# seconds per function; every rank of a node compiles at once on the same cores, and a forked pool
+# child or a new batch size (automatic dynamic shapes) compiles again. An H100's expected step is
+# near 0 s, so without this the first step would get the floor alone (timeout_s, 60 s by default).
+# Not measured here (no GPU); generous, since a longer limit costs time only when a trial truly hangs.
+COLD_COMPILE_S = 300.0
 # Start-up to the first record, and from there to the first batch size: a launch of its own imports
 # torch, deepspeed and megatron-core (~10 s on 2 CPU cores), then builds the model and the engine
 # (a large model's initialisation takes minutes: timeout_s scales it).
@@ -91,6 +103,13 @@ def device_flops(cfg: BenchConfig) -> Optional[float]:
     return metrics.gpu_peak_flops(str(dict(machine_environment_cached()).get("gpu", "")), str(cfg.precision))
 
 
+def cold_compile_s(cfg: BenchConfig) -> float:
+    """Seconds an entry's first step may add for compiling megatron's jit fusions: COLD_COMPILE_S
+    where they run. The condition is models/megatron.py jit_fused's (GPU with fusions), written out
+    so that the runner needs no torch (tests/unit/test_jit_fusions.py holds the two together)."""
+    return COLD_COMPILE_S if cfg.fusions and cfg.hardware.device != "cpu" else 0.0
+
+
 @dataclass(frozen=True)
 class Limits:
     """The time allowed without progress, for one launch."""
@@ -98,13 +117,21 @@ class Limits:
     grad_accum: int = 1
     pace: Optional[Pace] = None
     in_first_step: bool = False  # rank 0 began an entry and has not finished its first step
+    compile_s: float = 0.0  # what an entry's first step may add for a compile (cold_compile_s)
+
+    @classmethod
+    def for_trial(cls, cfg: BenchConfig, pace: Optional[Pace]) -> "Limits":
+        """The limits of a launch of `cfg` at `pace` (None: nothing measured or estimated)."""
+        return cls(cfg.timeout_s, cfg.batch.grad_accum, pace, compile_s=cold_compile_s(cfg))
 
     def init_s(self) -> float:
         return INIT_FACTOR * self.floor_s
 
     def step_s(self, micro: int, first: bool = False) -> float:
         expected = (self.pace.s_per_sample if self.pace else 0.0) * micro * self.grad_accum
-        return max(self.floor_s, MARGIN * expected * (FIRST_STEP if first else 1.0))
+        if first:
+            return max(self.floor_s, MARGIN * expected * FIRST_STEP) + self.compile_s
+        return max(self.floor_s, MARGIN * expected)
 
     def after(self, rec: RankRecord) -> float:
         """Seconds allowed until rank 0's next record, given its latest one."""
@@ -125,6 +152,7 @@ class Limits:
         return dataclasses.replace(self, pace=seen.slower(self.pace) if seen else self.pace, in_first_step=False)
 
     def describe(self) -> str:
+        compiles = f", first step +{self.compile_s:g} s for a cold compile" if self.compile_s else ""
         if self.pace is None:
-            return f"timeout_s={self.floor_s:g}"
-        return f"{self.pace.s_per_sample:.3g} s/sample {self.pace.source}, floor timeout_s={self.floor_s:g}"
+            return f"timeout_s={self.floor_s:g}{compiles}"
+        return f"{self.pace.s_per_sample:.3g} s/sample {self.pace.source}, floor timeout_s={self.floor_s:g}{compiles}"
