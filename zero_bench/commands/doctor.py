@@ -4,7 +4,8 @@ a fix to apply (or "--" for what this config does not need).
 Checks: accelerator and devices (count, memory), the CPU (vector units, torch's CPU capability,
 whether bf16 is native, what precision=auto picks; for CPU runs the measured matmul rates), NVML,
 DeepSpeed's op compatibility (through its Python API: the builders `ds_report` walks,
-`installed_ops`, and the JIT cache), launchers and ssh (pdsh / mpirun / srun / sshd), the hostfile
+`installed_ops`, and the JIT cache), for a GPU run with megatron's fusions a tiny torch.compile on
+CUDA (what is missing when it fails), launchers and ssh (pdsh / mpirun / srun / sshd), the hostfile
 when one is set, and whether the configured run (by default the demo: gpt-tiny, dp=2) passes
 validation, the memory estimate and its op needs.
 """
@@ -13,6 +14,10 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -288,6 +293,128 @@ def check_gpu_optimizer(bench) -> list[Check]:
     return checks
 
 
+# -- megatron's jit fusions: torch.compile on CUDA ----------------------------------------------------
+
+JIT_FUSIONS = "torch.compile (GPU)"
+# A tiny function under torch.compile on cuda:0, forward and backward (AOTAutograd's two graphs, as
+# megatron's bias_dropout_add_fused_train), in a process of its own with empty inductor and Triton
+# caches, so that kernels cached by an earlier run cannot hide a missing compiler. Exit 3: no GPU.
+COMPILE_PROBE = """
+import sys, time
+import torch
+if not torch.cuda.is_available():
+    sys.exit(3)
+t0 = time.time()
+x = torch.randn(64, 64, device="cuda", requires_grad=True)
+torch.compile(lambda y: torch.nn.functional.silu(y) * y)(x).sum().backward()
+torch.cuda.synchronize()
+print(f"{time.time() - t0:.1f}")
+"""
+COMPILE_PROBE_TIMEOUT_S = 600  # a cold inductor start, subprocess compile workers, two Triton builds
+
+
+@dataclass
+class CompileProbe:
+    """What the tiny compile did: ran (False: no GPU visible), seconds, the error text (None: it built)."""
+    ran: bool
+    seconds: float = 0.0
+    error: Optional[str] = None
+
+
+def tiny_cuda_compile() -> CompileProbe:
+    """Run COMPILE_PROBE in a fresh interpreter (the seam tests replace)."""
+    with tempfile.TemporaryDirectory(prefix="zero_bench-compile-") as tmp:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
+        try:
+            p = subprocess.run([sys.executable, "-c", COMPILE_PROBE], env=env, capture_output=True, text=True,
+                               timeout=COMPILE_PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return CompileProbe(True, COMPILE_PROBE_TIMEOUT_S, f"no result within {COMPILE_PROBE_TIMEOUT_S} s")
+    if p.returncode == 3:
+        return CompileProbe(False)
+    if p.returncode != 0:
+        return CompileProbe(True, error=p.stderr or p.stdout or f"exit {p.returncode}")
+    return CompileProbe(True, float(p.stdout.split()[-1]))
+
+
+# What a failed compile's output says is missing (triton/runtime/build.py, the NVIDIA backend's
+# driver.py libcuda_dirs, torch/_inductor/exc.py), and the fix.
+COMPILE_NEEDS = (
+    (("Failed to find C compiler",), "a C compiler",
+     "apt-get install gcc (or set CC): Triton builds each kernel's CUDA launcher with it"),
+    (("Python.h",), "Python's headers",
+     f"apt-get install python{sys.version_info.major}.{sys.version_info.minor}-dev (Triton's launcher includes Python.h)"),
+    (("libcuda.so cannot found",), "libcuda.so.1 where Triton looks",
+     "run /sbin/ldconfig (as root) so that `ldconfig -p` lists libcuda.so.1, or set TRITON_LIBCUDA_PATH to its folder"),
+    (("Cannot find a working triton", "No module named 'triton'"), "Triton",
+     "pip install the triton your torch names (pip show torch: Requires)"),
+)
+
+
+def missing_from(error: str) -> list[tuple[str, str]]:
+    """(what, fix) for each need COMPILE_NEEDS recognises in a failed compile's output."""
+    return [(what, fix) for marks, what, fix in COMPILE_NEEDS if any(m in error for m in marks)]
+
+
+def compile_prerequisites() -> list[tuple[str, str]]:
+    """(what, fix) for each prerequisite of Triton's build that this machine visibly lacks, found as
+    Triton looks for them: CC else gcc or clang; Python.h in sysconfig's include folder; libcuda.so.1
+    in TRITON_LIBCUDA_PATH, `ldconfig -p` or LD_LIBRARY_PATH; the triton package."""
+    import importlib.util
+
+    found = {"a C compiler": bool(os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")),
+             "Python's headers": os.path.exists(os.path.join(_python_include(), "Python.h")),
+             "libcuda.so.1 where Triton looks": _libcuda_found(),
+             "Triton": importlib.util.find_spec("triton") is not None}
+    return [(what, fix) for _, what, fix in COMPILE_NEEDS if not found[what]]
+
+
+def _python_include() -> str:
+    """Where Triton's build looks for Python.h (triton/runtime/build.py: Debian's posix_local read as
+    posix_prefix)."""
+    scheme = sysconfig.get_default_scheme()
+    return sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+
+
+def _libcuda_found() -> bool:
+    if os.environ.get("TRITON_LIBCUDA_PATH"):
+        return True
+    try:
+        if "libcuda.so.1" in subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout:
+            return True
+    except OSError:
+        pass
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    return any(os.path.exists(os.path.join(d, "libcuda.so.1")) for d in dirs)
+
+
+def check_jit_fusions(bench, probe=tiny_cuda_compile, prerequisites=compile_prerequisites) -> Check:
+    """A GPU run with megatron's fusions (BenchConfig.fusions) compiles bias-dropout-add and the
+    bias-activation with torch.compile in every rank's first step (megatron/core/jit.py: jit_fuser
+    is torch.compile): a machine without a C compiler, Python's headers or libcuda where Triton
+    looks fails every trial. Tried here once, on cuda:0; when it fails, what is missing."""
+    if bench is None:
+        return Check(NA, JIT_FUSIONS, "not tried: the config above does not resolve")
+    if bench.hardware.device == "cpu":
+        return Check(NA, JIT_FUSIONS, "CPU runs take megatron's eager ops: nothing compiled")
+    if not bench.fusions:
+        return Check(NA, JIT_FUSIONS, "fusions=false: megatron's eager ops, nothing compiled")
+    result = probe()
+    if not result.ran:
+        return Check(NA, JIT_FUSIONS, "not tried: CUDA sees no device")
+    if result.error is None:
+        return Check(OK, JIT_FUSIONS, f"a tiny function compiled on cuda:0 cold in {result.seconds:.1f} s "
+                     "(inductor + Triton): megatron's fusions compile in each rank's first step")
+    needs = dict(missing_from(result.error))
+    needs.update({what: fix for what, fix in prerequisites() if what not in needs})
+    last = next((x for x in reversed(result.error.strip().splitlines()) if x.strip()), "")[-300:]
+    detail = (f"a tiny torch.compile on cuda:0 failed ({last}); missing: {', '.join(needs) or 'see the error'}; "
+              "megatron's fusions compile so in every GPU rank's first step")
+    return Check(FIX, JIT_FUSIONS, detail, "; ".join(list(needs.values()) + [
+        "or fusions=false (megatron's eager ops: nothing compiled)"]))
+
+
 # -- launchers -------------------------------------------------------------------------------------
 
 LAUNCHER_BINARIES = {"pdsh": ["pdsh", "ssh"], "openmpi": ["mpirun"], "mpich": ["mpirun"], "impi": ["mpirun"],
@@ -362,7 +489,7 @@ def doctor_checks(cfg: Any) -> list[Check]:
     engine = bench.engine if bench is not None else DEFAULT_ENGINE
     checks = check_accelerator(device) + check_cpu(device, engine)
     checks += [check_nvml(device), check_peak_flops(device, precision)]
-    checks += check_ops(bench) + check_launchers(bench) + run_checks
+    checks += check_ops(bench) + [check_jit_fusions(bench)] + check_launchers(bench) + run_checks
     blocking = [c for c in checks if c.status == FIX]
     demo = "the configured run" if bench is None or bench.model.name != "GPT-tiny" else "the default demo"
     checks.append(Check(OK if not blocking else FIX, "can run",
