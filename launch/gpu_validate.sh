@@ -29,9 +29,9 @@ cd "$(dirname "$0")/.."
 # name  budget (s, one H100)  where (any; gpu: not with --cpu; 2gpu: 2+ GPUs)  what, in the order the pack runs them
 PLAN=$(cat <<'STEPS'
 gpu           15  gpu   nvidia-smi lists the GPUs; one with a 1 GiB tensor: nvidia-smi next to NVML, CUDA, torch
-calibrate     90  any   zero_bench calibrate, the first launch (DeepSpeed's one-time FusedAdam build, inductor's first compiles)
+calibrate    120  any   zero_bench calibrate, the first launch: DeepSpeed's one-time FusedAdam build, inductor's first compiles (killed, every later step would pay them again)
 calibrated    15  any   the estimate says "calibrated on <device>"
-zero3         80  any   max-batch search, DeepSpeed ZeRO-3, on the last GPU; its last trial: 1-GPU, NVML mapping, memory lines
+zero3        100  any   max-batch search, DeepSpeed ZeRO-3, on the last GPU (its first trial compiles the fusions for Qwen); its last trial: 1-GPU, NVML mapping, memory lines
 fsdp2-check   15  any   the estimate of the FSDP2 search (SKIP where FSDP2 refuses the model)
 fsdp2         80  any   max-batch search, FSDP2 zero=3
 verdicts      20  any   each search: boundary confirmed, one pool, real CUDA OOM; the estimate against it, term by term
