@@ -22,8 +22,10 @@ CASES = {"zero0": dict(zero=0), "zero1": dict(zero=1), "zero2": dict(zero=2), "z
 
 
 def gpt_mini(**kw):
+    """micro 2, one timed step; compiled trials run two more steps (their compile and recompile:
+    trial/worker.py), so the eager reference warms up for two to give as many losses."""
     b = cpu_cfg("gpt-mini", **kw)
-    return dataclasses.replace(b, steps=dataclasses.replace(b.steps, warmup=0, timed=1))
+    return dataclasses.replace(b, steps=dataclasses.replace(b.steps, warmup=0 if b.compile else 2, timed=1))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def test_compiled_trials_run_and_give_eager_losses(trials, name):
     assert r.status == "ok", r.reason
     want, got = eager.ranks[0].losses, r.ranks[0].losses
     n = min(len(want), len(got))
-    assert n >= 3, (want, got)
+    assert n >= 4, (want, got)
     # inductor's fused kernels round differently from eager's: equal to fp32 rounding, not to the bit
     assert got[:n] == pytest.approx(want[:n], rel=1e-5), (name, want, got)
     assert r.compile_s and r.compile_s > 0

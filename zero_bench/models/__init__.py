@@ -12,6 +12,7 @@ loss.py         the loss as a training loop builds it from the logits (megatron'
 shims.py        what megatron-core needs on CPU (buffers, RoPE, causal mask, RNG streams, recompute)
 op_recompute.py recompute=op: torchtitan's per-op selective checkpointing of each layer
 qk_norm.py      Qwen3's query / key RMSNorm per head, in megatron's layer
+compiled.py     compile=true: what makes every rank compile the same graphs of megatron's model
 The activation bytes per sample, which also depend on precision, recompute and device, are
 zero_bench/estimate/activations.py's, from the same description.
 """
