@@ -60,8 +60,16 @@ def ds_keys_read(b: BenchConfig) -> None:
 
 def stage3_zero_keys() -> set:
     """DeepSpeed's ZeRO-3-only keys, from its own config model (deepspeed/runtime/zero/config.py),
-    by field name and alias; offload_param too (ZeRO-3's parameter offload, its docstring)."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    by field name and alias; offload_param too (ZeRO-3's parameter offload, its docstring). DeepSpeed's
+    import logs which accelerator it picked: held back, so that bad input stays one line."""
+    import logging
+
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # its logger is made, at INFO, by the import itself
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    finally:
+        logging.disable(before)
 
     keys = {"offload_param"}
     for name, f in DeepSpeedZeroConfig.model_fields.items():
