@@ -142,3 +142,16 @@ def test_an_abort_with_an_allocation_failure_in_its_log_is_an_oom():
 def test_a_silent_rank_whose_exit_is_no_signal_is_an_error_with_the_log_line():
     (res,) = classify(cpu_cfg(), [Entry(2)], _aborted_rank0(), LaunchEnd(rc=1, log_tail=GLOO_ABORT))
     assert res.status == Status.ERROR and res.reason.startswith("rank 0 died without a result (exit 1): what():")
+
+
+def test_a_compiled_trials_first_step_gets_the_cold_compile_allowance():
+    """compile=true: GPT-mini's ZeRO-3 first step compiled for ~60 s on 2 CPU cores, past the 60 s
+    floor, and the trial was called hung (issue 43 item 1's run)."""
+    from zero_bench.trial.time_limits import COLD_COMPILE_S
+
+    eager = Limits.for_trial(cpu_cfg("gpt-mini", zero=3, timeout_s=60), Pace(0.5, "estimated"))
+    compiled = Limits.for_trial(cpu_cfg("gpt-mini", zero=3, timeout_s=60, compile=True), Pace(0.5, "estimated"))
+    begin = RankRecord(rank=0, event="begin", micro=2)
+    assert eager.after(begin) == 60.0
+    assert compiled.after(begin) == 60.0 + COLD_COMPILE_S
+    assert compiled.after(step(2, 1.0)) == eager.after(step(2, 1.0))  # a steady step gets no more

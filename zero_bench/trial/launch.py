@@ -177,7 +177,7 @@ class _Launch:
     def limits(self) -> Limits:
         """The time allowed without progress: from the search's measured pace, else estimated."""
         pace = self.opts.pace or estimated_pace(self.cfg, device_flops(self.cfg))
-        return Limits(self.cfg.timeout_s, self.cfg.batch.grad_accum, pace)
+        return Limits.for_trial(self.cfg, pace)
 
     def wait(self, ranks: RunningRanks, sampler: Sampler) -> bool:
         """Wait for the launch; True if it hung: no record from rank 0 (a step, an entry's begin or
