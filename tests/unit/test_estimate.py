@@ -126,7 +126,8 @@ def test_recompute_by_hand():
 
 
 def test_modern_terms_by_hand():
-    """llama-tiny (GQA 8 heads / 2 groups, SwiGLU f=704, RMSNorm, RoPE, untied, sdpa), bf16 on GPU:
+    """llama-tiny (GQA 8 heads / 2 groups, SwiGLU f=704, RMSNorm, RoPE, untied, sdpa), bf16 on GPU
+    with megatron's fusions off (the formula's default; fused: tests/unit/test_jit_fusions.py):
     SwiGLU keeps 5f, sdpa keeps Q, K, V (flash takes GQA's 2 groups) and the log-sum-exp, nothing s x s."""
     m = model("llama-tiny")
     s, h, q, kv, f, a = 256, 256, 256, 64, 704, 8
