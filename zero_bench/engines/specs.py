@@ -56,6 +56,11 @@ class EngineSpec:
     stage); False: no published ratio, 1.0."""
     report_note: str = ""
     """A note the report adds when any row ran this engine ("" for none)."""
+    tracer: str = ""
+    """"module:function" (BenchConfig, micro) tracing one rank's step under FakeTensorMode (the traced
+    prediction, `traced=true`); "" where the engine cannot be traced, and `untraced` says why."""
+    untraced: str = ""
+    """Why the engine cannot be traced, in words (the refusal's tail); "" where it can."""
 
     def validate(self, b: Any, concern: str) -> None:
         """Raises ConfigError for what this engine cannot run of `concern` in BenchConfig `b`."""
@@ -74,6 +79,12 @@ FSDP2_NOTE = ("engine=fsdp2: PyTorch FSDP2 (fully_shard on every layer and the r
               "(SHARD_GRAD_OP); same model, data, optimizer and measurements as DeepSpeed; no DeepSpeed "
               "config (its ds_config cell is {}).")
 
+# Tried in one process on a fake world of 2 (gpt-tiny, DeepSpeed 0.19.8, torch 2.13.0, 2026-11-26).
+DEEPSPEED_UNTRACED = ("DeepSpeed 0.19.8's engine does not finish a step under FakeTensorMode (ZeRO 0-2: "
+                      "deepspeed.initialize's module.to() cannot swap fake parameters; ZeRO-3 builds and runs "
+                      "forward and backward, then its step reads the gradient norm on the host to test for "
+                      "overflow); engine=fsdp2 is traced")
+
 # In the order reports list the engines (baseline first).
 SPECS: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec(name="deepspeed", tag="", title="DeepSpeed",
@@ -82,7 +93,8 @@ SPECS: dict[str, EngineSpec] = {s.name: s for s in (
                estimate_parts="zero_bench.estimate:deepspeed_parts",
                stored_states="zero_bench.estimate.states:stored_states",
                refusals="zero_bench.engines.refusals:deepspeed", offload_param_follows=lambda zero: zero == 3,
-               reads_ds_config=True, builds_deepspeed_ops=True, runs_fp16=True, published_fragmentation=True),
+               reads_ds_config=True, builds_deepspeed_ops=True, runs_fp16=True, published_fragmentation=True,
+               untraced=DEEPSPEED_UNTRACED),
     EngineSpec(name="fsdp2", tag="fsdp2", title="FSDP2",
                trainer="zero_bench.engines.fsdp2:Fsdp2Engine",
                init_distributed="zero_bench.engines.fsdp2:init_distributed",
@@ -91,7 +103,7 @@ SPECS: dict[str, EngineSpec] = {s.name: s for s in (
                # CPUOffloadPolicy moves parameters with the optimizer states: one key, `offload`
                refusals="zero_bench.engines.refusals:fsdp2", offload_param_follows=lambda zero: True,
                reads_ds_config=False, builds_deepspeed_ops=False, runs_fp16=False, published_fragmentation=False,
-               report_note=FSDP2_NOTE),
+               report_note=FSDP2_NOTE, tracer="zero_bench.estimate.traced:trace_fsdp2"),
 )}
 
 
