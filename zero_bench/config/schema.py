@@ -379,6 +379,10 @@ class Config(BenchConfig):
     refuses what the estimate says cannot fit this host, runs either way; force=true skips it.)"""
     json: bool = False
     """estimate, calibrate: print JSON instead of the table / the lines (also `--json`)."""
+    traced: bool = False
+    """estimate, report: beside the formula, the peak per rank traced by running the real engine's step
+    under FakeTensorMode on a fake world of tp x dp ranks (torch 2.13's FSDPMemTracker; engine=fsdp2;
+    seconds per configuration; docs/estimate.md, "The traced prediction")."""
     report: ReportConfig = field(default_factory=ReportConfig)
     status_dir: Optional[str] = None
     """status: the sweep directory (`zero_bench status DIR` sets it)."""

@@ -82,8 +82,10 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     micro = bench.batch.micro
     at = [{"config": r["config"], **e.at_micro(micro)} for r, (_, e) in zip(rows, ests)]
     first = ests[0][1] if ests else None
+    traces = traced_variants(bench, ests) if cfg.get("traced", False) else None
     if cfg.get("json", False):
-        return as_json(bench, first, rows, [e for _, e in ests], at)
+        doc = as_json(bench, first, rows, [e for _, e in ests], at)
+        return doc if traces is None else with_traces(doc, rows, ests, traces)
     m, tp, ep = bench.model, bench.parallel.tp, bench.parallel.ep
     active = f", {active_params(m):,} active per token" if m.is_moe else ""  # MoE: FLOPs count these
     # ep > 1: a rank holds its num_experts / ep experts of each MoE layer and everything else whole
@@ -96,7 +98,97 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
             + (f"; fixed terms: {first.calibration}" if first else ""))
     return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first),
                       format_table(rows), LEGEND, "", at_micro_table(at, bench),
-                      AT_MICRO_LEGEND[_kind(bench)] + AT_MICRO_TAIL])
+                      AT_MICRO_LEGEND[_kind(bench)] + AT_MICRO_TAIL]
+                     + ([] if traces is None else ["", traced_table(bench, rows, ests, traces)]))
+
+
+# -- traced=true: the traced prediction beside the formula (estimate/traced.py) -----------------------
+
+TRACED_COLUMNS = {"cpu": ("formula live MiB", "traced live MiB", "traced peak RSS MiB"),
+                  "gpu": ("formula allocated MiB", "traced allocated MiB", "traced device peak MiB")}
+
+
+def traced_variants(bench: BenchConfig, ests: list) -> list:
+    """Per configuration shown, its Traced or the one line why it is not traced. ConfigError (exit 2)
+    where nothing shown can be traced: the engine, the model, the world, torch, compile."""
+    from zero_bench.estimate.traced import check, refusal, trace
+
+    check(bench)
+    why = [refusal(v) for v, _ in ests]
+    if ests and all(why):
+        raise ConfigError(why[0])
+    return [w if w else trace(v) for (v, _), w in zip(ests, why)]
+
+
+def traced_table(bench: BenchConfig, rows: list[dict], ests: list, traces: list) -> str:
+    """The formula's and the trace's peak per rank at batch.micro, their terms, and a warning naming
+    each term on which they differ by more than 10 %."""
+    import pandas as pd
+
+    import torch
+
+    from zero_bench.estimate.traced import compare, warnings
+
+    kind = _kind(bench)
+    f_col, t_col, p_col = TRACED_COLUMNS[kind]
+    world = bench.parallel.tp * bench.parallel.dp
+    lines, terms, notes, warned = [], [], [], []
+    for r, (_, e), t in zip(rows, ests, traces):
+        if isinstance(t, str):
+            notes.append(f"{r['config']}: not traced: {t}")
+            continue
+        cmp = compare(e, t)
+        total = cmp[-1]
+        lines.append({"config": r["config"], f_col: _mib(total.formula), t_col: _mib(total.traced),
+                      "formula vs traced %": _pct(total.error), p_col: _mib(traced_peak(e, t)),
+                      "fits": "?" if e.capacity is None else ("yes" if traced_peak(e, t) <= e.capacity else "no"),
+                      "traced peak in": t.phase, "trace s": f"{t.seconds:.1f}"})
+        terms += [{"config": r["config"], "term": c.name, "formula MiB": _mib(c.formula), "traced MiB": _mib(c.traced),
+                   "formula vs traced %": _pct(c.error)} for c in cmp[:-1]]
+        warned += warnings(r["config"], cmp, t.peak_bytes)
+    title = (f"traced peak per rank at batch.micro={bench.batch.micro}, grad_accum {bench.batch.grad_accum} "
+             f"(rank 0 of {world} fake ranks: torch {torch.__version__}'s FSDPMemTracker under FakeTensorMode):")
+    out = [title]
+    if lines:
+        out += [pd.DataFrame(lines).to_string(index=False), "the terms of each peak, at the moment it falls:",
+                pd.DataFrame(terms).to_string(index=False)]
+    out += warned + notes
+    if lines:
+        differs = next(t.differs for t in traces if not isinstance(t, str))
+        peak = ("+ the fixed terms, x the fragmentation" if kind == "gpu" else "+ the runtime")
+        out.append(f"traced peak: the traced tensors {peak} as the formula has them; {differs}.")
+    return "\n".join(out)
+
+
+def traced_peak(e: Estimate, t) -> int:
+    """What a run would show with the trace's tensors: RSS on CPU, nvidia-smi's used on GPU."""
+    return e.overhead + int(e.fragmentation * t.peak_bytes)
+
+
+def with_traces(doc: str, rows: list[dict], ests: list, traces: list) -> str:
+    """The JSON document with each configuration's `traced`: the trace (bytes), the terms beside the
+    formula's and the warnings; or {"refused": why}."""
+    from zero_bench.estimate.traced import compare, warnings
+
+    d = json.loads(doc)
+    for entry, r, (_, e), t in zip(d["configs"], rows, ests, traces):
+        if isinstance(t, str):
+            entry["traced"] = {"refused": t}
+            continue
+        cmp = compare(e, t)
+        entry["traced"] = {**t.to_dict(), "peak_bytes_with_fixed_terms": traced_peak(e, t),
+                           "terms": [{"name": c.name, "formula_bytes": c.formula, "traced_bytes": c.traced}
+                                     for c in cmp],
+                           "warnings": warnings(r["config"], cmp, t.peak_bytes)}
+    return json.dumps(d, indent=2)
+
+
+def _mib(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / MiB:,.1f}"
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:+.1f}"
 
 
 def fixed_line(e: Optional[Estimate]) -> str:
