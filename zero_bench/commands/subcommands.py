@@ -193,7 +193,7 @@ def _maxbatch(cfg: DictConfig, inv: Invocation) -> SearchResult:
 
 
 def report(cfg: DictConfig, inv: Invocation) -> int:
-    for p in write_reports(report_from_cfg(cfg)):
+    for p in write_reports(report_from_cfg(cfg), traced=bool(cfg.get("traced", False))):
         print(f"wrote {p}")
     return OK
 

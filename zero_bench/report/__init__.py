@@ -66,9 +66,11 @@ class Report:
         return out
 
 
-def build(runs: str | Path, key: str = "report.runs", options: Optional[ReportConfig] = None) -> Report:
+def build(runs: str | Path, key: str = "report.runs", options: Optional[ReportConfig] = None,
+          traced: bool = False) -> Report:
     """Store(s) -> every table of the report (nothing written); `key` names the input in errors;
-    `options` add the cost columns (price, tokens to train)."""
+    `options` add the cost columns (price, tokens to train); `traced` the traced prediction beside
+    the formula's on the Predicted vs measured sheet (`traced=true`: seconds per configuration)."""
     sources = find_stores(runs)
     if not sources:
         raise ConfigError(f"{key}={runs}: no store (*.sqlite) found there")
@@ -86,7 +88,7 @@ def build(runs: str | Path, key: str = "report.runs", options: Optional[ReportCo
     return Report(summary=summary, trials=trials_frame(loaded), scaling=scaling_frame(summary),
                   environment=environment_frames(env, env_source, peaks, rows, loaded, sources), env=env,
                   breakdown=breakdown_frame(rows), buys=buys_frame(summary), advice=recommend(summary, tokens),
-                  predicted=predicted_frame(rows),
+                  predicted=predicted_frame(rows, traced),
                   assumptions=assumptions(price, tokens))
 
 
@@ -116,9 +118,9 @@ def output_paths(out: str | Path) -> tuple[Path, Path, Path]:
     return Path(f"{base}.xlsx"), Path(f"{base}.csv"), Path(f"{base}.md")
 
 
-def write_reports(opts: ReportConfig) -> list[Path]:
+def write_reports(opts: ReportConfig, traced: bool = False) -> list[Path]:
     """`zero_bench report`: the .xlsx, .csv and .md beside each other; returns their paths."""
-    rep = build(opts.runs, options=opts)
+    rep = build(opts.runs, options=opts, traced=traced)
     sheets = rep.sheets()
     if opts.compare:
         sheets["Compare"] = compare_frame(rep.summary, compare_summary(opts.compare),

@@ -8,6 +8,13 @@ reserved: the CUDA context, NCCL, workspaces) vs the named terms; the device's p
 used) vs the prediction. CPU: the process's runtime before the model vs the estimate's constant,
 the exact model states, the peak live tensors vs the predicted tensors, the peak RSS vs the
 prediction. Every figure is the largest over the configuration's ranks (the estimate is per rank).
+
+With `zero_bench report traced=true`, beside each term the traced prediction names too (the model
+states, the tensors at the peak, and what follows from them: peak RSS, the device's peak) the traced
+one: rank 0 of the configuration's world traced at its measured micro-batch (estimate/traced.py).
+Only when asked: a trace costs seconds per configuration (a 70B model's ~10 s, a sweep's rows add
+up), where the rest of the report is read from the stores; a row the tracer cannot run (DeepSpeed,
+a mixture of experts, ...) says why in its `traced from` cell.
 """
 from __future__ import annotations
 
@@ -23,18 +30,50 @@ from zero_bench.report.tables import estimated_model_states, measured_model_stat
 from zero_bench.units import MiB
 
 COLUMNS = ["config", "micro batch", "term", "predicted MiB", "measured MiB", "error (%)", "predicted from"]
+TRACED_COLUMNS = ["config", "micro batch", "term", "predicted MiB", "traced MiB", "measured MiB", "error (%)",
+                  "traced error (%)", "predicted from", "traced from"]
 
 
-def predicted_frame(rows: list[Row]) -> pd.DataFrame:
-    """One line per term per measured configuration (empty when nothing was measured)."""
+def predicted_frame(rows: list[Row], traced: bool = False) -> pd.DataFrame:
+    """One line per term per measured configuration (empty when nothing was measured); traced: with
+    the traced prediction's column beside the formula's."""
     lines = []
     for r in rows:
         if r.measure is None or not r.max_micro:
             continue
         est = r.estimate()
         if est is not None:
-            lines += _lines(r.label, r.measure, est)
-    return pd.DataFrame(lines, columns=COLUMNS)
+            got = _lines(r.label, r.measure, est)
+            lines += _with_trace(got, r, est) if traced else got
+    return pd.DataFrame(lines, columns=TRACED_COLUMNS if traced else COLUMNS)
+
+
+def _with_trace(lines: list[dict], r: Row, est: Estimate) -> list[dict]:
+    """`lines` with the traced figure of each term the trace names, or why the row is not traced."""
+    from zero_bench.config.schema import BenchConfig, ConfigError
+    from zero_bench.estimate.traced import trace
+
+    t = r.measure
+    try:
+        tr = trace(BenchConfig.from_dict(r.config), t.micro)
+    except ConfigError as exc:
+        return [{**x, "traced from": str(exc)} for x in lines]
+    _, with_grads = measured_model_states(t)
+    states = tr.terms["params"] + tr.terms["optimizer"] + (tr.terms["params"] if with_grads else 0)
+    figures = {"model states (exact count after a step)": states,
+               "tensors at the peak (live)": tr.peak_bytes, "peak RSS": est.overhead + tr.peak_bytes,
+               "allocator peak (torch max allocated)": tr.peak_bytes,
+               "device peak (NVML used, as nvidia-smi)": est.overhead + int(est.fragmentation * tr.peak_bytes)}
+    where = (f"rank 0 of {tr.world} fake ranks, peak in the {tr.phase}, {tr.seconds:.1f} s"
+             + ("" if est.device == "cpu" else "; CPU kernels (estimate/traced.py GPU_DIFFERS)"))
+    out = []
+    for x in lines:
+        v = figures.get(x["term"])
+        measured = None if x["measured MiB"] is None else x["measured MiB"] * MiB
+        out.append({**x, "traced MiB": None if v is None else v / MiB,
+                    "traced error (%)": None if v is None else _error(v, measured),
+                    "traced from": "" if v is None else where})
+    return out
 
 
 def _lines(label: str, t: TrialResult, est: Estimate) -> list[dict]:
