@@ -97,10 +97,10 @@ def test_the_trace_leaves_the_process_as_it_found_it():
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    before = tensor_parallel.checkpoint
+    before, rng = tensor_parallel.checkpoint, torch.get_rng_state()
     trace(bench("model=gpt-tiny", "zero=3", "recompute=full"), 1)
     assert not torch.distributed.is_initialized() and not ps.model_parallel_is_initialized()
-    assert tensor_parallel.checkpoint is before
+    assert tensor_parallel.checkpoint is before and torch.equal(torch.get_rng_state(), rng)
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -183,16 +183,19 @@ def trace_fsdp2(bench: BenchConfig, micro: int) -> Traced:
 def _fake_world(bench: BenchConfig) -> Iterator[None]:
     """torch's fake process group of tp x dp ranks (this process rank 0) and megatron's parallel state
     over it, with the CPU shims; everything put back afterwards (the process group, megatron's
-    state, megatron's checkpoint function)."""
+    state, its RNG tracker and checkpoint function, torch's CPU generator)."""
+    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mrandom
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from zero_bench.models.shims import install_cpu_checkpoint, install_cpu_shims, seed_cpu_rng
 
     tp, dp = bench.parallel.tp, bench.parallel.dp
-    checkpoint = tensor_parallel.checkpoint
+    checkpoint, rng = tensor_parallel.checkpoint, torch.get_rng_state()
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * dp)
     try:
         # no gloo side groups: the fake backend cannot make them (and nothing here reads them)
@@ -204,6 +207,8 @@ def _fake_world(bench: BenchConfig) -> Iterator[None]:
         yield
     finally:
         tensor_parallel.checkpoint = checkpoint
+        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
+        torch.set_rng_state(rng)
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -231,7 +236,7 @@ def _traced_step(bench: BenchConfig, micro: int) -> Traced:
         engine.fully_shard(engine.as_dtype(model, dtype), **kw)
         optimizer, clip = engine.make_optimizer(model, on_cpu=not on_gpu)
         _prime(model, optimizer)
-        tracker = _Tracker(model, optimizer)
+        tracker = _tracker_class()(model, optimizer)
         with _not_propagation(tracker), tracker:
             _step(bench, model, optimizer, clip, micro, tracker)
         moments = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
@@ -261,7 +266,7 @@ def _prime(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _step(bench: BenchConfig, model, optimizer, clip: float, micro: int, tracker: "_Tracker") -> None:
+def _step(bench: BenchConfig, model, optimizer, clip: float, micro: int, tracker) -> None:
     """Fsdp2Engine.step on the worker's batches (trial/worker.py Rank._batch, _causal_mask), without
     reading any value back: grad_accum micro-batches, clipping, AdamW, gradients set to None."""
     import torch
@@ -388,10 +393,6 @@ def _tracker_class():
             return out
 
     return Tracker
-
-
-def _Tracker(model, optimizer):
-    return _tracker_class()(model, optimizer)
 
 
 # -- beside the formula ---------------------------------------------------------------------------
