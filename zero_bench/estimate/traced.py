@@ -183,7 +183,10 @@ def trace_fsdp2(bench: BenchConfig, micro: int) -> Traced:
 def _fake_world(bench: BenchConfig) -> Iterator[None]:
     """torch's fake process group of tp x dp ranks (this process rank 0) and megatron's parallel state
     over it, with the CPU shims; everything put back afterwards (the process group, megatron's
-    state, its RNG tracker and checkpoint function, torch's CPU generator)."""
+    state, its RNG tracker and checkpoint function, torch's CPU generator, and the excepthook
+    init_process_group installs, which would prefix every later traceback with "[rank0]:")."""
+    import sys
+
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -194,7 +197,7 @@ def _fake_world(bench: BenchConfig) -> Iterator[None]:
     from zero_bench.models.shims import install_cpu_checkpoint, install_cpu_shims, seed_cpu_rng
 
     tp, dp = bench.parallel.tp, bench.parallel.dp
-    checkpoint, rng = tensor_parallel.checkpoint, torch.get_rng_state()
+    checkpoint, rng, hook = tensor_parallel.checkpoint, torch.get_rng_state(), sys.excepthook
     tracker = mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * dp)
     try:
@@ -209,6 +212,7 @@ def _fake_world(bench: BenchConfig) -> Iterator[None]:
         tensor_parallel.checkpoint = checkpoint
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
         torch.set_rng_state(rng)
+        sys.excepthook = hook
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         dist.destroy_process_group()
