@@ -11,6 +11,7 @@ import math
 import pytest
 
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.layout import RankLayout
 from zero_bench.estimate import estimate
 from zero_bench.estimate.buffers import deepspeed_buffers, group_partitions
 from zero_bench.estimate.fsdp2 import local_numel, model_states
@@ -237,6 +238,6 @@ def test_the_gpu_estimate_counts_the_expert_groups_communicators():
     """ep > 1 adds the expert-parallel group (all-to-all) and the expert-data-parallel group."""
     from zero_bench.estimate.gpu import communicators
 
-    assert communicators(1, 8) == [8, 8]
-    assert communicators(1, 8, 2) == [8, 8, 2, 4]
-    assert communicators(1, 2, 2) == [2, 2, 2]  # the expert-data-parallel group of one needs no buffers
+    assert communicators(RankLayout(dp=8)) == [8, 8]
+    assert communicators(RankLayout(dp=8, ep=2)) == [8, 8, 2, 4]
+    assert communicators(RankLayout(dp=2, ep=2)) == [2, 2, 2]  # the expert-data-parallel group of one needs no buffers

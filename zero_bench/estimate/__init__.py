@@ -276,9 +276,8 @@ def fixed_terms(bench: BenchConfig) -> dict:
                 "calibration": cal.said}
     if cal is not None and cal.context_bytes is not None:
         return calibrated_gpu_terms(bench, cal)
-    loading, tp, dp = bench.hardware.cuda_module_loading, bench.parallel.tp, bench.parallel.dp
-    ep = bench.parallel.ep
-    high, low = outside_allocator(loading, tp, dp, 1, ep), outside_allocator(loading, tp, dp, 0, ep)
+    loading, layout = bench.hardware.cuda_module_loading, bench.layout
+    high, low = outside_allocator(loading, layout, 1), outside_allocator(loading, layout, 0)
     # cuBLAS's workspaces live inside the allocator but are there from the first matmul on, whatever
     # the batch: they are counted with the fixed terms
     ws = CUBLAS_HANDLES * CUBLAS_WORKSPACE
@@ -293,7 +292,7 @@ def calibrated_gpu_terms(bench: BenchConfig, cal: Calibration) -> dict:
     communicator of each size calibrated (a size not calibrated: its published figure), cuBLAS's
     workspaces, and the fragmentation where the calibration ran this model and stage."""
     nccl = {"calibrated": 0, "published": 0}
-    for n in communicators(bench.parallel.tp, bench.parallel.dp, bench.parallel.ep):
+    for n in communicators(bench.layout):
         got = cal.nccl_bytes.get(str(n))
         nccl["published" if got is None else "calibrated"] += communicator_bytes(n) if got is None else got
     ws = CUBLAS_HANDLES * CUBLAS_WORKSPACE if cal.cublas_workspace_bytes is None else cal.cublas_workspace_bytes
