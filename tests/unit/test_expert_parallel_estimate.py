@@ -12,8 +12,9 @@ import pytest
 
 from zero_bench.config.configure import compose, from_cfg
 from zero_bench.config.layout import RankLayout
+from zero_bench.errors import ConfigError
 from zero_bench.estimate import estimate
-from zero_bench.estimate.buffers import deepspeed_buffers, group_partitions
+from zero_bench.estimate.buffers import deepspeed_buffers
 from zero_bench.estimate.fsdp2 import local_numel, model_states
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.estimate.table import estimate_report
@@ -90,7 +91,8 @@ def deepspeed_expected(zero: int, dp: int, ep: int, precision: str) -> dict:
 @pytest.mark.parametrize("dp, ep", [(2, 1), (2, 2), (4, 2), (4, 4), (8, 2)])
 def test_deepspeed_states_per_rank(zero, precision, dp, ep):
     want = deepspeed_expected(zero, dp, ep, precision)
-    got = model_states_bytes(DENSE + EXPERTS, zero, dp, precision=precision, ep=ep, expert_params=EXPERTS)
+    got = model_states_bytes(DENSE + EXPERTS, zero, RankLayout(dp=dp, ep=ep), precision=precision,
+                             expert_params=EXPERTS)
     assert {k: getattr(got, k) for k in want} == want
     assert got.device == want["params"] + want["grads"] + want["optimizer"] and got.host == 0
     e = estimate(bench(f"zero={zero}", f"precision={precision}", f"parallel.dp={dp}", f"parallel.ep={ep}"))
@@ -110,8 +112,8 @@ def test_deepspeed_ep2_moe_tiny_in_bytes():
 def test_deepspeed_ep_1_is_todays(zero):
     """ep=1 (expert_params given or not) is the formula as before: moe-tiny bf16, dp 2."""
     n = DENSE + EXPERTS
-    today = model_states_bytes(n, zero, 2, precision="bf16")
-    assert model_states_bytes(n, zero, 2, precision="bf16", ep=1, expert_params=EXPERTS) == today
+    today = model_states_bytes(n, zero, RankLayout(dp=2), precision="bf16")
+    assert model_states_bytes(n, zero, RankLayout(dp=2, ep=1), precision="bf16", expert_params=EXPERTS) == today
     grads = 14_963_200 if zero == 1 else 7_481_600
     assert (today.params, today.master, today.moments, today.grads) == (14_963_200, 14_963_200,
                                                                                   29_926_400, grads)
@@ -121,22 +123,22 @@ def test_deepspeed_ep_1_is_todays(zero):
 def test_deepspeed_offload_and_refusals():
     """offload_optimizer: the master, moments and the fp32 gradient partition on the host, each the
     rank's partition; ep must divide dp."""
-    s = model_states_bytes(DENSE + EXPERTS, 2, 4, precision="bf16", offload_optimizer=True, ep=2,
+    s = model_states_bytes(DENSE + EXPERTS, 2, RankLayout(dp=4, ep=2), precision="bf16", offload_optimizer=True,
                            expert_params=EXPERTS)
     part = partition(4, 2)
     assert (s.device, s.host, s.grads) == (2 * local(2), 16 * part, 4 * part)
     e = estimate(bench("zero=1", "precision=bf16", "parallel.dp=4", "parallel.ep=2", "offload=true"))
     assert e._dev_grads() == 2 * local(2)  # the 16-bit gradients; the fp32 partition is on the host
-    with pytest.raises(ValueError, match="^ep=2: must be >= 1 and divide dp=3"):
-        model_states_bytes(DENSE + EXPERTS, 2, 3, ep=2, expert_params=EXPERTS)
+    with pytest.raises(ConfigError, match="^parallel.ep=2: must divide parallel.dp=3"):
+        RankLayout(dp=3, ep=2)
 
 
 def test_deepspeed_buffers_per_param_group():
     """The experts are their own param group: ZeRO-1's fp32 gradient partition holds both groups'
     partitions; the step flattens (and torch Adam updates) one group at a time: the larger one.
     deepspeed.initialize flattens one group at a time: the model plus the larger group."""
-    assert group_partitions(model("moe-tiny"), 2, 1, 2) == [DENSE // 2, EXPERTS // 2]
-    assert group_partitions(model("moe-tiny"), 4, 1, 1) == [(DENSE + EXPERTS) // 4]
+    assert RankLayout(dp=2, ep=2, model=model("moe-tiny")).zero_partitions == [DENSE // 2, EXPERTS // 2]
+    assert RankLayout(dp=4, model=model("moe-tiny")).zero_partitions == [(DENSE + EXPERTS) // 4]
     b = bench("zero=1", "precision=bf16", "parallel.dp=2", "parallel.ep=2")
     buf = {k: v["bytes"] for k, v in deepspeed_buffers(b).items()}
     assert buf["grad_partition_fp32"] == 4 * partition(2, 2)
