@@ -175,7 +175,7 @@ def fsdp2_expected(dp: int, ep: int, precision: str) -> dict:
 @pytest.mark.parametrize("dp, ep", [(2, 1), (2, 2), (4, 2), (6, 2), (8, 4)])
 def test_fsdp2_states_per_rank(precision, dp, ep):
     want = fsdp2_expected(dp, ep, precision)
-    got = model_states(model("moe-tiny"), dp, 1, precision, ep=ep)
+    got = model_states(RankLayout(dp=dp, ep=ep, model=model("moe-tiny")), precision)
     assert {k: getattr(got, k) for k in want} == want
     if dp in (2, 4, 8):  # bench needs the group sizes the config allows (dp_shard None)
         e = estimate(bench("engine=fsdp2", "zero=3", f"precision={precision}", f"parallel.dp={dp}",
@@ -191,7 +191,7 @@ def test_fsdp2_ep2_moe_tiny_in_bytes():
     tensors = len(ROOT) + L * (len(LAYER_DENSE) + E // 2 * len(EXPERT))
     assert (s.params, s.master, s.moments, s.grads) == (0, 4 * part, 8 * part + 4 * tensors, 4 * part)
     assert (s.master, s.moments) == (14_963_200, 29_926_620)
-    today = model_states(model("moe-tiny"), 2, 1, "bf16")
+    today = model_states(RankLayout(dp=2, model=model("moe-tiny")), "bf16")
     assert (today.master, today.moments) == (14_963_200, 29_926_748)  # ep 1: 32 more tensors' step
 
 
@@ -199,7 +199,7 @@ def test_fsdp2_ep2_moe_tiny_in_bytes():
 def test_fsdp2_unpadded_shards_add_up_to_the_model(dp, ep):
     """numel_local as engines/fsdp2.count_states reports it: over the dp ranks, every parameter once."""
     m = model("moe-tiny")
-    assert sum(local_numel(m, dp, 1, ep, r) for r in range(dp)) == num_params(m)
+    assert sum(local_numel(RankLayout(dp=dp, ep=ep, model=m), r) for r in range(dp)) == num_params(m)
 
 
 def test_fsdp2_gathered_layer_holds_the_local_experts():

@@ -71,7 +71,8 @@ def test_deepspeed_states_per_parameter():
 
 def test_fsdp2_pure_bf16_holds_half_of_everything():
     m = model("llama-tiny")
-    mixed, pure = model_states(m, 2, precision="bf16"), model_states(m, 2, precision="bf16", states="bf16")
+    two = RankLayout(dp=2, model=m)
+    mixed, pure = model_states(two, precision="bf16"), model_states(two, precision="bf16", states="bf16")
     assert pure.master == 0 and pure.params == mixed.master // 2 and pure.grads == mixed.grads // 2
     steps = 4 * len(params(m))  # AdamW's fp32 step counter per tensor
     assert pure.moments - steps == (mixed.moments - steps) // 2
