@@ -18,8 +18,7 @@ from zero_bench.estimate.buffers import deepspeed_buffers
 from zero_bench.estimate.fsdp2 import local_numel, model_states
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.estimate.table import estimate_report
-from zero_bench.models.params import (dense_params, num_params, params, params_per_shard, routed_expert_params,
-                                      split_numels)
+from zero_bench.models.params import dense_params, num_params, params, params_per_shard, routed_expert_params
 from zero_bench.report.tables import estimate_or_error, setup_of
 
 from conftest import model
@@ -57,22 +56,26 @@ def test_moe_tiny_shape_arithmetic():
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
 def test_a_rank_holds_the_dense_params_and_its_experts(ep):
     m = model("moe-tiny")
-    assert params_per_shard(m, 1, ep) == local(ep) == sum(p.numel for p in params(m, 1, ep))
-    assert split_numels(m, 1, ep) == (DENSE, EXPERTS // ep)
-    assert (dense_params(m, 1), routed_expert_params(m, 1, ep)) == (DENSE, EXPERTS // ep)
-    names = [p.name for p in params(m, 1, ep) if p.expert]
+    layout = RankLayout(dp=ep, ep=ep, model=m)
+    assert layout.experts_per_rank == E // ep
+    assert layout.held_params == local(ep) == sum(p.numel for p in layout.params)
+    assert (layout.dense_params, layout.held_expert_params) == (DENSE, EXPERTS // ep)
+    assert (layout.tp_shard_params, layout.tp_shard_expert_params) == (DENSE + EXPERTS, EXPERTS)
+    assert (dense_params(m, 1), routed_expert_params(m, 1, experts=E // ep)) == (DENSE, EXPERTS // ep)
+    names = [p.name for p in layout.params if p.expert]
     assert len(names) == L * (E // ep) * len(EXPERT) and all(".mlp.experts.local_experts." in n for n in names)
     assert {int(n.split("local_experts.")[1].split(".")[0]) for n in names} == set(range(E // ep))
-    assert not any(p.expert for p in params(m, 1, ep) if "local_experts" not in p.name)
+    assert not any(p.expert for p in layout.params if "local_experts" not in p.name)
 
 
 def test_ep_1_is_todays_list_and_ep_must_divide_the_experts():
     m = model("moe-tiny")
-    assert params(m, 1, 1) == params(m) and params_per_shard(m, 1, 1) == params_per_shard(m, 1) == 7_481_600
+    one = RankLayout(model=m)
+    assert list(one.params) == params(m) and one.held_params == params_per_shard(m, 1) == 7_481_600
     assert local(2) == 4_335_872
     for bad, mm in ((3, m), (2, model("llama-tiny"))):
-        with pytest.raises(ValueError, match=f"^ep={bad}: "):
-            params(mm, 1, bad)
+        with pytest.raises(ConfigError, match=f"^parallel.ep={bad}: "):
+            RankLayout(dp=bad, ep=bad, model=mm)
     assert routed_expert_params(model("llama-tiny"), 1) == 0
 
 

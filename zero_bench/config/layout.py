@@ -193,7 +193,7 @@ class RankLayout:
         built once per layout."""
         if self.model is None:
             raise ValueError("RankLayout.params: the layout has no model")
-        return tuple(param_list(self.model, self.tp, self.ep))
+        return tuple(param_list(self.model, self.tp, experts=self.experts_per_rank))
 
     @functools.cached_property
     def _split(self) -> tuple[int, int]:
