@@ -188,7 +188,7 @@ if ran && [ "$RC" = 0 ]; then
   step calibrated "$OUT/estimate.log" "${ZB[@]}" estimate $HW $DP $MODEL zero=1 "store=$STORE"
   if ran; then
     if [ "$RC" = 0 ] && grep -q "calibrated on" "$OUT/estimate.log"; then
-      say PASS calibrated "$(grep -o 'calibrated on[^;)]*' "$OUT/estimate.log" | head -n 1)"
+      say PASS calibrated "$(grep -o 'calibrated on[^;]*' "$OUT/estimate.log" | head -n 1)"
     else say FAIL calibrated "the estimate does not use the calibration: $(head -c 300 "$OUT/estimate.log")"; fi
   fi
 elif ran; then

@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.estimate import CPU_RANK_OVERHEAD, estimate
 from zero_bench.estimate.fsdp2 import model_states
 from zero_bench.records import Entry
@@ -173,7 +174,7 @@ def test_fsdp2_model_states_are_exact(measured, name):
     e = estimate(b)
     for rank in res[MICROS[0]].ranks:
         ms = rank.model_states
-        want = model_states(b.model, b.parallel.dp, rank=rank.rank)
+        want = model_states(RankLayout(dp=b.parallel.dp, model=b.model), rank=rank.rank)
         assert (ms["params"], ms["master"], ms["optimizer"], ms["grads_at_step"]) == (
             want.params, want.master, want.moments, want.grads)
         # the step's gradients are freed: what persists is the estimate's 12P/dp, to the byte on rank 0

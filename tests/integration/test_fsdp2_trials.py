@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import ParallelConfig
 from zero_bench.estimate import estimate
 from zero_bench.estimate.fsdp2 import model_states
@@ -105,7 +106,7 @@ def test_model_states_are_the_estimates_to_the_byte(runs, name):
     cfg, res, _ = runs[0][name]
     dp, tp = cfg.parallel.dp, cfg.parallel.tp
     for r in res.ranks:
-        want = model_states(cfg.model, dp, tp, cfg.precision, cfg.offload, rank=r.rank % dp)
+        want = model_states(RankLayout(tp=tp, dp=dp, model=cfg.model), cfg.precision, cfg.offload, rank=r.rank % dp)
         got = r.model_states
         assert (got["params"], got["master"], got["optimizer"]) == (want.params, want.master, want.moments)
         assert got["grads"] == 0 and got["grads_at_step"] == want.grads  # freed after the step, as ZeRO's

@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import HardwareConfig, ParallelConfig, SearchConfig
 from zero_bench.estimate import estimate, seed_micro
 from zero_bench.estimate.fsdp2 import local_numel as fsdp2_local_numel
@@ -206,9 +207,10 @@ def local_numel(cfg, rank: int) -> int:
     """The parameters one rank holds, from params.py: FSDP2 its shards (ep > 1: of its own experts),
     ZeRO-3 a dp-th, ZeRO 0-2 the whole local model (ep > 1: dense + its experts)."""
     tp, dp, ep = cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.ep
+    layout = RankLayout(tp=tp, dp=dp, ep=ep, model=MOE_TINY)
     if cfg.engine == "fsdp2":
-        return fsdp2_local_numel(MOE_TINY, dp, tp, ep, rank)
-    return num_params(MOE_TINY) // dp if cfg.zero == 3 else params_per_shard(MOE_TINY, tp, ep)
+        return fsdp2_local_numel(layout, rank)
+    return num_params(MOE_TINY) // dp if cfg.zero == 3 else layout.held_params
 
 
 def test_moe_states_are_every_experts_and_peaks_near_the_estimate(moe_trials):
@@ -232,7 +234,7 @@ def test_moe_states_are_every_experts_and_peaks_near_the_estimate(moe_trials):
             assert live == pytest.approx(sum(measured) / len(measured), rel=0.06), (name, live, measured)
     for name, ep in (("fsdp2", 1), ("fsdp2_ep2", 2)):
         states = moe_trials[name][1].ranks[0].model_states
-        want = fsdp2_states(MOE_TINY, 2, ep=ep)
+        want = fsdp2_states(RankLayout(dp=2, ep=ep, model=MOE_TINY))
         assert (states["params"], states["optimizer"]) == (want.params, want.moments), name
     for name in ("zero1_ep2", "zero2_ep2"):  # the estimate's: exact but Adam's 4-byte step per group
         cfg, res = moe_trials[name]

@@ -158,7 +158,7 @@ def test_another_card_or_module_loading_gets_the_published_ranges(gpus, hw):
 
 
 def calibration_free(b) -> int:
-    return outside_allocator(b.hardware.cuda_module_loading, b.parallel.tp, b.parallel.dp, 1).total + CUBLAS_HANDLES * CUBLAS_WORKSPACE
+    return outside_allocator(b.hardware.cuda_module_loading, b.layout, 1).total + CUBLAS_HANDLES * CUBLAS_WORKSPACE
 
 
 def test_a_group_size_not_calibrated_keeps_its_published_figure(gpus):

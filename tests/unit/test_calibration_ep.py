@@ -22,7 +22,7 @@ def result(ranks) -> TrialResult:
 
 def test_the_expert_groups_nccl_bytes_leave_the_context_term_once():
     b = bench("parallel.dp=4", "parallel.ep=2")
-    assert communicators(1, 4, 2) == [4, 4, 2, 2]  # world, data-parallel, expert-parallel, expert-data-parallel
+    assert communicators(b.layout) == [4, 4, 2, 2]  # world, data-parallel, expert-parallel, expert-data-parallel
     ranks = [RankRecord(rank=r, event=Event.END, runtime_bytes=700 * MiB, context_bytes=300 * MiB,
                         nccl_world_bytes=100 * MiB, cublas_workspace_bytes=64 * MiB, outside_bytes=1000 * MiB,
                         torch_peak_allocated=100 * MiB, torch_peak_reserved=110 * MiB) for r in range(4)]

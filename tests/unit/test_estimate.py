@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig
 from zero_bench.errors import ConfigError
 from zero_bench.estimate import (GiB, MiB, activation_bytes_per_sample, deepspeed_buffers, estimate,
@@ -38,50 +39,53 @@ def bench(model="gpt-small", zero=2, dp=2, precision="fp32", micro=1, **hw) -> B
 @pytest.mark.parametrize("stage,expected", [(0, 16 * P), (1, 4 * P + 12 * P // 8), (2, 2 * P + 14 * P // 8),
                                             (3, 16 * P // 8)])
 def test_mixed_precision_totals(stage, expected):
-    s = model_states_bytes(P, stage, dp=8, precision="bf16")
+    s = model_states_bytes(P, stage, RankLayout(dp=8), precision="bf16")
     assert s.device == expected and s.host == 0
     assert s.params + s.grads + s.optimizer == expected
 
 
 def test_paper_example_7_5b_on_64_gpus():
     # ZeRO paper, Figure 1: 7.5B parameters, Nd = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
-    got = [model_states_bytes(7.5e9, z, 64, precision="fp16").device / 1e9 for z in range(4)]
+    got = [model_states_bytes(7.5e9, z, RankLayout(dp=64), precision="fp16").device / 1e9 for z in range(4)]
     assert got == pytest.approx([120, 31.4, 16.6, 1.875], abs=0.05)
 
 
 def test_mixed_split():
-    s = model_states_bytes(P, 2, dp=4, precision="bf16")
+    s = model_states_bytes(P, 2, RankLayout(dp=4), precision="bf16")
     assert (s.params, s.grads, s.master, s.moments) == (2 * P, P // 2, P, 2 * P)
 
 
 @pytest.mark.parametrize("stage,expected", [(0, 16 * P), (1, 8 * P + 12 * P // 2), (2, 4 * P + 16 * P // 2),
                                             (3, 20 * P // 2)])
 def test_fp32_totals(stage, expected):
-    assert model_states_bytes(P, stage, dp=2, precision="fp32").device == expected
+    assert model_states_bytes(P, stage, RankLayout(dp=2), precision="fp32").device == expected
 
 
 def test_fp32_field_notes_77_7m():
     # field notes: 77.7M params, DP=2, after the step (gradients freed): 889 / 741 / 741 MiB
     n = 77.7e6
-    after = lambda z: (lambda s: (s.device - s.grads) / MiB)(model_states_bytes(n, z, 2, precision="fp32"))  # noqa: E731
+    after = lambda z: (lambda s: (s.device - s.grads) / MiB)(model_states_bytes(n, z, RankLayout(dp=2), precision="fp32"))  # noqa: E731
     assert after(0) == pytest.approx(889, abs=1)
     assert after(1) == pytest.approx(741, abs=1)
     assert after(2) == pytest.approx(741, abs=1)
 
 
-def test_tp_divides_num_params():
-    assert model_states_bytes(8 * P, 3, dp=2, tp=4, precision="bf16") == model_states_bytes(2 * P, 3, 2, 1, "bf16")
+def test_num_params_is_one_tp_shards():
+    """num_params is P, one tensor-parallel shard's (the paper's: the whole model's / tp): the
+    layout's tp divides nothing again."""
+    at_tp4 = model_states_bytes(8 * P / 4, 3, RankLayout(tp=4, dp=2), precision="bf16")
+    assert at_tp4 == model_states_bytes(2 * P, 3, RankLayout(dp=2), "bf16")
 
 
 def test_offload():
     # ZeRO-2 + offload, bf16, dp=4: device keeps 2P params; host 12P/4 optimizer + 4P/4 fp32 grads
-    s = model_states_bytes(P, 2, dp=4, precision="bf16", offload_optimizer=True)
+    s = model_states_bytes(P, 2, RankLayout(dp=4), precision="bf16", offload_optimizer=True)
     assert s.device == 2 * P and s.host == 3 * P + P
     # ZeRO-3 + offload params too: nothing persistent on the device
-    s = model_states_bytes(P, 3, dp=4, precision="bf16", offload_optimizer=True, offload_param=True)
+    s = model_states_bytes(P, 3, RankLayout(dp=4), precision="bf16", offload_optimizer=True, offload_param=True)
     assert s.device == 0 and s.host == P // 2 + 3 * P + P
     # ZeRO-1 + offload: the full bf16 gradients stay on the device
-    s = model_states_bytes(P, 1, dp=4, precision="bf16", offload_optimizer=True)
+    s = model_states_bytes(P, 1, RankLayout(dp=4), precision="bf16", offload_optimizer=True)
     assert s.device == 4 * P and s.host == 4 * P
 
 

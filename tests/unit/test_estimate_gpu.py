@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.layout import RankLayout
 from zero_bench.estimate import estimate, gpu
 from zero_bench.units import MiB
 
@@ -15,11 +16,11 @@ def seed_row(*overrides):
 
 
 def test_communicators_a_rank_joins():
-    assert gpu.communicators(1, 8) == [8, 8]  # the world and the data-parallel group (a group of its own)
-    assert gpu.communicators(8, 1) == [8, 8]  # the world and the tensor-parallel group
-    assert gpu.communicators(2, 2) == [4, 2, 2]
-    assert gpu.communicators(1, 1) == []
-    assert gpu.nccl_bytes(1, 2) == 2 * 544 * 10**6 and gpu.nccl_bytes(1, 8) == 2 * 688 * 10**6
+    assert gpu.communicators(RankLayout(dp=8)) == [8, 8]  # the world and the data-parallel group (a group of its own)
+    assert gpu.communicators(RankLayout(tp=8)) == [8, 8]  # the world and the tensor-parallel group
+    assert gpu.communicators(RankLayout(tp=2, dp=2)) == [4, 2, 2]
+    assert gpu.communicators(RankLayout()) == []
+    assert gpu.nccl_bytes(RankLayout(dp=2)) == 2 * 544 * 10**6 and gpu.nccl_bytes(RankLayout(dp=8)) == 2 * 688 * 10**6
 
 
 def test_module_loading_sets_the_context_and_both_ends_answer():

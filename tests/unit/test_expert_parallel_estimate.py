@@ -11,13 +11,14 @@ import math
 import pytest
 
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.layout import RankLayout
+from zero_bench.errors import ConfigError
 from zero_bench.estimate import estimate
-from zero_bench.estimate.buffers import deepspeed_buffers, group_partitions
+from zero_bench.estimate.buffers import deepspeed_buffers
 from zero_bench.estimate.fsdp2 import local_numel, model_states
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.estimate.table import estimate_report
-from zero_bench.models.params import (dense_params, num_params, params, params_per_shard, routed_expert_params,
-                                      split_numels)
+from zero_bench.models.params import dense_params, num_params, params, params_per_shard, routed_expert_params
 from zero_bench.report.tables import estimate_or_error, setup_of
 
 from conftest import model
@@ -55,22 +56,26 @@ def test_moe_tiny_shape_arithmetic():
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
 def test_a_rank_holds_the_dense_params_and_its_experts(ep):
     m = model("moe-tiny")
-    assert params_per_shard(m, 1, ep) == local(ep) == sum(p.numel for p in params(m, 1, ep))
-    assert split_numels(m, 1, ep) == (DENSE, EXPERTS // ep)
-    assert (dense_params(m, 1), routed_expert_params(m, 1, ep)) == (DENSE, EXPERTS // ep)
-    names = [p.name for p in params(m, 1, ep) if p.expert]
+    layout = RankLayout(dp=ep, ep=ep, model=m)
+    assert layout.experts_per_rank == E // ep
+    assert layout.held_params == local(ep) == sum(p.numel for p in layout.params)
+    assert (layout.dense_params, layout.held_expert_params) == (DENSE, EXPERTS // ep)
+    assert (layout.tp_shard_params, layout.tp_shard_expert_params) == (DENSE + EXPERTS, EXPERTS)
+    assert (dense_params(m, 1), routed_expert_params(m, 1, experts=E // ep)) == (DENSE, EXPERTS // ep)
+    names = [p.name for p in layout.params if p.expert]
     assert len(names) == L * (E // ep) * len(EXPERT) and all(".mlp.experts.local_experts." in n for n in names)
     assert {int(n.split("local_experts.")[1].split(".")[0]) for n in names} == set(range(E // ep))
-    assert not any(p.expert for p in params(m, 1, ep) if "local_experts" not in p.name)
+    assert not any(p.expert for p in layout.params if "local_experts" not in p.name)
 
 
 def test_ep_1_is_todays_list_and_ep_must_divide_the_experts():
     m = model("moe-tiny")
-    assert params(m, 1, 1) == params(m) and params_per_shard(m, 1, 1) == params_per_shard(m, 1) == 7_481_600
+    one = RankLayout(model=m)
+    assert list(one.params) == params(m) and one.held_params == params_per_shard(m, 1) == 7_481_600
     assert local(2) == 4_335_872
     for bad, mm in ((3, m), (2, model("llama-tiny"))):
-        with pytest.raises(ValueError, match=f"^ep={bad}: "):
-            params(mm, 1, bad)
+        with pytest.raises(ConfigError, match=f"^parallel.ep={bad}: "):
+            RankLayout(dp=bad, ep=bad, model=mm)
     assert routed_expert_params(model("llama-tiny"), 1) == 0
 
 
@@ -89,7 +94,8 @@ def deepspeed_expected(zero: int, dp: int, ep: int, precision: str) -> dict:
 @pytest.mark.parametrize("dp, ep", [(2, 1), (2, 2), (4, 2), (4, 4), (8, 2)])
 def test_deepspeed_states_per_rank(zero, precision, dp, ep):
     want = deepspeed_expected(zero, dp, ep, precision)
-    got = model_states_bytes(DENSE + EXPERTS, zero, dp, precision=precision, ep=ep, expert_params=EXPERTS)
+    got = model_states_bytes(DENSE + EXPERTS, zero, RankLayout(dp=dp, ep=ep), precision=precision,
+                             expert_params=EXPERTS)
     assert {k: getattr(got, k) for k in want} == want
     assert got.device == want["params"] + want["grads"] + want["optimizer"] and got.host == 0
     e = estimate(bench(f"zero={zero}", f"precision={precision}", f"parallel.dp={dp}", f"parallel.ep={ep}"))
@@ -109,8 +115,8 @@ def test_deepspeed_ep2_moe_tiny_in_bytes():
 def test_deepspeed_ep_1_is_todays(zero):
     """ep=1 (expert_params given or not) is the formula as before: moe-tiny bf16, dp 2."""
     n = DENSE + EXPERTS
-    today = model_states_bytes(n, zero, 2, precision="bf16")
-    assert model_states_bytes(n, zero, 2, precision="bf16", ep=1, expert_params=EXPERTS) == today
+    today = model_states_bytes(n, zero, RankLayout(dp=2), precision="bf16")
+    assert model_states_bytes(n, zero, RankLayout(dp=2, ep=1), precision="bf16", expert_params=EXPERTS) == today
     grads = 14_963_200 if zero == 1 else 7_481_600
     assert (today.params, today.master, today.moments, today.grads) == (14_963_200, 14_963_200,
                                                                                   29_926_400, grads)
@@ -120,22 +126,22 @@ def test_deepspeed_ep_1_is_todays(zero):
 def test_deepspeed_offload_and_refusals():
     """offload_optimizer: the master, moments and the fp32 gradient partition on the host, each the
     rank's partition; ep must divide dp."""
-    s = model_states_bytes(DENSE + EXPERTS, 2, 4, precision="bf16", offload_optimizer=True, ep=2,
+    s = model_states_bytes(DENSE + EXPERTS, 2, RankLayout(dp=4, ep=2), precision="bf16", offload_optimizer=True,
                            expert_params=EXPERTS)
     part = partition(4, 2)
     assert (s.device, s.host, s.grads) == (2 * local(2), 16 * part, 4 * part)
     e = estimate(bench("zero=1", "precision=bf16", "parallel.dp=4", "parallel.ep=2", "offload=true"))
     assert e._dev_grads() == 2 * local(2)  # the 16-bit gradients; the fp32 partition is on the host
-    with pytest.raises(ValueError, match="^ep=2: must be >= 1 and divide dp=3"):
-        model_states_bytes(DENSE + EXPERTS, 2, 3, ep=2, expert_params=EXPERTS)
+    with pytest.raises(ConfigError, match="^parallel.ep=2: must divide parallel.dp=3"):
+        RankLayout(dp=3, ep=2)
 
 
 def test_deepspeed_buffers_per_param_group():
     """The experts are their own param group: ZeRO-1's fp32 gradient partition holds both groups'
     partitions; the step flattens (and torch Adam updates) one group at a time: the larger one.
     deepspeed.initialize flattens one group at a time: the model plus the larger group."""
-    assert group_partitions(model("moe-tiny"), 2, 1, 2) == [DENSE // 2, EXPERTS // 2]
-    assert group_partitions(model("moe-tiny"), 4, 1, 1) == [(DENSE + EXPERTS) // 4]
+    assert RankLayout(dp=2, ep=2, model=model("moe-tiny")).zero_partitions == [DENSE // 2, EXPERTS // 2]
+    assert RankLayout(dp=4, model=model("moe-tiny")).zero_partitions == [(DENSE + EXPERTS) // 4]
     b = bench("zero=1", "precision=bf16", "parallel.dp=2", "parallel.ep=2")
     buf = {k: v["bytes"] for k, v in deepspeed_buffers(b).items()}
     assert buf["grad_partition_fp32"] == 4 * partition(2, 2)
@@ -172,7 +178,7 @@ def fsdp2_expected(dp: int, ep: int, precision: str) -> dict:
 @pytest.mark.parametrize("dp, ep", [(2, 1), (2, 2), (4, 2), (6, 2), (8, 4)])
 def test_fsdp2_states_per_rank(precision, dp, ep):
     want = fsdp2_expected(dp, ep, precision)
-    got = model_states(model("moe-tiny"), dp, 1, precision, ep=ep)
+    got = model_states(RankLayout(dp=dp, ep=ep, model=model("moe-tiny")), precision)
     assert {k: getattr(got, k) for k in want} == want
     if dp in (2, 4, 8):  # bench needs the group sizes the config allows (dp_shard None)
         e = estimate(bench("engine=fsdp2", "zero=3", f"precision={precision}", f"parallel.dp={dp}",
@@ -188,7 +194,7 @@ def test_fsdp2_ep2_moe_tiny_in_bytes():
     tensors = len(ROOT) + L * (len(LAYER_DENSE) + E // 2 * len(EXPERT))
     assert (s.params, s.master, s.moments, s.grads) == (0, 4 * part, 8 * part + 4 * tensors, 4 * part)
     assert (s.master, s.moments) == (14_963_200, 29_926_620)
-    today = model_states(model("moe-tiny"), 2, 1, "bf16")
+    today = model_states(RankLayout(dp=2, model=model("moe-tiny")), "bf16")
     assert (today.master, today.moments) == (14_963_200, 29_926_748)  # ep 1: 32 more tensors' step
 
 
@@ -196,7 +202,7 @@ def test_fsdp2_ep2_moe_tiny_in_bytes():
 def test_fsdp2_unpadded_shards_add_up_to_the_model(dp, ep):
     """numel_local as engines/fsdp2.count_states reports it: over the dp ranks, every parameter once."""
     m = model("moe-tiny")
-    assert sum(local_numel(m, dp, 1, ep, r) for r in range(dp)) == num_params(m)
+    assert sum(local_numel(RankLayout(dp=dp, ep=ep, model=m), r) for r in range(dp)) == num_params(m)
 
 
 def test_fsdp2_gathered_layer_holds_the_local_experts():
@@ -237,6 +243,6 @@ def test_the_gpu_estimate_counts_the_expert_groups_communicators():
     """ep > 1 adds the expert-parallel group (all-to-all) and the expert-data-parallel group."""
     from zero_bench.estimate.gpu import communicators
 
-    assert communicators(1, 8) == [8, 8]
-    assert communicators(1, 8, 2) == [8, 8, 2, 4]
-    assert communicators(1, 2, 2) == [2, 2, 2]  # the expert-data-parallel group of one needs no buffers
+    assert communicators(RankLayout(dp=8)) == [8, 8]
+    assert communicators(RankLayout(dp=8, ep=2)) == [8, 8, 2, 4]
+    assert communicators(RankLayout(dp=2, ep=2)) == [2, 2, 2]  # the expert-data-parallel group of one needs no buffers

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import CONF_DIR, ConfigError
 from zero_bench.estimate import estimate
 from zero_bench.estimate.fsdp2 import groups, layer_phases, model_states
@@ -80,7 +81,7 @@ MEASURED_STATES = {"gpt-tiny": (339_456, 679_024, 339_456), "gpt-mini": (10_644_
 def test_model_states_are_the_measured_bytes(name, precision):
     held, optimizer, grads = MEASURED_STATES[name]
     for rank in (0, 1):
-        s = model_states(model(name), dp=2, precision=precision, rank=rank)
+        s = model_states(RankLayout(dp=2, model=model(name)), precision=precision, rank=rank)
         assert (s.params + s.master, s.moments, s.grads) == (held, optimizer, grads)
         assert (s.params == 0) == (precision == "bf16")  # no 16-bit copy persists
     e = estimate(cpu_cfg(name, engine="fsdp2", zero=3, precision=precision))
@@ -90,10 +91,11 @@ def test_model_states_are_the_measured_bytes(name, precision):
 
 def test_shards_are_padded_to_whole_rows_and_offload_moves_them_all():
     m = dataclasses.replace(model("gpt-tiny"), seq_len=7)  # the position table's 7 rows do not split evenly
-    r0, r1 = (model_states(m, dp=2, rank=r) for r in (0, 1))
+    two = RankLayout(dp=2, model=m)
+    r0, r1 = (model_states(two, rank=r) for r in (0, 1))
     assert r0.grads == r1.grads  # padded to ceil(7/2) rows on both
     assert r0.moments - r1.moments == 8 * m.hidden_size  # AdamW's state covers the real rows only
-    off = model_states(m, dp=2, offload=True)
+    off = model_states(two, offload=True)
     assert off.device == 0 and off.host == r0.device
 
 
@@ -106,7 +108,7 @@ def test_every_family_is_estimated_from_the_one_parameter_list(name):
     were a second copy of GPT's. Now they are models/params.py's: each layer its own group, the
     rest in the root, and the states at dp 8 are 16 bytes per parameter over 8 (+ padding)."""
     m = model(name)
-    g = groups(m)
+    g = groups(RankLayout(model=m))
     assert list(g) == ["root"] + [f"layer{i}" for i in range(m.num_layers)]
     assert sum(p.numel for ps in g.values() for p in ps) == num_params(m)
     e = estimate(from_cfg(compose([f"model={name}", "engine=fsdp2", "zero=3", "parallel=dp8", "hardware=h100_80gb"]), here=False))

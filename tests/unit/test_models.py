@@ -472,8 +472,9 @@ def test_expert_parallel_param_list_is_the_live_models(name, fake_tp, monkeypatc
         gpt = build_gpt(cfg, transformer_config(cfg, on_cpu=True), on_cpu=True)
     live = [(n, tuple(p.shape), p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
              not getattr(p, "allreduce", True)) for n, p in gpt.named_parameters()]
-    assert live == [(p.name, p.shape, p.tp_dim, p.expert) for p in params(m, 1, 2)]
+    assert live == [(p.name, p.shape, p.tp_dim, p.expert) for p in cfg.layout.params]
     experts = m.num_moe_layers * m.num_experts * expert_params(m, 1)
-    assert sum(math.prod(s) for _, s, _, _ in live) == params_per_shard(m, 1, 2) == num_params(m) - experts // 2
-    assert 2 * params_per_shard(m, 1, 2) == num_params(m) + dense_params(m, 1)
+    held = cfg.layout.held_params
+    assert sum(math.prod(s) for _, s, _, _ in live) == held == num_params(m) - experts // 2
+    assert 2 * held == num_params(m) + dense_params(m, 1)
     assert max(int(n.split("local_experts.")[1].split(".")[0]) for n, *_ in live if "local_experts" in n) == 3

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig, HardwareConfig
 from zero_bench.models import ModelConfig
 from zero_bench.models.megatron import build_gpt, transformer_config
@@ -114,7 +115,7 @@ def test_fsdp2_bf16_layers_get_megatrons_fp32_rope_angles():
     seed_cpu_rng(1234)
     whole = build_gpt(cfg, compute_config(cfg, on_cpu=True), on_cpu=True)
     state = {k: v.clone() for k, v in whole.state_dict().items() if torch.is_tensor(v)}
-    kw = shard_options(dp_mesh(True, 1), cfg, on_cpu=True)
+    kw = shard_options(dp_mesh(True, RankLayout(dp=1)), cfg, on_cpu=True)
     seed_cpu_rng(1234)
     gpt = build_gpt(cfg, compute_config(cfg, on_cpu=True), on_cpu=True, on_layer=lambda layer: shard_layer(layer, kw, None))
     fully_shard(gpt, **kw)

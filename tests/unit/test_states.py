@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import ConfigError
 from zero_bench.engines import ds_config
 from zero_bench.estimate import estimate
@@ -60,9 +61,9 @@ def test_deepspeed_states_per_parameter():
     (grads); pure bf16 halves the master and the moments; 8-bit AdamW keeps 2 bytes and a scale per
     256 values for both moments."""
     P = 1_000_000
-    mixed = model_states_bytes(P, 2, 2, precision="bf16")
-    pure = model_states_bytes(P, 2, 2, precision="bf16", states="bf16")
-    int8 = model_states_bytes(P, 2, 2, precision="bf16", states="adam8bit")
+    mixed = model_states_bytes(P, 2, RankLayout(dp=2), precision="bf16")
+    pure = model_states_bytes(P, 2, RankLayout(dp=2), precision="bf16", states="bf16")
+    int8 = model_states_bytes(P, 2, RankLayout(dp=2), precision="bf16", states="adam8bit")
     assert (mixed.master, mixed.moments) == (2 * P, 4 * P)
     assert (pure.params, pure.master, pure.moments, pure.grads) == (2 * P, P, 2 * P, P)
     assert (int8.master, int8.moments) == (2 * P, 2 * (P // 2 + 4 * 1954))  # ceil(500000 / 256) scales each
@@ -70,7 +71,8 @@ def test_deepspeed_states_per_parameter():
 
 def test_fsdp2_pure_bf16_holds_half_of_everything():
     m = model("llama-tiny")
-    mixed, pure = model_states(m, 2, precision="bf16"), model_states(m, 2, precision="bf16", states="bf16")
+    two = RankLayout(dp=2, model=m)
+    mixed, pure = model_states(two, precision="bf16"), model_states(two, precision="bf16", states="bf16")
     assert pure.master == 0 and pure.params == mixed.master // 2 and pure.grads == mixed.grads // 2
     steps = 4 * len(params(m))  # AdamW's fp32 step counter per tensor
     assert pure.moments - steps == (mixed.moments - steps) // 2

@@ -155,3 +155,20 @@ def test_a_compiled_trials_first_step_gets_the_cold_compile_allowance():
     assert eager.after(begin) == 60.0
     assert compiled.after(begin) == 60.0 + COLD_COMPILE_S
     assert compiled.after(step(2, 1.0)) == eager.after(step(2, 1.0))  # a steady step gets no more
+
+
+def test_a_silent_rank_whose_exit_is_unknown_is_an_oom_unless_the_log_shows_a_crash():
+    """DeepSpeed's launcher (and a pool, when a peer's exit is seen first) may report the peer's exit
+    code: a rank that vanished without a word is what the kernel's OOM killer leaves; one whose
+    C++ terminate or fatal error is in the log crashed."""
+    (res,) = classify(cpu_cfg(), [Entry(2)], _aborted_rank0(), LaunchEnd(rc=1, log_tail="[INFO] launching\n"))
+    assert res.status == Status.OOM and res.reason.startswith("rank 0 died without a result or a word")
+    log = "[ERROR] [launch.py:259:sigkill_handler] ['python', '-m', 'x'] exits with return code = -6\n"
+    (res,) = classify(cpu_cfg(), [Entry(2)], _aborted_rank0(), LaunchEnd(rc=1, log_tail=log))
+    assert res.status == Status.ERROR and res.reason.startswith("rank 0 died of SIGABRT")
+
+
+def test_a_pool_trial_reports_the_signalled_child_whichever_exit_came_first(tmp_path):
+    from zero_bench.trial.pool import cause
+
+    assert cause([1, -9]) == -9 and cause([-6, 1]) == -6 and cause([1, 2]) == 1

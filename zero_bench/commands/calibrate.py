@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig, software_versions
 from zero_bench.devices.calibration import Calibration, cpu_key, gpu_identity, gpu_key, save
 from zero_bench.devices.metrics import cpu_model, measure_cpu_peak, rank_threads
@@ -85,7 +86,7 @@ def from_result(bench: BenchConfig, res: TrialResult, key: str, device: str, sof
         raise CalibrationFailed("the ranks recorded no CUDA context / memory outside the allocator")
     # every communicator the launch's groups connected, the expert groups too (ep > 1): the estimate adds
     # NCCL's bytes for each of them (estimate.calibrated_gpu_terms), so none may stay in the context term
-    comms = communicators(bench.parallel.tp, bench.parallel.dp, bench.parallel.ep)
+    comms = communicators(bench.layout)
     return Calibration(
         **common, module_loading=str(bench.hardware.cuda_module_loading), context_at_init_bytes=context,
         nccl_bytes={} if nccl is None else {str(bench.parallel.world_size): nccl},
@@ -112,7 +113,7 @@ def terms(cal: Calibration) -> list[tuple[str, str, str]]:
                  "RSS at each rank's start, before its model is built (largest rank)"),
                 ("rank overhead (the estimate's term)", _mib(cal.overhead_bytes),
                  "peak RSS - peak live tensors at the entry's end (largest rank)"), *rates]
-    comms = len(communicators(cal.tp, cal.dp, cal.ep))
+    comms = len(communicators(RankLayout(tp=cal.tp, dp=cal.dp, ep=cal.ep)))
     nccl = [(f"NCCL per communicator ({n} ranks)", _mib(b), "growth outside the allocator over the world "
              "group's first all-reduce") for n, b in cal.nccl_bytes.items()]
     frag = "-" if cal.fragmentation is None else f"x{cal.fragmentation:.3f}"

@@ -3,6 +3,7 @@ source of defaults), composing conf/ over it and checking every key, and where t
 
 schema.py     BenchConfig and its sections, stored configs read back (migrations in one place)
 configure.py  Hydra composition + every check: bad input is one line naming the key, exit 2
+layout.py     RankLayout: the parallel degrees validated once, the groups, where each parameter lives
 honoured.py   which keys the chosen engine, stage and device read: the rest refused (or warned)
 hosts.py      the GPUs of a node, the hostfile DeepSpeed's launcher reads, the master address
 """

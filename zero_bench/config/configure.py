@@ -1,7 +1,9 @@
 """Compose conf/ over the schema (zero_bench.config.schema) and check it: every bad input fails here with one
 line naming the key and what is allowed, before anything is launched. Types are the schema's (Hydra
 and OmegaConf enforce them); ranges and choices are one function per section below; checks across
-keys are validate_static's; "auto" and None become concrete in `resolve`, the one place that does.
+keys are validate_static's, which asks the layout (config/layout.py) about the parallel degrees and
+each engine's refusals about what it runs; "auto" and None become concrete in `resolve`, the one
+place that does.
 """
 from __future__ import annotations
 
@@ -287,30 +289,21 @@ def resolve(b: BenchConfig, here: bool = True) -> BenchConfig:
 
 def validate_static(b: BenchConfig) -> None:
     """Checks across keys that need only the config (inside a grid, a failing combination is
-    recorded as skipped rather than ending the sweep)."""
+    recorded as skipped rather than ending the sweep). The parallel degrees are the layout's
+    (config/layout.py RankLayout, validated once against the model); what each engine runs of them
+    is its refusals'."""
     m, tp = b.model, b.parallel.tp
     spec(b.engine).validate(b, "engine")
     check_states(b)
-    check_hybrid(b)
-    check_expert_parallel(b)
+    layout = b.layout
+    if layout.hybrid:  # FSDP2's hybrid sharding
+        spec(b.engine).validate(b, "hybrid")
+    if layout.ep > 1:  # megatron's expert parallelism
+        spec(b.engine).validate(b, "expert_parallel")
     if b.loss != "megatron" and tp > 1:
         raise ConfigError(f"loss={b.loss}: runs at parallel.tp=1 (at tp {tp} the vocabulary is split over the "
                           "ranks and only megatron's vocab-parallel loss reads it); allowed with tp > 1: "
                           "loss=megatron")
-    if m.num_heads % tp:
-        raise ConfigError(f"parallel.tp={tp}: must divide model.num_heads={m.num_heads}")
-    if m.hidden_size % tp:
-        raise ConfigError(f"parallel.tp={tp}: must divide model.hidden_size={m.hidden_size}")
-    # megatron replicates K/V heads when g < tp (an all-gather inside attention), but then a rank's
-    # K/V memory and FLOPs are not g/tp of the model's: not modelled, so refused.
-    if m.query_groups % tp:
-        raise ConfigError(f"parallel.tp={tp}: must divide the query groups (model.num_query_groups="
-                          f"{m.query_groups})")
-    if m.ffn % tp:
-        raise ConfigError(f"parallel.tp={tp}: must divide model.ffn_hidden_size={m.ffn}")
-    if m.is_moe and tp > 1:  # moe_layer.py MoELayer.forward refuses tp > 1 without sequence parallelism
-        raise ConfigError(f"parallel.tp={tp}: megatron-core's MoE layer trains with tp > 1 only with sequence "
-                          "parallelism, which is not modelled; allowed with model.num_experts: parallel.tp=1")
     if b.recompute == "full" and m.num_layers % b.recompute_layers:
         raise ConfigError(f"recompute_layers={b.recompute_layers}: must divide model.num_layers={m.num_layers} "
                           "(megatron's uniform recompute)")
@@ -328,40 +321,6 @@ def validate_static(b: BenchConfig) -> None:
     # last: a key nothing reads is refused only once the config is otherwise one that runs
     honoured.refuse_unhonoured(b)
     spec(b.engine).validate(b, "ignored")
-
-
-def check_hybrid(b: BenchConfig) -> None:
-    """parallel.dp_shard: FSDP2's hybrid sharding, over megatron's DP ranks at tp 1."""
-    shard, dp = b.parallel.dp_shard, b.parallel.dp
-    if shard is None or shard == dp:
-        return
-    if dp % shard:
-        raise ConfigError(f"parallel.dp_shard={shard}: must divide parallel.dp={dp} (groups of dp_shard ranks "
-                          "each hold one copy of the sharded states)")
-    spec(b.engine).validate(b, "hybrid")
-    if b.parallel.tp > 1:
-        raise ConfigError(f"parallel.dp_shard={shard}: hybrid sharding is modelled at parallel.tp=1 (megatron's "
-                          f"DP groups at tp {b.parallel.tp} are not one mesh); allowed with tp > 1: "
-                          "parallel.dp_shard=null")
-
-
-def check_expert_parallel(b: BenchConfig) -> None:
-    """parallel.ep: megatron's expert parallelism, over the DP ranks at tp 1, where each engine runs it."""
-    ep, dp, m = b.parallel.ep, b.parallel.dp, b.model
-    if ep == 1:
-        return
-    if not m.is_moe:
-        raise ConfigError(f"parallel.ep={ep}: expert parallelism splits a mixture of experts' experts; "
-                          f"{m.name or 'this model'} has none (model.num_experts is null); allowed: parallel.ep=1")
-    if m.num_experts % ep:
-        raise ConfigError(f"parallel.ep={ep}: must divide model.num_experts={m.num_experts}")
-    if dp % ep:
-        raise ConfigError(f"parallel.ep={ep}: must divide parallel.dp={dp} (the experts are split over "
-                          "ep of the data-parallel ranks)")
-    if b.parallel.dp_shard not in (None, dp):
-        raise ConfigError(f"parallel.ep={ep}: hybrid sharding with expert parallelism is not modelled; "
-                          "allowed with parallel.ep > 1: parallel.dp_shard=null")
-    spec(b.engine).validate(b, "expert_parallel")
 
 
 def check_states(b: BenchConfig) -> None:

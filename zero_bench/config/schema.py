@@ -15,6 +15,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.engines.specs import tag
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
@@ -251,6 +252,14 @@ class BenchConfig:
         # Values given as plain strings (tests, stored records) become the enums the schema types.
         self.precision, self.recompute = Precision(self.precision), Recompute(self.recompute)
         self.engine, self.states, self.loss = EngineName(self.engine), States(self.states), Loss(self.loss)
+
+    @functools.cached_property
+    def layout(self) -> RankLayout:
+        """The ranks' layout (config/layout.py): the parallel degrees validated against the model,
+        the groups, where each parameter lives and the parameter list one rank holds. Built on
+        first use and kept (a BenchConfig is not changed after from_cfg; dataclasses.replace makes a
+        new one, with its own); raises the ConfigError of a degree the model does not allow."""
+        return RankLayout.of(self.parallel, self.model)
 
     @property
     def global_batch(self) -> int:

@@ -81,7 +81,7 @@ class Calibration:
     """GPU: outside the allocator at the entry's end (context, kernels loaded so far, NCCL)."""
     context_bytes: Optional[int] = None
     """GPU: the CUDA context with the kernels the entry loaded: outside_bytes less NCCL's bytes for
-    the launch's communicators (estimate/gpu.communicators of tp, dp and ep); the estimate's context term."""
+    the launch's communicators (estimate/gpu.communicators of its tp, dp and ep layout); the estimate's context term."""
     peak_allocated_bytes: Optional[int] = None
     """GPU: torch's max allocated over the entry."""
     peak_reserved_bytes: Optional[int] = None

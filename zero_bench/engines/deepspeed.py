@@ -30,7 +30,8 @@ class DeepSpeedEngine:
 
     def __init__(self, spec: TrialSpec, on_cpu: bool):
         cfg = spec.config
-        mpu = init_parallel(cfg.parallel.tp, cfg.seed, on_cpu, cfg.parallel.ep)
+        layout = cfg.layout  # the degrees, validated (config/layout.py)
+        mpu = init_parallel(layout.tp, cfg.seed, on_cpu, layout.ep)
         ds_config = json.loads(Path(spec.ds_config).read_text())
         install_checkpointing(cfg, mpu, ds_config)
         config = transformer_config(cfg, on_cpu)
@@ -46,7 +47,7 @@ class DeepSpeedEngine:
         self.zero_init = all(hasattr(p, "ds_id") for p in model.parameters())
         if cfg.zero == 3 and cfg.compile:
             tied_weight_gathered_by_root(model)
-        with deepspeed_moe(model, cfg.parallel.ep) as parameters:
+        with deepspeed_moe(model, layout.ep) as parameters:
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters,
                                                    config=ds_config, mpu=mpu)
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from zero_bench.config.schema import DS_TEMPLATES, BenchConfig
 from zero_bench.devices.toolkit import TORCH_FUSED_ADAMW, fused_adam_fallback
 from zero_bench.errors import ConfigError
-from zero_bench.models.params import params_per_shard
 
 TEMPLATE_DIR = DS_TEMPLATES
 
@@ -92,7 +91,7 @@ def build(cfg: BenchConfig) -> dict:
         ds = merge(ds, {"activation_checkpointing": {"number_checkpoints": n}})
     user_zero = (cfg.ds.get("zero_optimization") or {})
     if on_cpu and cfg.zero > 0 and cfg.ds_preset == "default":
-        buckets = scaled_buckets(params_per_shard(cfg.model, cfg.parallel.tp, cfg.parallel.ep))
+        buckets = scaled_buckets(cfg.layout.held_params)
         keep = {k: v for k, v in buckets.items() if k not in user_zero}
         if cfg.zero < 3:
             keep = {k: v for k, v in keep.items() if not k.startswith("stage3")}

@@ -34,12 +34,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig, Precision, States
 from zero_bench.engines.ds_config import load_template
 from zero_bench.engines.storages import storage_bytes
 from zero_bench.models.compiled import same_graphs_on_every_rank
 from zero_bench.models.megatron import build_gpt, init_parallel, transformer_config
-from zero_bench.models.params import params
 from zero_bench.models.shims import install_cpu_checkpoint
 from zero_bench.records import ModelStates, TrialSpec
 
@@ -65,16 +65,17 @@ class Fsdp2Engine:
 
     def __init__(self, spec: TrialSpec, on_cpu: bool):
         cfg = spec.config
+        layout = cfg.layout  # the degrees, validated (config/layout.py)
         self.mixed = mixed_bf16(cfg)
-        init_parallel(cfg.parallel.tp, cfg.seed, on_cpu, cfg.parallel.ep)
+        init_parallel(layout.tp, cfg.seed, on_cpu, layout.ep)
         if cfg.recompute != "none":
             # megatron's CheckpointFunction is reentrant (it hides the layer's forward from FSDP2's
             # backward hooks) and saves CUDA's RNG state; torch's non-reentrant checkpoint recomputes
             # the same function and composes with fully_shard, and cpu_checkpoint puts megatron's
             # tracker streams back for the recompute, so dropout masks equal the forward's.
             install_cpu_checkpoint()
-        kw = shard_options(dp_mesh(on_cpu, cfg.parallel.dp, cfg.parallel.dp_shard), cfg, on_cpu)
-        experts_kw = expert_shard_options(kw, on_cpu, cfg.parallel.ep)
+        kw = shard_options(dp_mesh(on_cpu, layout), cfg, on_cpu)
+        experts_kw = expert_shard_options(kw, on_cpu, layout.ep)
         dtype = torch.bfloat16 if cfg.states == States.bf16 else None
         model = build_gpt(cfg, compute_config(cfg, on_cpu), on_cpu,
                           on_layer=lambda layer: shard_layer(as_dtype(layer, dtype), kw, experts_kw))
@@ -87,8 +88,8 @@ class Fsdp2Engine:
         self.optimizer, self.clip = make_optimizer(model, on_cpu)
         from megatron.core import parallel_state
 
-        self.tp, self.tp_rank = cfg.parallel.tp, parallel_state.get_tensor_model_parallel_rank()
-        self.ep = cfg.parallel.ep
+        self.tp, self.tp_rank = layout.tp, parallel_state.get_tensor_model_parallel_rank()
+        self.ep = layout.ep
         self.grads_at_step = 0  # bytes of sharded gradients the last step read
         self.last_grad_norm: Optional[float] = None
 
@@ -153,17 +154,17 @@ def compute_config(cfg: BenchConfig, on_cpu: bool):
     return config
 
 
-def dp_mesh(on_cpu: bool, dp: int, dp_shard: Optional[int] = None) -> DeviceMesh:
+def dp_mesh(on_cpu: bool, layout: RankLayout) -> DeviceMesh:
     """A 1-D mesh over this rank's megatron data-parallel group. megatron's tensor parallelism is not
     DTensor-based, so FSDP2 need see only the DP ranks; megatron's group keeps its TP x DP layout.
-    Hybrid sharding (dp_shard < dp, tp 1, so the DP ranks are the world): a 2-D mesh, replicas x
-    shards; fully_shard then shards over the second dimension and all-reduces across the first
-    (HSDP). Consecutive ranks share a shard group, as torchtitan lays it out (a node's GPUs)."""
+    Hybrid sharding (layout.hybrid: dp_shard < dp, tp 1, so the DP ranks are the world): a 2-D mesh,
+    replicas x shards; fully_shard then shards over the second dimension and all-reduces across the
+    first (HSDP). Consecutive ranks share a shard group, as torchtitan lays it out (a node's GPUs)."""
     from megatron.core import parallel_state
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dp_shard and dp_shard != dp:
-        return init_device_mesh("cpu" if on_cpu else "cuda", (dp // dp_shard, dp_shard),
+    if layout.hybrid:
+        return init_device_mesh("cpu" if on_cpu else "cuda", (layout.replicas, layout.shard_size),
                                 mesh_dim_names=("replicate", "shard"))
 
     group = parallel_state.get_data_parallel_group()
@@ -249,9 +250,9 @@ def make_optimizer(model: torch.nn.Module, on_cpu: bool) -> tuple[torch.optim.Op
 
 def tp_split_names(cfg: BenchConfig) -> frozenset:
     """Parameters megatron splits over TP ranks (the others every TP rank holds whole: norms,
-    row-parallel biases, positions), from models/params.py's list: the DTensors fully_shard
+    row-parallel biases, positions), from the layout's list (models/params.py): the DTensors fully_shard
     registers lose megatron's tensor_model_parallel attribute (the live check: test_models.py)."""
-    return frozenset(p.name for p in params(cfg.model, cfg.parallel.tp) if p.tp_dim is not None)
+    return frozenset(p.name for p in cfg.layout.params if p.tp_dim is not None)
 
 
 def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split: frozenset,

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 CONCERNS = ("engine", "states", "hybrid", "expert_parallel", "offload_param", "ignored")
 """What `EngineSpec.validate` is asked about, each at the place configure.validate_static checks that
-concern's shared conditions, so that a config wrong in two ways keeps the message it had."""
+concern's shared conditions (the parallel degrees: once config/layout.py's RankLayout holds them)."""
 
 
 @dataclass(frozen=True)

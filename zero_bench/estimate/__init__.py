@@ -48,7 +48,7 @@ from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communica
                                      outside_allocator)
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.models import param_numels
-from zero_bench.models.params import num_params, params_per_shard, routed_expert_params
+from zero_bench.models.params import num_params
 from zero_bench.units import BYTES, GiB, MiB
 
 __all__ = ["BYTES", "Estimate", "GiB", "MiB", "activation_bytes_per_sample", "deepspeed_buffers", "estimate",
@@ -226,26 +226,26 @@ class Estimate:
 
 
 def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Mapping] = None) -> Estimate:
-    """The prediction for one BenchConfig (its device, precision, stage, offload, dp, tp, ep)."""
-    m, tp, dp, ep = bench.model, bench.parallel.tp, bench.parallel.dp, bench.parallel.ep
-    P = params_per_shard(m, tp, ep)  # held by the rank: with ep > 1 its E/ep experts per MoE layer
+    """The prediction for one BenchConfig (its device, precision, stage, offload and layout: tp, dp, ep)."""
+    layout = bench.layout
     common = dict(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
-                  offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=dp, tp=tp,
-                  num_params=num_params(m), params_per_shard=P, local_ranks=local_ranks(bench),
-                  engine=bench.engine, capacity=capacity if capacity is not None else search_capacity(bench),
-                  ep=ep, partitioned_params=params_per_shard(m, tp) if ep > 1 else None, **fixed_terms(bench))
+                  offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=layout.dp, tp=layout.tp,
+                  num_params=num_params(bench.model), params_per_shard=layout.held_params,
+                  local_ranks=local_ranks(bench), engine=bench.engine,
+                  capacity=capacity if capacity is not None else search_capacity(bench), ep=layout.ep,
+                  partitioned_params=layout.tp_shard_params if layout.ep > 1 else None, **fixed_terms(bench))
     return Estimate(**common, **load(spec(bench.engine).estimate_parts)(bench, ds))
 
 
 def deepspeed_parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     """The engine-specific fields of Estimate for engine=deepspeed (its spec's estimate_parts). ds: the
     trial's DeepSpeed JSON where the caller has it (its buffers read it), else the composed one's."""
-    m, tp, dp, ep = bench.model, bench.parallel.tp, bench.parallel.dp, bench.parallel.ep
-    P = params_per_shard(m, tp, ep)
+    m, tp, layout = bench.model, bench.parallel.tp, bench.layout
+    P = layout.held_params
     on_cpu = bench.hardware.device == "cpu"
-    states = model_states_bytes(params_per_shard(m, tp), bench.zero, dp, 1, bench.precision,
-                                bench.offload, bench.offload_param and bench.zero == 3, states=bench.states,
-                                ep=ep, expert_params=routed_expert_params(m, tp))
+    states = model_states_bytes(layout.tp_shard_params, bench.zero, layout, bench.precision, bench.offload,
+                                bench.offload_param and bench.zero == 3, states=bench.states,
+                                expert_params=layout.tp_shard_expert_params)
     checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing, bench.hardware.device,
                                       bench.recompute_layers, bench.loss, bench.fusions)
@@ -255,14 +255,14 @@ def deepspeed_parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     grads = states.grads
     if not on_cpu and bench.offload:  # the host part of the gradients is not on the device
         grads = 0 if bench.zero >= 2 else b * P
-    first = b * max(param_numels(m, tp, ep))  # ZeRO-0/1: the (output) embedding's gradient comes first
+    first = b * max(p.numel for p in layout.params)  # ZeRO-0/1: the (output) embedding's gradient comes first
     grads_phase = {"act": first if bench.zero <= 1 else grads, "bwd_end": grads,
                    "step": 0 if bench.zero == 1 and not bench.offload else grads}
     buffers = deepspeed_buffers(bench, ds)
     if bench.loss == "chunked":
         buffers["loss_chunk"] = {"bytes": loss_chunk_bytes(m, bench.precision), "phases": ["act"]}
     return dict(states=states, buffers=buffers, activations=act, act_per_sample=int(per_sample * factor),
-                init_peak=init_peak(bench, P), grads_phase={k: int(v) for k, v in grads_phase.items()})
+                init_peak=init_peak(bench), grads_phase={k: int(v) for k, v in grads_phase.items()})
 
 
 def fixed_terms(bench: BenchConfig) -> dict:
@@ -278,9 +278,8 @@ def fixed_terms(bench: BenchConfig) -> dict:
                 "calibration": cal.said}
     if cal is not None and cal.context_bytes is not None:
         return calibrated_gpu_terms(bench, cal)
-    loading, tp, dp = bench.hardware.cuda_module_loading, bench.parallel.tp, bench.parallel.dp
-    ep = bench.parallel.ep
-    high, low = outside_allocator(loading, tp, dp, 1, ep), outside_allocator(loading, tp, dp, 0, ep)
+    loading, layout = bench.hardware.cuda_module_loading, bench.layout
+    high, low = outside_allocator(loading, layout, 1), outside_allocator(loading, layout, 0)
     # cuBLAS's workspaces live inside the allocator but are there from the first matmul on, whatever
     # the batch: they are counted with the fixed terms
     ws = CUBLAS_HANDLES * CUBLAS_WORKSPACE
@@ -295,7 +294,7 @@ def calibrated_gpu_terms(bench: BenchConfig, cal: Calibration) -> dict:
     communicator of each size calibrated (a size not calibrated: its published figure), cuBLAS's
     workspaces, and the fragmentation where the calibration ran this model and stage."""
     nccl = {"calibrated": 0, "published": 0}
-    for n in communicators(bench.parallel.tp, bench.parallel.dp, bench.parallel.ep):
+    for n in communicators(bench.layout):
         got = cal.nccl_bytes.get(str(n))
         nccl["published" if got is None else "calibrated"] += communicator_bytes(n) if got is None else got
     ws = CUBLAS_HANDLES * CUBLAS_WORKSPACE if cal.cublas_workspace_bytes is None else cal.cublas_workspace_bytes

@@ -7,8 +7,6 @@ from typing import Mapping, Optional
 from zero_bench.config.schema import BenchConfig
 from zero_bench.engines import ds_config
 from zero_bench.estimate.states import master_bytes
-from zero_bench.models import ModelConfig, param_numels
-from zero_bench.models.params import dense_params, params_per_shard, routed_expert_params
 from zero_bench.units import BYTES
 
 # DeepSpeed defaults for keys the ds_config leaves out (deepspeed/runtime/zero/config.py, engine.py).
@@ -49,19 +47,19 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
       the size of the fp32 partition it updates (sqrt of the second moment); fused/CPU Adam: none.
     - Expert parallelism (parallel.ep > 1): P is the rank's local parameters (the dense ones and its
       E/ep experts); the routed experts are their own param group, partitioned over the dp/ep
-      expert-data-parallel ranks (partitions: group_partitions). ZeRO-1's fp32 gradient partition
+      expert-data-parallel ranks (partitions: RankLayout.zero_partitions). ZeRO-1's fp32 gradient partition
       holds every group's; the step flattens, updates and frees one group at a time
       (stage_1_and_2.py step: _optimizer_step(i), then the group's fp32 .grad = None), so the flat
       gradient and torch Adam's temporary are the largest group's.
     """
     zc = dict(_zero_cfg(bench) if ds is None else ds)
     full = ds_full(bench) if ds is None else {}
-    stage, dp, tp, ep = bench.zero, bench.parallel.dp, bench.parallel.tp, bench.parallel.ep
+    stage, layout = bench.zero, bench.layout
     b = BYTES[bench.precision]
-    P = params_per_shard(bench.model, tp, ep)
+    P = layout.held_params
     get = lambda k: int(float(zc.get(k, DS_DEFAULTS[k])))  # noqa: E731
     mb = master_bytes(bench.states)  # the "fp32" partitions below are bf16 with states=bf16
-    groups = group_partitions(bench.model, dp, tp, ep) if stage >= 1 else [P]
+    groups = layout.zero_partitions if stage >= 1 else [P]
     part, part_max = sum(groups), max(groups)
     out: dict[str, tuple[int, tuple]] = {}
     if stage == 0:
@@ -81,7 +79,7 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
         out["grad_flat_fp32"] = (mb * part_max, ("step",))
     else:
         out["reduce_bucket"] = (get("reduce_bucket_size") * b, ("act", "bwd_end"))
-        numels = param_numels(bench.model, tp, ep)
+        numels = [p.numel for p in layout.params]
         largest = max(numels)
         live = max(largest, min(get("stage3_max_live_parameters"), largest + get("stage3_prefetch_bucket_size")))
         if bench.hardware.device == "cpu":
@@ -97,32 +95,23 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     return {k: {"bytes": int(v), "phases": list(ph)} for k, (v, ph) in out.items()}
 
 
-def group_partitions(m: ModelConfig, dp: int, tp: int = 1, ep: int = 1) -> list[int]:
-    """Elements of each ZeRO-1/2 optimizer param group's partition on one rank: [P // dp] at ep 1;
-    with ep > 1 the dense group's over dp ranks and the routed experts' (E/ep per MoE layer) over
-    the dp/ep ranks that hold the same experts: [dense // dp, experts // (dp/ep)]."""
-    if ep == 1:
-        return [params_per_shard(m, tp) // dp]
-    experts = routed_expert_params(m, tp, ep)
-    return [dense_params(m, tp) // dp, experts // (dp // ep)]
-
-
 def ds_full(bench: BenchConfig) -> dict:
     return ds_config.build(bench)
 
 
-def init_peak(bench: BenchConfig, P: int) -> int:
+def init_peak(bench: BenchConfig) -> int:
     """Bytes deepspeed.initialize holds at its peak: the model plus its flat (ZeRO-1/2) copy. ZeRO-3
     builds the model under deepspeed.zero.Init, which partitions each module's parameters as soon
     as the module is built: its partition plus the largest parameter, whole, while it is initialised
-    (on the host instead with offload_param). P: the parameters the rank holds (params_per_shard(tp,
-    ep)). With ep > 1 ZeRO-1/2 flatten one param group at a time (the dense one, the experts'), each
+    (on the host instead with offload_param). P: the parameters the rank holds (RankLayout.held_params).
+    With ep > 1 ZeRO-1/2 flatten one param group at a time (the dense one, the experts'), each
     group's parameters moving into its flat buffer: the model plus the larger group."""
-    b, dp, tp, ep = BYTES[bench.precision], bench.parallel.dp, bench.parallel.tp, bench.parallel.ep
+    b, layout = BYTES[bench.precision], bench.layout
+    P = layout.held_params
     if bench.zero == 3:
-        whole = b * max(param_numels(bench.model, tp, ep))
-        return whole + (0 if bench.offload_param and bench.hardware.device != "cpu" else b * P // dp)
+        whole = b * max(p.numel for p in layout.params)
+        return whole + (0 if bench.offload_param and bench.hardware.device != "cpu" else b * P // layout.dp)
     if bench.zero == 0:
         return b * P
-    largest = P if ep == 1 else max(dense_params(bench.model, tp), routed_expert_params(bench.model, tp, ep))
+    largest = P if layout.ep == 1 else max(layout.dense_params, layout.held_expert_params)
     return b * P + b * largest

@@ -33,12 +33,13 @@ logits, megatron's fp32 copy and its clone's half), as measured at the peak on C
 gradients inside one layer's backward (with recompute=full the peak moves there: -5 % on gpt-mini).
 How close this comes to CPU measurements: docs/engines.md, "The estimate for FSDP2".
 
-Expert parallelism (parallel.ep > 1, tp 1): a rank holds num_experts / ep routed experts per MoE
-layer (models/params.py, Param.expert); they are sharded over the dp / ep ranks that hold the same
-experts (the expert-data-parallel mesh), everything else over dp, each parameter's dim 0 padded to
-a multiple of its own shard count. A layer's gathered group is its dense parameters and its local
-experts (G above, with E / ep experts). Hybrid sharding (dp_shard) with ep > 1 is refused
-(configure.py), so dp is all data-parallel ranks there.
+Where each parameter is sharded is the layout's answer (config/layout.py RankLayout.partition_ranks):
+over the shard group (dp, or dp_shard with hybrid sharding), and with expert parallelism
+(parallel.ep > 1, tp 1) a rank's num_experts / ep routed experts per MoE layer (models/params.py,
+Param.expert) over the dp / ep ranks that hold the same experts (the expert-data-parallel mesh),
+each parameter's dim 0 padded to a multiple of its own shard count. A layer's gathered group is its
+dense parameters and its local experts (G above, with E / ep experts). Hybrid sharding with ep > 1
+is refused (RankLayout), so dp is all data-parallel ranks there.
 """
 from __future__ import annotations
 
@@ -46,11 +47,12 @@ import dataclasses
 import math
 from typing import Mapping, Optional
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
 from zero_bench.estimate.states import master_bytes, moment_bytes
 from zero_bench.models import ModelConfig
-from zero_bench.models.params import ROOT, Param, params
+from zero_bench.models.params import ROOT, Param
 from zero_bench.records import ModelStates
 from zero_bench.units import BYTES
 
@@ -58,44 +60,24 @@ LOGITS_BYTES = {"fp32": 4, "bf16": 8}  # per token and vocabulary row at the pea
 ADAM_TEMPORARIES = 2  # single-tensor AdamW: sqrt(v), then its quotient, of one parameter's shard
 
 
-def groups(m: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, list[Param]]:
-    """One rank's parameters by FSDP2 group ("root", "layer0", ...), from models/params.py's list
+def groups(layout: RankLayout) -> dict[str, list[Param]]:
+    """One rank's parameters by FSDP2 group ("root", "layer0", ...), from the layout's list
     (with ep > 1 each MoE layer's group holds the rank's E / ep experts)."""
     out: dict[str, list[Param]] = {}
-    for p in params(m, tp, ep):
+    for p in layout.params:
         out.setdefault(p.group, []).append(p)
     return out
 
 
-def shapes(m: ModelConfig, tp: int = 1, ep: int = 1) -> list[tuple[int, ...]]:
-    return [p.shape for p in params(m, tp, ep)]
+def _shard(p: Param, layout: RankLayout, rank: int, padded: bool) -> int:
+    """Elements of p's shard on `rank` (a rank of the shard group) over the ranks the layout shards it on."""
+    return shard_elems(p.shape, layout.partition_ranks(p), layout.partition_index(p, rank), padded)
 
 
-def shard_ranks(p: Param, dp: int, ep: int = 1) -> int:
-    """The ranks one parameter is sharded over: dp, or for a routed expert's with ep > 1 the dp / ep
-    ranks that hold the same experts."""
-    if ep > 1 and p.expert:
-        if dp % ep:
-            raise ValueError(f"ep={ep}: must divide dp={dp}")
-        return dp // ep
-    return dp
-
-
-def expert_rank(rank: int, ep: int) -> int:
-    """A data-parallel rank's index among the ranks holding its experts: megatron's layout at tp 1
-    (parallel_state: ep consecutive ranks split the experts, so ranks r, r + ep, ... hold the same)."""
-    return rank // ep
-
-
-def _shard(p: Param, dp: int, ep: int, rank: int, padded: bool) -> int:
-    n = shard_ranks(p, dp, ep)
-    return shard_elems(p.shape, n, expert_rank(rank, ep) if n != dp else rank, padded)
-
-
-def local_numel(m: ModelConfig, dp: int, tp: int = 1, ep: int = 1, rank: int = 0) -> int:
+def local_numel(layout: RankLayout, rank: int = 0) -> int:
     """Elements of `rank`'s unpadded shards, what engines/fsdp2.count_states reports as numel_local
     (over the dp ranks at tp 1 they add up to num_params, ep or not)."""
-    return sum(_shard(p, dp, ep, rank, padded=False) for p in params(m, tp, ep))
+    return sum(_shard(p, layout, rank, padded=False) for p in layout.params)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -110,17 +92,18 @@ def shard_elems(shape: tuple[int, ...], dp: int, rank: int, padded: bool) -> int
     return rows * _numel(shape[1:])
 
 
-def model_states(m: ModelConfig, dp: int, tp: int = 1, precision: str = "fp32", offload: bool = False,
-                 rank: int = 0, states: str = "mixed", ep: int = 1) -> ModelStates:
+def model_states(layout: RankLayout, precision: str = "fp32", offload: bool = False, rank: int = 0,
+                 states: str = "mixed") -> ModelStates:
     """Exact bytes of one rank's states (rank 0 holds the most), the record estimate/states.py
-    gives for ZeRO: params, grads (at the step), master, moments, and host.
+    gives for ZeRO: params, grads (at the step), master, moments, and host; each parameter sharded
+    over the ranks the layout says (RankLayout.partition_ranks: the shard group, dp / ep for a
+    routed expert's with ep > 1).
     offload (CPUOffloadPolicy): all of them in host memory. states=bf16 (pure bf16): the shards,
-    gradients and AdamW's moments in bf16, no master; adam8bit: 8-bit moments, fp32 shards.
-    ep > 1: the rank's E / ep experts per MoE layer, sharded over dp / ep ranks (shard_ranks)."""
-    every = params(m, tp, ep)
+    gradients and AdamW's moments in bf16, no master; adam8bit: 8-bit moments, fp32 shards."""
+    every = layout.params
     w = master_bytes(states)  # the sharded parameters' dtype (the master with mixed bf16)
-    held = w * sum(_shard(p, dp, ep, rank, padded=True) for p in every)
-    moments = sum(moment_bytes(_shard(p, dp, ep, rank, padded=False), states, w) for p in every) + 4 * len(every)
+    held = w * sum(_shard(p, layout, rank, padded=True) for p in every)
+    moments = sum(moment_bytes(_shard(p, layout, rank, padded=False), states, w) for p in every) + 4 * len(every)
     mixed = precision == "bf16" and states != "bf16"
     weights, master = (0, held) if mixed else (held, 0)
     out = ModelStates(params=weights, master=master, moments=int(moments), grads=held)
@@ -139,8 +122,7 @@ def layer_phases(L: int) -> dict[str, int]:
 def stored_states(s) -> ModelStates:
     """model_states for a stored config as the report reads it (report.tables.Setup): the fsdp2
     spec's stored_states. Sharded over the shard group (hybrid sharding: dp_shard ranks)."""
-    return model_states(ModelConfig(**s.model), s.dp_shard or s.dp, s.tp, s.precision, s.offload,
-                        states=s.states, ep=s.ep)
+    return model_states(RankLayout.of(s, ModelConfig(**s.model)), s.precision, s.offload, states=s.states)
 
 
 def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
@@ -148,12 +130,12 @@ def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     (name -> bytes and the phases they are alive in), the gradients and the activation bytes per
     sample of each phase, and the peak while the model is built (its spec's estimate_parts; `ds` unread:
     no DeepSpeed config)."""
-    # every state is sharded over the shard group (hybrid sharding: dp_shard ranks), not all dp ranks
-    m, tp, dp = bench.model, bench.parallel.tp, bench.parallel.dp_shard or bench.parallel.dp
-    ep = bench.parallel.ep  # > 1: the experts over dp / ep ranks (no dp_shard then: configure.py)
+    # every state is sharded over the shard group (hybrid sharding: dp_shard ranks), not all dp
+    # ranks, the experts over dp / ep ranks (the layout's partition_ranks)
+    m, tp, layout = bench.model, bench.parallel.tp, bench.layout
     on_cpu = bench.hardware.device == "cpu"
-    states = model_states(m, dp, tp, bench.precision, bench.offload, states=bench.states, ep=ep)
-    g = groups(m, tp, ep)
+    states = model_states(layout, bench.precision, bench.offload, states=bench.states)
+    g = groups(layout)
     root, layer = g.pop(ROOT), max(g.values(), key=lambda ps: sum(p.numel for p in ps))
     b, L = BYTES[bench.precision], m.num_layers
     R, G = sum(p.numel for p in root), sum(p.numel for p in layer)
@@ -161,14 +143,14 @@ def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     # Sharded gradients live in host memory with offload on a GPU: none on the device.
     dev_grads = 0 if bench.offload and not on_cpu else 1
     w = master_bytes(bench.states)  # sharded parameters, gradients and the update: fp32 or pure bf16
-    layer_grads = dev_grads * w * sum(_shard(p, dp, ep, 0, padded=True) for p in layer)
+    layer_grads = dev_grads * w * sum(_shard(p, layout, 0, padded=True) for p in layer)
     buffers = _buffers(bench, b, R, G, layers, on_cpu)
     if bench.loss == "chunked":
         buffers["loss_chunk"] = (loss_chunk_bytes(m, bench.precision), ["backward_start"])
     buffers["root_grads"] = (b * sum(p.numel for p in root if _graded_first(p, m.tie_embeddings)),
                              buffers["root_gathered"][1])
     if on_cpu:  # fused AdamW (GPU) makes no temporaries
-        largest = max(_shard(p, dp, ep, 0, padded=True) for p in root + layer)
+        largest = max(_shard(p, layout, 0, padded=True) for p in root + layer)
         buffers["adamw_temporaries"] = (ADAM_TEMPORARIES * w * largest, ["step"])
     grads_phase = {"backward_start": 0, **{n: (L - 1 - i) * layer_grads for n, i in layers.items()},
                    "step": dev_grads * states.grads}
@@ -184,16 +166,16 @@ def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
             "activations": act, "act_per_sample": int(act_phase["backward_start"]),
             "grads_phase": {k: int(v) for k, v in grads_phase.items()},
             "act_phase": {k: int(v) for k, v in act_phase.items()},
-            "init_peak": init_peak(bench, R, G, P - R, _per_rank(layer, dp, ep),
-                                   _per_rank([p for ps in g.values() for p in ps], dp, ep))}
+            "init_peak": init_peak(bench, R, G, P - R, _per_rank(layer, layout),
+                                   _per_rank([p for ps in g.values() for p in ps], layout))}
 
 
-def _per_rank(ps: list[Param], dp: int, ep: int) -> int:
+def _per_rank(ps: list[Param], layout: RankLayout) -> int:
     """Elements of these parameters per rank, each group of shard ranks divided evenly (no padding):
-    sum // dp at ep 1."""
+    sum // shard_size at ep 1."""
     by: dict[int, int] = {}
     for p in ps:
-        n = shard_ranks(p, dp, ep)
+        n = layout.partition_ranks(p)
         by[n] = by.get(n, 0) + p.numel
     return sum(total // n for n, total in by.items())
 
@@ -205,8 +187,8 @@ def init_peak(bench: BenchConfig, R: int, G: int, layers: int, G_shard: Optional
     plus the larger of one layer whole while it is sharded and the root's own shards as they are
     made. With offload on a GPU the shards go to the host: the device sees the root and one layer.
     G_shard, layers_shard: one layer's and all layers' elements per rank (ep > 1: the experts over
-    dp / ep ranks); None: G // dp, layers // dp."""
-    dp = bench.parallel.dp_shard or bench.parallel.dp
+    dp / ep ranks); None: G // dp, layers // dp, dp the shard group (RankLayout.shard_size)."""
+    dp = bench.layout.shard_size
     if bench.offload and bench.hardware.device != "cpu":
         return 4 * (R + G)
     G_shard = G // dp if G_shard is None else G_shard

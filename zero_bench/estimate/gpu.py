@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import DEFAULT_ENGINE
 from zero_bench.engines.specs import spec
 from zero_bench.units import MiB
@@ -62,11 +63,12 @@ class OutsideAllocator:
         return self.cuda_context + self.nccl
 
 
-def communicators(tp: int, dp: int, ep: int = 1) -> list[int]:
-    """Sizes of the NCCL communicators a rank joins in a trial: the world (zero_bench's barriers and
-    its over-capacity all-reduce, DeepSpeed's world collectives), the data-parallel group (ZeRO's
-    reduce-scatter and all-gather; a group of its own even when it spans the world) and, with tp > 1,
-    the tensor-parallel group (megatron's all-reduces). A group of one rank needs no buffers.
+def communicators(layout: RankLayout) -> list[int]:
+    """Sizes of the NCCL communicators a rank joins in a trial, of the layout's groups: the world
+    (zero_bench's barriers and its over-capacity all-reduce, DeepSpeed's world collectives), the
+    data-parallel group (ZeRO's reduce-scatter and all-gather; a group of its own even when it spans
+    the world) and, with tp > 1, the tensor-parallel group (megatron's all-reduces). A group of one
+    rank needs no buffers.
 
     These are the groups that run collectives, so the ones whose buffers the published figures
     measure. More communicators exist: DeepSpeed 0.19.8 binds device_id in init_process_group
@@ -78,9 +80,10 @@ def communicators(tp: int, dp: int, ep: int = 1) -> list[int]:
     base structures, for which no figure is published: `zero_bench calibrate` measures them, as part
     of the outside-the-allocator bytes its context term is derived from. Expert parallelism (ep > 1)
     adds the expert-parallel group (the dispatcher's all-to-alls) and the expert-data-parallel
-    group (the experts' reduce-scatters and all-gathers)."""
-    experts = (ep, dp // ep) if ep > 1 else ()
-    return [n for n in (tp * dp, dp, tp if tp > 1 else 1, *experts) if n > 1]
+    group (the experts' reduce-scatters and all-gathers). Hybrid sharding's shard and replicate
+    groups (FSDP2's 2-D mesh) are not counted: the GPU terms do not model that mesh."""
+    g = layout.groups
+    return [n for n in (g["world"], g["dp"], g["tp"], g.get("ep", 1), g.get("expert_dp", 1)) if n > 1]
 
 
 def communicator_bytes(n: int) -> int:
@@ -88,13 +91,13 @@ def communicator_bytes(n: int) -> int:
     return NCCL_COMMUNICATOR[2] if n == 2 else NCCL_COMMUNICATOR["more"]
 
 
-def nccl_bytes(tp: int, dp: int, ep: int = 1) -> int:
-    return sum(communicator_bytes(n) for n in communicators(tp, dp, ep))
+def nccl_bytes(layout: RankLayout) -> int:
+    return sum(communicator_bytes(n) for n in communicators(layout))
 
 
-def outside_allocator(module_loading: str, tp: int, dp: int, end: int = 1, ep: int = 1) -> OutsideAllocator:
+def outside_allocator(module_loading: str, layout: RankLayout, end: int = 1) -> OutsideAllocator:
     """The terms at the low (end=0) or high (end=1) end of the context's published range."""
-    return OutsideAllocator(cuda_context=CUDA_CONTEXT[module_loading][end], nccl=nccl_bytes(tp, dp, ep))
+    return OutsideAllocator(cuda_context=CUDA_CONTEXT[module_loading][end], nccl=nccl_bytes(layout))
 
 
 def fragmentation(zero: int, engine: str = DEFAULT_ENGINE) -> float:

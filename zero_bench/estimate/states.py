@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.models.params import routed_expert_params
 from zero_bench.records import ModelStates
 from zero_bench.units import BYTES
@@ -28,15 +29,14 @@ def master_bytes(states: str = "mixed") -> int:
     return 2 if states == "bf16" else 4
 
 
-def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1, precision: str = "bf16",
+def model_states_bytes(num_params: float, zero_stage: int, layout: RankLayout, precision: str = "bf16",
                        offload_optimizer: bool = False, offload_param: bool = False, states: str = "mixed",
-                       ep: int = 1, expert_params: float = 0) -> ModelStates:
-    """Bytes of model states per rank for Adam, split as ZeRO partitions them.
+                       expert_params: float = 0) -> ModelStates:
+    """Bytes of model states per rank for Adam, split as ZeRO partitions them over the layout's dp
+    ranks (config.layout.RankLayout: dp, and with ep > 1 the experts' own group).
 
-    num_params: parameters of the WHOLE model (all tensor-parallel shards together); this function
-    uses P = num_params / tp, the parameters of one tensor-parallel shard. (To use megatron's exact
-    shard, whose LayerNorms and row biases are replicated, pass models.params.params_per_shard(m, tp)
-    with tp=1.)
+    num_params: parameters of ONE tensor-parallel shard, P (megatron's exact shard, whose LayerNorms
+    and row biases are replicated: layout.tp_shard_params; the paper's P = the whole model's / tp).
 
     Mixed precision (bf16/fp16; 2-byte params and grads, fp32 master + Adam m, v: K = 12), the ZeRO
     paper:
@@ -67,17 +67,16 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
     still holds its full gradients on the device); offload_param (stage 3) moves the parameter
     partition to the host too.
 
-    Expert parallelism (ep > 1; DeepSpeed runs it at ZeRO 1-2): expert_params is the routed
-    experts' share of num_params (all E experts of every MoE layer, models.params.routed_expert_params
-    at ep 1; as num_params, all tensor-parallel shards together). A rank holds the other
-    (dense) parameters and 1/ep of the experts whole: P = (dense + experts/ep) / tp, which the
-    parts held whole count (the 16-bit params; ZeRO-0 everything; ZeRO-1 the gradients). DeepSpeed
-    keeps the experts in their own optimizer param group, flattened and partitioned over the dp/ep
-    ranks that hold the same experts (the expert-data-parallel group), the dense group over all dp:
-    each rank's partition is dense/dp + (experts/ep)/(dp/ep) = num_params/(tp dp), which the
-    sharded parts count (the master, the moments; ZeRO-2 the gradients). DeepSpeed's flat-buffer
-    padding (each group to a multiple of 2 x its ranks) is left out, as at ep 1. ep=1: the formulas
-    above, unchanged.
+    Expert parallelism (layout.ep > 1; DeepSpeed runs it at ZeRO 1-2): expert_params is the routed
+    experts' share of num_params (all E experts of every MoE layer: layout.tp_shard_expert_params).
+    A rank holds the other (dense) parameters and 1/ep of the experts whole (layout.held_whole),
+    which the parts held whole count (the 16-bit params; ZeRO-0 everything; ZeRO-1 the gradients).
+    DeepSpeed keeps the experts in their own optimizer param group, flattened and partitioned over
+    the dp/ep ranks that hold the same experts (the expert-data-parallel group), the dense group
+    over all dp: each rank's partition is dense/dp + (experts/ep)/(dp/ep) = num_params/dp
+    (layout.zero_groups), which the sharded parts count (the master, the moments; ZeRO-2 the
+    gradients). DeepSpeed's flat-buffer padding (each group to a multiple of 2 x its ranks) is left
+    out, as at ep 1. ep=1: the formulas above, unchanged.
 
     Returns one rank's ModelStates: params, grads, master, moments wherever they live (optimizer:
     master + moments), host: the bytes of them in host memory (device: the rest).
@@ -86,17 +85,12 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
         raise ValueError(f"zero_stage={zero_stage}: allowed 0, 1, 2, 3")
     if precision not in BYTES:
         raise ValueError(f"precision={precision}: allowed {', '.join(BYTES)}")
-    if dp < 1 or tp < 1:
-        raise ValueError("dp and tp must be >= 1")
-    if ep < 1 or dp % ep:
-        raise ValueError(f"ep={ep}: must be >= 1 and divide dp={dp}")
     if not 0 <= expert_params <= num_params:
         raise ValueError(f"expert_params={expert_params}: must be in [0, num_params={num_params}]")
-    experts = expert_params if ep > 1 else 0  # ep 1: one group, as before
-    P = (num_params - experts + experts / ep) / tp  # held whole: the dense part and 1/ep of the experts
+    P = layout.held_whole(num_params, expert_params)  # the dense part and 1/ep of the experts
     # each optimizer param group's partition: the dense group over dp ranks, the experts' over dp / ep
-    groups = [(num_params - experts) / tp / dp, experts / ep / tp / (dp // ep)] if ep > 1 else [P / dp]
-    part = sum(groups)  # num_params / (tp dp) whatever ep
+    groups = layout.zero_groups(num_params, expert_params)
+    part = sum(groups)  # num_params / dp whatever ep
     b = BYTES[precision]
     mixed = b == 2
     params = b * (part if zero_stage == 3 else P)
@@ -124,9 +118,11 @@ def model_states_bytes(num_params: float, zero_stage: int, dp: int, tp: int = 1,
 
 
 def stored_states(s) -> ModelStates:
-    """model_states_bytes for a stored config as the report reads it (report.tables.Setup): the
-    deepspeed spec's stored_states, so the report asks the engine's spec, not its name."""
-    experts = routed_expert_params(s.description, 1) if s.ep > 1 else 0  # ep > 1 runs at tp 1
-    return model_states_bytes(s.num_params, s.zero, s.dp, tp=s.tp, precision=s.precision,
+    """model_states_bytes for a stored config as the report reads it (report.tables.Setup, its
+    layout): the deepspeed spec's stored_states, so the report asks the engine's spec, not its name.
+    The paper's P: the whole model's parameters / tp."""
+    layout = s.layout
+    experts = routed_expert_params(s.description, 1) if layout.ep > 1 else 0  # ep > 1 runs at tp 1
+    return model_states_bytes(s.num_params / layout.tp, s.zero, layout, precision=s.precision,
                               offload_optimizer=s.offload, offload_param=s.offload_param, states=s.states,
-                              ep=s.ep, expert_params=experts)
+                              expert_params=experts)

@@ -16,7 +16,7 @@ from zero_bench.config.schema import BenchConfig, ConfigError
 from zero_bench.engines.specs import spec
 from zero_bench.estimate import Estimate, estimate
 from zero_bench.models.description import summary
-from zero_bench.models.params import active_params, num_params, params_per_shard
+from zero_bench.models.params import active_params, num_params
 from zero_bench.records import SearchStatus
 from zero_bench.store import Store
 from zero_bench.units import GiB, MiB
@@ -86,11 +86,12 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     if cfg.get("json", False):
         doc = as_json(bench, first, rows, [e for _, e in ests], at)
         return doc if traces is None else with_traces(doc, rows, ests, traces)
-    m, tp, ep = bench.model, bench.parallel.tp, bench.parallel.ep
+    m, tp, layout = bench.model, bench.parallel.tp, bench.layout
+    ep = layout.ep
     active = f", {active_params(m):,} active per token" if m.is_moe else ""  # MoE: FLOPs count these
     # ep > 1: a rank holds its num_experts / ep experts of each MoE layer and everything else whole
-    held = (f"{params_per_shard(m, tp, ep):,} per rank with {m.num_experts // ep} of {m.num_experts} experts"
-            if ep > 1 else f"{params_per_shard(m, tp):,} per TP shard")
+    held = (f"{layout.held_params:,} per rank with {layout.experts_per_rank} of {m.num_experts} experts"
+            if ep > 1 else f"{layout.held_params:,} per TP shard")
     head = (f"zero_bench estimate: {m.name} ({num_params(m):,} params{active}, {held}) tp={tp} "
             f"dp={bench.parallel.dp}{f' ep={ep}' if ep > 1 else ''} on {bench.hardware.device} {bench.precision}, "
             f"micro {micro} x grad_accum "
@@ -206,10 +207,10 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
     return json.dumps({"model": bench.model.name, "description": bench.to_dict()["model"],
                        "micro": bench.batch.micro, "grad_accum": bench.batch.grad_accum,
                        "num_params": num_params(bench.model), "active_params": active_params(bench.model),
-                       "params_per_shard": params_per_shard(bench.model, bench.parallel.tp),
+                       "params_per_shard": bench.layout.tp_shard_params,
                        "tp": bench.parallel.tp, "dp": bench.parallel.dp,
-                       **({"ep": bench.parallel.ep, "params_per_rank": params_per_shard(
-                           bench.model, bench.parallel.tp, bench.parallel.ep)} if bench.parallel.ep > 1 else {}),
+                       **({"ep": bench.layout.ep, "params_per_rank": bench.layout.held_params}
+                          if bench.layout.ep > 1 else {}),
                        "device": bench.hardware.device,
                        "precision": bench.precision, "capacity_bytes": first.capacity if first else None,
                        "overhead_bytes": first.overhead if first else None,

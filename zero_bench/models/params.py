@@ -14,11 +14,13 @@ weights and biases (QKV, fc1, the vocabulary) split dim 0 over tp, row-parallel 
 biases, the norms and the position table are replicated. Every head is kv_channels wide (head_dim,
 or h / a), so Q, K, V and the projection follow it, not h.
 
-Expert parallelism (parallel.ep, tp 1): a rank holds num_experts / ep of each MoE layer's routed
-experts, numbered locally (local_experts.0 .. E/ep - 1, as megatron's SequentialMLP names them on
-every expert-parallel rank); everything else (attention, norms, router, shared expert, embeddings)
-whole on every rank. Param.expert marks the routed experts' tensors: their states are sharded over
-the dp / ep ranks that hold the same experts (the expert-data-parallel group), the others over dp.
+Expert parallelism (parallel.ep, tp 1): a rank holds `experts` of each MoE layer's routed experts
+(config.layout.RankLayout.experts_per_rank: num_experts / ep), numbered locally (local_experts.0 ..
+experts - 1, as megatron's SequentialMLP names them on every expert-parallel rank); everything else
+(attention, norms, router, shared expert, embeddings) whole on every rank. Param.expert marks the
+routed experts' tensors; where each parameter's states are partitioned is the layout's answer
+(RankLayout.partition_ranks), as are the per-rank counts at a given ep (RankLayout.held_params ...).
+This module divides by no parallel degree but tp.
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ class Param:
     """the dimension megatron splits over tp ranks (its partition_dim), None where every tp rank
     holds it whole (norms, row-parallel biases, positions, the router)"""
     expert: bool = False
-    """a routed expert's tensor (megatron's allreduce=False parameters): with parallel.ep its states
-    are sharded over the expert-data-parallel ranks (dp / ep), not all dp ranks"""
+    """a routed expert's tensor (megatron's allreduce=False parameters): with parallel.ep > 1 its
+    states are partitioned over the expert-data-parallel ranks (config.layout.RankLayout.partition_ranks)"""
 
     @property
     def numel(self) -> int:
@@ -77,22 +79,23 @@ def _mlp(m: ModelConfig, prefix: str, f: int, tp: int) -> list[Spec]:
             + _linear(f"{prefix}.linear_fc2", h, f // tp, m.add_bias, 1))
 
 
-def _moe(m: ModelConfig, prefix: str, tp: int, ep: int = 1) -> list[Spec]:
+def _moe(m: ModelConfig, prefix: str, tp: int, experts: Optional[int] = None) -> list[Spec]:
     """megatron-core 0.16.1's MoELayer with the local spec (moe_grouped_gemm=False), in the order
     MoELayer.__init__ builds it: the TopKRouter's weight [E, h] (fp32 at build, params_dtype after;
-    replicated over tp and ep; bias [E] with add_bias_linear: router.py Router), this rank's E / ep
-    experts of SequentialMLP (local_experts.{j}, j local: fc1, fc2, split over the expert tp, = tp),
-    then SharedExpertMLP (moe_shared_expert_intermediate_size, no gate; whole on every ep rank)."""
+    replicated over tp and ep; bias [E] with add_bias_linear: router.py Router), this rank's
+    `experts` (None: all E) of SequentialMLP (local_experts.{j}, j local: fc1, fc2, split over the
+    expert tp, = tp), then SharedExpertMLP (moe_shared_expert_intermediate_size, no gate; whole on
+    every ep rank)."""
     E, h = m.num_experts, m.hidden_size
     out = _linear(f"{prefix}.router", E, h, m.add_bias, None)
-    for e in range(E // ep):
+    for e in range(E if experts is None else experts):
         out += [(*s, True) for s in _mlp(m, f"{prefix}.experts.local_experts.{e}", m.moe_ffn, tp)]
     if m.moe_shared_expert_intermediate_size:
         out += _mlp(m, f"{prefix}.shared_experts", m.moe_shared_expert_intermediate_size, tp)
     return out
 
 
-def _layer(m: ModelConfig, i: int, tp: int, moe: bool, ep: int = 1) -> list[Spec]:
+def _layer(m: ModelConfig, i: int, tp: int, moe: bool, experts: Optional[int] = None) -> list[Spec]:
     h, d, p = m.hidden_size, m.kv_channels, f"decoder.layers.{i}"
     qkv_out = (m.num_heads + 2 * m.query_groups) * d // tp  # the a query heads, g key and g value heads
     out = _norm(m, f"{p}.input_layernorm")
@@ -101,56 +104,36 @@ def _layer(m: ModelConfig, i: int, tp: int, moe: bool, ep: int = 1) -> list[Spec
     if m.qk_norm:  # SelfAttention builds them after linear_qkv; d wide, shared by the heads
         out += _norm(m, f"{p}.self_attention.q_layernorm", d) + _norm(m, f"{p}.self_attention.k_layernorm", d)
     out += _norm(m, f"{p}.pre_mlp_layernorm")
-    out += _moe(m, f"{p}.mlp", tp, ep) if moe else _mlp(m, f"{p}.mlp", m.ffn, tp)
+    out += _moe(m, f"{p}.mlp", tp, experts) if moe else _mlp(m, f"{p}.mlp", m.ffn, tp)
     return out
 
 
-def _check_ep(m: ModelConfig, ep: int) -> None:
-    if ep != 1 and (ep < 1 or not m.is_moe or m.num_experts % ep):
-        raise ValueError(f"ep={ep}: expert parallelism needs a mixture of experts whose num_experts "
-                         f"({m.num_experts}) it divides")
-
-
-def params(m: ModelConfig, tp: int = 1, ep: int = 1) -> list[Param]:
-    """Every parameter one rank holds (tensor-parallel rank; with ep > 1 its num_experts / ep
-    routed experts per MoE layer), in GPTModel.named_parameters() order."""
-    _check_ep(m, ep)
+def params(m: ModelConfig, tp: int = 1, *, experts: Optional[int] = None) -> list[Param]:
+    """Every parameter one rank holds (tensor-parallel rank; `experts`: the routed experts of each
+    MoE layer it holds, config.layout.RankLayout.experts_per_rank; None: all of them), in
+    GPTModel.named_parameters() order. At a given layout: RankLayout.params, built once."""
     h, V = m.hidden_size, m.padded_vocab(tp)
     root = [("embedding.word_embeddings.weight", (V // tp, h), 0)]  # vocab parallel
     if m.position_embedding == "learned":
         root.append(("embedding.position_embeddings.weight", (m.seq_len, h), None))
     out = [Param(n, s, ROOT, d) for n, s, d in root]
     for i, moe in enumerate(m.moe_layers):
-        out += [Param(*spec[:2], f"layer{i}", *spec[2:]) for spec in _layer(m, i, tp, moe, ep)]
+        out += [Param(*spec[:2], f"layer{i}", *spec[2:]) for spec in _layer(m, i, tp, moe, experts)]
     tail = _norm(m, "decoder.final_layernorm")
     if not m.tie_embeddings:
         tail.append(("output_layer.weight", (V // tp, h), 0))  # vocab parallel
     return out + [Param(n, s, ROOT, d) for n, s, d in tail]
 
 
-def param_numels(m: ModelConfig, tp: int = 1, ep: int = 1) -> list[int]:
+def param_numels(m: ModelConfig, tp: int = 1, *, experts: Optional[int] = None) -> list[int]:
     """Element count of every parameter one rank holds, in GPTModel.parameters() order."""
-    return [p.numel for p in params(m, tp, ep)]
+    return [p.numel for p in params(m, tp, experts=experts)]
 
 
-def split_numels(m: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
-    """(dense, expert): the parameters one rank holds, split into those sharded over all dp ranks
-    (everything but the routed experts) and its routed experts' (E / ep per MoE layer), sharded
-    over the dp / ep expert-data-parallel ranks."""
-    dense = expert = 0
-    for p in params(m, tp, ep):
-        if p.expert:
-            expert += p.numel
-        else:
-            dense += p.numel
-    return dense, expert
-
-
-def layer_numels(m: ModelConfig, tp: int = 1, moe: bool = False, ep: int = 1) -> list[int]:
+def layer_numels(m: ModelConfig, tp: int = 1, moe: bool = False, *, experts: Optional[int] = None) -> list[int]:
     """One transformer layer's parameters on one rank, in module order (moe: its MLP is the MoE
-    layer, with E / ep routed experts)."""
-    _check_ep(m, ep)
-    return [math.prod(s[1]) for s in _layer(m, 0, tp, moe, ep)]
+    layer, with `experts` routed experts; None: all of them)."""
+    return [math.prod(s[1]) for s in _layer(m, 0, tp, moe, experts)]
 
 
 def mlp_numels(m: ModelConfig, f: int, tp: int = 1) -> list[int]:
@@ -179,19 +162,19 @@ def active_params(m: ModelConfig) -> int:
     return num_params(m) - idle * expert_params(m, 1) * m.num_moe_layers
 
 
-def params_per_shard(m: ModelConfig, tp: int, ep: int = 1) -> int:
-    """Parameters one rank holds whole before any ZeRO / FSDP2 sharding: its tensor-parallel shard
-    (replicated norms and row biases included) with, at expert-parallel degree ep, its
-    num_experts / ep routed experts of each MoE layer (the rest whole on every rank)."""
-    return sum(param_numels(m, tp, ep))
+def params_per_shard(m: ModelConfig, tp: int) -> int:
+    """Parameters of one tensor-parallel shard of the model (replicated norms and row biases
+    included), every routed expert once: what one rank holds whole before any ZeRO / FSDP2
+    sharding at ep 1 (at ep > 1: config.layout.RankLayout.held_params)."""
+    return sum(param_numels(m, tp))
 
 
-def routed_expert_params(m: ModelConfig, tp: int = 1, ep: int = 1) -> int:
-    """Parameters of the routed experts one rank holds: E / ep experts in each MoE layer (0 for a
-    dense model). Their states are sharded over the dp / ep ranks holding the same experts."""
+def routed_expert_params(m: ModelConfig, tp: int = 1, *, experts: Optional[int] = None) -> int:
+    """Parameters of `experts` routed experts in each MoE layer on one tp rank (None: all of them;
+    0 for a dense model)."""
     if not m.is_moe:
         return 0
-    return m.num_experts // ep * m.num_moe_layers * expert_params(m, tp)
+    return (m.num_experts if experts is None else experts) * m.num_moe_layers * expert_params(m, tp)
 
 
 def dense_params(m: ModelConfig, tp: int = 1) -> int:

@@ -10,6 +10,7 @@ from typing import Optional
 
 import pandas as pd
 
+from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, States, stored_settings
 from zero_bench.devices.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu
 from zero_bench.engines.specs import SPECS, load, spec
@@ -64,6 +65,11 @@ class Setup:
     @property
     def world(self) -> int:
         return self.tp * self.dp
+
+    @property
+    def layout(self) -> RankLayout:
+        """The stored degrees as the one layout (config/layout.py), for the stored description."""
+        return RankLayout.of(self, self.description)
 
     @property
     def description(self) -> Optional[ModelConfig]:

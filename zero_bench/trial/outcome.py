@@ -27,6 +27,12 @@ NOISE = re.compile(r"warn|apex|deprecat|\[INFO\]|^File \"|^\^+$|^Traceback", re.
 # A Python exception's own line ("RuntimeError: ..."), or a process's death as a shell or C++ says it.
 EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b|Killed|Segmentation fault|Aborted|terminate called")
 
+# What a crashing process leaves in its log: C++'s std::terminate, Python's fatal error handler, a shell.
+CRASHED = re.compile(r"terminate called|^\s*what\(\):|Fatal Python error|Segmentation fault|Bus error|"
+                     r"Aborted|core dumped", re.M)
+# DeepSpeed's launcher on the rank it saw end first (launcher/launch.py sigkill_handler).
+LAUNCHER_EXIT = re.compile(r"exits with return code = (-\d+)")
+
 # What peers of a dead rank raise: consequences, not causes.
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote worker|NCCL communicator was aborted",
                        re.I)
@@ -114,7 +120,8 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
     sign = oom_in_log(end.log_tail)
     if sign:  # before the signal: a C++ allocation failure aborts (SIGABRT) with this in its log
         return Status.OOM, "allocation failure in the logs: " + sign
-    died = None if end.timed_out else death_signal(end.rc)  # after a timeout, the SIGKILL is ours
+    # after a timeout, the SIGKILL is ours
+    died = None if end.timed_out else (death_signal(end.rc) or logged_signal(end.log_tail))
     who = f"rank {silent[0]}" if silent else "a rank"
     peers = f"; peers: {errs[0].error[:200]}" if errs else ""
     if died == signal.SIGKILL:
@@ -129,13 +136,24 @@ def _failure(errs: list[RankRecord], end: LaunchEnd, silent: list[int]) -> tuple
     if end.rc in (OOM_EXIT, 256 - OOM_EXIT):
         return Status.OOM, f"a rank ran out of memory (launcher exit {end.rc})"
     if silent and peers_lost and not end.timed_out:
-        return Status.ERROR, (f"{who} died without a result (exit {end.rc}): "
-                              f"{meaningful_line(end.log_tail) or '(no output)'}{peers}")
+        if CRASHED.search(end.log_tail):
+            return Status.ERROR, (f"{who} died without a result (exit {end.rc}): "
+                                  f"{meaningful_line(end.log_tail) or '(no output)'}{peers}")
+        # No signal known (its parent's exit code was a peer's) and nothing in the log: a process
+        # that crashes says so (C++'s terminate, Python's fatal error handler, the shell), one the
+        # kernel's OOM killer ends says nothing.
+        return Status.OOM, f"{who} died without a result or a word (as the kernel's OOM killer leaves it){peers}"
     if errs:
         return Status.ERROR, f"rank {errs[0].rank}: {errs[0].error}"
     if end.timed_out:
         return Status.TIMEOUT, _timeout_reason(end)
     return Status.ERROR, f"launcher exit {end.rc}: {meaningful_line(end.log_tail) or '(no output)'}"
+
+
+def logged_signal(log: str) -> Optional[int]:
+    """The signal DeepSpeed's launcher logged a rank's end with ("... exits with return code = -6")."""
+    m = LAUNCHER_EXIT.search(log)
+    return death_signal(int(m.group(1))) if m else None
 
 
 def death_signal(rc: Optional[int]) -> Optional[int]:

@@ -34,6 +34,16 @@ from zero_bench.trial.sampler import is_worker
 
 # How long the ranks may take to report a killed child's exit before the pool counts as broken.
 KILL_ANSWER_S = 15.0
+# How long, once a child failed, the others may take to report their own exits before the rest are
+# killed: a rank the kernel SIGKILLed and the peer that lost it exit within milliseconds of each
+# other, and which parent writes its exit file first is a race (each polls up to CHILD_POLL_S).
+SETTLE_S = 1.0
+
+
+def cause(failed: list[int]) -> int:
+    """Of the failed children's exit codes (rank order), the one that says why: the first ended by
+    a signal, else the first."""
+    return next((c for c in failed if c < 0), failed[0])
 
 
 def pool_key(cfg: BenchConfig) -> str:
@@ -105,6 +115,7 @@ class PoolTrial:
         self.marker = str(pool.dir) if pool.multi_node else None
         self.killed = False
         self.first_failure: Optional[int] = None  # exit code of the first child that failed by itself
+        self._failed_at: Optional[float] = None  # when a failed child was first seen
 
     def wait(self, timeout: float) -> bool:
         """True once every rank's child has ended (or the pool itself has). As DeepSpeed's launcher
@@ -116,10 +127,14 @@ class PoolTrial:
                 return True
             failed = [c for _, c in sorted(exits.items()) if c]
             if failed and not self.killed:
-                # a child ended by a signal (killed, aborted) is the cause; an exit code is what
-                # its peers did once they lost it
-                self.first_failure = next((c for c in failed if c < 0), failed[0])
-                self.kill()
+                self._failed_at = self._failed_at or time.time()
+                # A child ended by a signal (killed, aborted) is the cause, an exit code what its
+                # peers did once they lost it; the peer's exit may be reported first, so the
+                # others get SETTLE_S to report theirs before the rest are killed.
+                signalled = cause(failed)
+                if signalled < 0 or time.time() - self._failed_at >= SETTLE_S:
+                    self.first_failure = signalled
+                    self.kill()
             if time.time() >= end:
                 return False
             time.sleep(0.1)
@@ -154,8 +169,8 @@ class PoolTrial:
             return self.pool.proc.returncode
         if self.first_failure is not None:
             return self.first_failure
-        codes = [c for _, c in sorted(self.pool.exits(self.n).items())]
-        return next((c for c in codes if c), 0)
+        failed = [c for _, c in sorted(self.pool.exits(self.n).items()) if c]
+        return cause(failed) if failed else 0
 
     def log_tail(self, n: int = 3000) -> str:
         text = ""

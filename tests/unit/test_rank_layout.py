@@ -1,0 +1,180 @@
+"""One layout object (issue 44 item 1): config/layout.py's RankLayout holds the parallel degrees,
+validates them once against the model and answers every size derived from them; nothing else in
+the package divides by ep or dp_shard, and no other module raises a degree's refusal but the
+engines' own (engines/refusals.py). The source scans follow tests/unit/test_engine_specs.py's."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from zero_bench.config import layout as layout_module
+from zero_bench.config.configure import compose, from_cfg
+from zero_bench.config.layout import RankLayout
+from zero_bench.errors import ConfigError
+from zero_bench.estimate import estimate
+
+from conftest import model
+
+PACKAGE = Path(__file__).resolve().parents[2] / "zero_bench"
+LAYOUT = "config/layout.py"
+DEGREES = {"ep", "dp_shard"}  # the degrees whose arithmetic is the layout's alone
+ARITHMETIC = (ast.Div, ast.FloorDiv, ast.Mod, ast.Mult)
+# a degree's refusal ("parallel.ep=2: must divide ..."): the layout's, and each engine's own limits
+REFUSED_KEYS = ("parallel.tp=", "parallel.dp_shard=", "parallel.ep=")
+MAY_REFUSE = {LAYOUT, "engines/refusals.py"}
+
+
+def _named(node: ast.AST) -> str:
+    """The name a direct operand reads: `ep`, `self.ep`, `b.parallel.ep` -> "ep"."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ""
+
+
+def degree_arithmetic(source: str) -> list[int]:
+    """Lines where ep or dp_shard is an operand of /, //, % or * (strings and comments never are)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ARITHMETIC):
+            operands = (node.left, node.right)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.op, ARITHMETIC):
+            operands = (node.target, node.value)
+        else:
+            continue
+        if any(_named(o) in DEGREES for o in operands):
+            lines.append(node.lineno)
+    return lines
+
+
+def _text_start(node: ast.AST) -> str:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        return str(node.values[0].value)
+    return ""
+
+
+def degree_refusals(source: str) -> list[int]:
+    """Lines raising ConfigError with a message that starts by naming a parallel degree's key."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and _named(node.exc.func) == "ConfigError"
+                and node.exc.args and _text_start(node.exc.args[0]).startswith(REFUSED_KEYS)):
+            lines.append(node.lineno)
+    return lines
+
+
+def _scan(check, allowed: set[str]) -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE))
+        if rel in allowed:
+            continue
+        text = path.read_text()
+        found += [f"zero_bench/{rel}:{n}: {text.splitlines()[n - 1].strip()}" for n in check(text)]
+    return found
+
+
+def test_no_ep_or_dp_shard_arithmetic_outside_the_layout():
+    found = _scan(degree_arithmetic, {LAYOUT})
+    assert not found, "ask zero_bench.config.layout.RankLayout instead:\n" + "\n".join(found)
+
+
+def test_the_degrees_are_refused_only_by_the_layout_and_the_engines():
+    found = _scan(degree_refusals, MAY_REFUSE)
+    assert not found, "refuse a degree in config/layout.py (engine limits: engines/refusals.py):\n" + "\n".join(found)
+
+
+def test_the_scans_see_what_they_look_for():
+    assert degree_arithmetic("x = dp // ep") == [1] and degree_arithmetic("y = n % b.parallel.ep") == [1]
+    assert degree_arithmetic("z = experts / self.ep / tp") == [1] and degree_arithmetic("w = a * (dp // dp_shard)")
+    assert degree_arithmetic("n //= ep") == [1]
+    assert not degree_arithmetic('s = "dp // ep"  # dp // ep') and not degree_arithmetic("if ep > 1: q = dp - ep")
+    assert degree_refusals('raise ConfigError(f"parallel.ep={ep}: must divide")') == [1]
+    assert degree_refusals('raise ConfigError("parallel.tp=3: no")') == [1]
+    assert not degree_refusals('raise ConfigError(f"loss={x}: runs at parallel.tp=1")')
+    assert layout_module.__file__.endswith(LAYOUT)  # the one file the scans leave out
+
+
+# -- the layout itself ------------------------------------------------------------------------------
+
+def test_derived_sizes_and_groups():
+    plain = RankLayout(tp=2, dp=4)
+    assert (plain.world_size, plain.shard_size, plain.replicas, plain.hybrid) == (8, 4, 1, False)
+    assert plain.groups == {"world": 8, "dp": 4, "tp": 2} and plain.expert_data_parallel == 4
+    experts = RankLayout(dp=8, ep=2, model=model("moe-tiny"))
+    assert experts.groups == {"world": 8, "dp": 8, "tp": 1, "ep": 2, "expert_dp": 4}
+    assert (experts.experts_per_rank, experts.expert_data_parallel) == (4, 4)
+    assert [experts.expert_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    hybrid = RankLayout(dp=8, dp_shard=2)
+    assert (hybrid.hybrid, hybrid.shard_size, hybrid.replicas) == (True, 2, 4)
+    assert hybrid.groups == {"world": 8, "dp": 8, "tp": 1, "shard": 2, "replicate": 4}
+    assert not RankLayout(dp=4, dp_shard=4).hybrid  # one group: plain sharding
+    assert RankLayout(model=model("llama-tiny")).experts_per_rank is None
+
+
+def test_where_each_parameter_lives():
+    """Dense parameters over the shard group (dp, dp_shard with hybrid sharding); a routed expert's
+    at ep > 1 over the dp / ep ranks holding it, indexed by rank // ep."""
+    moe = RankLayout(dp=4, ep=2, model=model("moe-tiny"))
+    dense = next(p for p in moe.params if not p.expert)
+    expert = next(p for p in moe.params if p.expert)
+    assert (moe.partition_ranks(dense), moe.partition_ranks(expert)) == (4, 2)
+    assert [moe.partition_index(expert, r) for r in range(4)] == [0, 0, 1, 1]
+    assert [moe.partition_index(dense, r) for r in range(4)] == [0, 1, 2, 3]
+    hybrid = RankLayout(dp=4, dp_shard=2, model=model("llama-tiny"))
+    assert {hybrid.partition_ranks(p) for p in hybrid.params} == {2}
+    one = RankLayout(dp=4, model=model("moe-tiny"))  # ep 1: the experts with everything else
+    assert {one.partition_ranks(p) for p in one.params} == {4}
+
+
+def test_counts_follow_the_experts_a_rank_holds():
+    m = model("moe-tiny")
+    one, two = RankLayout(dp=2, model=m), RankLayout(dp=2, ep=2, model=m)
+    assert two.dense_params == one.dense_params and two.held_expert_params * 2 == one.held_expert_params
+    assert two.tp_shard_params == one.held_params == one.tp_shard_params
+    assert two.held_params == two.dense_params + two.held_expert_params
+    assert two.zero_partitions == [two.dense_params // 2, two.held_expert_params // 1]
+    assert two.zero_groups(100, 40) == [30, 20] and one.zero_groups(100, 40) == [50]
+    assert (two.held_whole(100, 40), one.held_whole(100, 40)) == (80, 100)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dp=4, dp_shard=3), "parallel.dp_shard=3: must divide parallel.dp=4"),
+    (dict(tp=2, dp=2, dp_shard=1), "parallel.dp_shard=1: hybrid sharding is modelled at parallel.tp=1"),
+    (dict(dp=2, ep=2, name="llama-tiny"), "parallel.ep=2: expert parallelism splits a mixture of experts' experts"),
+    (dict(dp=3, ep=3, name="moe-tiny"), "parallel.ep=3: must divide model.num_experts=8"),
+    (dict(dp=2, ep=4, name="moe-tiny"), "parallel.ep=4: must divide parallel.dp=2 (the experts are split"),
+    (dict(dp=3, ep=2), "parallel.ep=2: must divide parallel.dp=3"),
+    (dict(dp=4, ep=2, dp_shard=2, name="moe-tiny"), "parallel.ep=2: hybrid sharding with expert parallelism"),
+    (dict(tp=3, name="gpt-mini"), "parallel.tp=3: must divide model.num_heads=4"),
+    (dict(tp=4, name="llama-tiny"), "parallel.tp=4: must divide the query groups (model.num_query_groups=2)"),
+    (dict(tp=2, name="moe-tiny"), "parallel.tp=2: megatron-core's MoE layer trains with tp > 1 only with"),
+    (dict(dp=0), "parallel.dp=0: must be an integer >= 1"),
+    (dict(sp=2), "sp=2: not modelled yet"),
+    (dict(pp=4), "pp=4: not modelled yet"),
+])
+def test_refusals_are_one_line_naming_the_key(kwargs, message):
+    name = kwargs.pop("name", None)
+    with pytest.raises(ConfigError) as err:
+        RankLayout(**kwargs, model=model(name) if name else None)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_config_asks_the_layout_once_and_the_estimate_builds_one_parameter_list(monkeypatch):
+    b = from_cfg(compose(["model=moe-tiny", "hardware.device=cpu", "parallel.ep=2", "zero=1"]), here=False)
+    assert b.layout is b.layout and b.layout == RankLayout(dp=2, ep=2, model=b.model)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        b.layout.ep = 1
+    built = []
+    real = layout_module.param_list
+    monkeypatch.setattr(layout_module, "param_list", lambda *a, **k: built.append(a) or real(*a, **k))
+    fresh = dataclasses.replace(b, zero=2)  # a new config: its own layout
+    assert fresh.layout is not b.layout
+    estimate(fresh)
+    assert len(built) == 1  # states, buffers, the initialize peak and the ds_config's buckets share it

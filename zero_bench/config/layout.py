@@ -1,0 +1,259 @@
+"""Where a trial's ranks sit and where each parameter's states live: one RankLayout, in the spirit of
+torchtitan's ParallelDims (torchtitan/distributed/parallel_dims.py: a dataclass of every degree,
+validated once in __post_init__, with properties for the derived sizes and the meshes).
+
+The degrees: tp (megatron's tensor parallelism), dp (the data-parallel ranks ZeRO or FSDP2
+partitions over), dp_shard (FSDP2's hybrid sharding: groups of dp_shard ranks each hold one copy of
+the sharded states), ep (megatron's expert parallelism: each group of ep data-parallel ranks splits
+a mixture of experts' experts); sp and pp are reserved for the sequence- and pipeline-parallel
+degrees that come next (1 today, refused otherwise). Validated once, against the model where one
+is given: every refusal that is about the degrees alone (tp dividing the heads, the hidden size,
+the query groups and the MLP; ep dividing the experts and dp; dp_shard dividing dp) is raised
+here, as one line naming the key (zero_bench.errors.ConfigError). What an engine cannot run stays
+in engines/refusals.py; configure.validate_static asks both.
+
+Derived: the world and every group's size (`groups`), the expert-data-parallel size (dp / ep), the
+shard group (dp_shard or dp), the experts one rank holds (num_experts / ep), the parameter list one
+rank holds (models/params.py, built once per layout) and its counts, and where each parameter's
+states live (`partition_ranks`: whole on every rank of the group under ZeRO-0, else partitioned
+over dp ranks, dp_shard ranks with hybrid sharding, or dp / ep ranks for a routed expert at ep > 1).
+Configure, the estimate (estimate/), the engines' setup and the report ask it: this module is the
+one place the degrees are divided (tests/unit/test_rank_layout.py holds the package to that).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from zero_bench.errors import ConfigError
+from zero_bench.models.description import ModelConfig
+from zero_bench.models.params import Param, params as param_list
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The degrees of one trial, validated once (see the module's docstring)."""
+    tp: int = 1
+    """Tensor-parallel degree (megatron-core): each rank holds 1 / tp of the split weights."""
+    dp: int = 1
+    """Data-parallel degree: the ranks ZeRO partitions the states over (FSDP2: unless dp_shard)."""
+    dp_shard: Optional[int] = None
+    """FSDP2's hybrid sharding: states sharded within groups of dp_shard ranks, replicated across
+    the dp / dp_shard groups. None (or dp): shard over all dp ranks."""
+    ep: int = 1
+    """Expert-parallel degree: each group of ep data-parallel ranks splits the routed experts;
+    the dp / ep ranks that hold the same experts shard their states."""
+    sp: int = 1
+    """Reserved: the sequence-parallel degree (Ulysses / context parallelism), the next step. 1
+    today: the tokens per rank are the whole sequence; anything else is refused."""
+    pp: int = 1
+    """Reserved: the pipeline-parallel degree, after sp. 1 today; anything else is refused."""
+    model: Optional[ModelConfig] = None
+    """The model the degrees are validated against and whose parameters the layout places. None:
+    the degrees alone (the ZeRO paper's formula on a bare parameter count, a stored calibration)."""
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "dp", "ep") + (("dp_shard",) if self.dp_shard is not None else ()):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"parallel.{key}={value}: must be an integer >= 1")
+        for key in ("sp", "pp"):
+            if getattr(self, key) != 1:
+                raise ConfigError(f"{key}={getattr(self, key)}: not modelled yet (RankLayout reserves the degree); "
+                                  f"allowed: {key}=1")
+        self._check_hybrid()
+        self._check_experts()
+        self._check_tensor_parallel()
+
+    @classmethod
+    def of(cls, degrees: Any, model: Optional[ModelConfig]) -> "RankLayout":
+        """The layout of `degrees` (anything with tp, dp, dp_shard and ep: config.schema's
+        ParallelConfig, a stored config's report.tables.Setup) for `model`."""
+        return cls(tp=degrees.tp, dp=degrees.dp, dp_shard=degrees.dp_shard, ep=degrees.ep, model=model)
+
+    # -- validation: one line per refusal, the key first ----------------------------------------
+    def _check_hybrid(self) -> None:
+        """parallel.dp_shard: FSDP2's hybrid sharding, over megatron's DP ranks at tp 1."""
+        shard, dp = self.dp_shard, self.dp
+        if not self.hybrid:
+            return
+        if dp % shard:
+            raise ConfigError(f"parallel.dp_shard={shard}: must divide parallel.dp={dp} (groups of dp_shard ranks "
+                              "each hold one copy of the sharded states)")
+        if self.tp > 1:
+            raise ConfigError(f"parallel.dp_shard={shard}: hybrid sharding is modelled at parallel.tp=1 (megatron's "
+                              f"DP groups at tp {self.tp} are not one mesh); allowed with tp > 1: "
+                              "parallel.dp_shard=null")
+
+    def _check_experts(self) -> None:
+        """parallel.ep: megatron's expert parallelism, over the DP ranks at tp 1."""
+        ep, dp, m = self.ep, self.dp, self.model
+        if ep == 1:
+            return
+        if m is not None and not m.is_moe:
+            raise ConfigError(f"parallel.ep={ep}: expert parallelism splits a mixture of experts' experts; "
+                              f"{m.name or 'this model'} has none (model.num_experts is null); allowed: parallel.ep=1")
+        if m is not None and m.num_experts % ep:
+            raise ConfigError(f"parallel.ep={ep}: must divide model.num_experts={m.num_experts}")
+        if dp % ep:
+            raise ConfigError(f"parallel.ep={ep}: must divide parallel.dp={dp} (the experts are split over "
+                              "ep of the data-parallel ranks)")
+        if self.hybrid:
+            raise ConfigError(f"parallel.ep={ep}: hybrid sharding with expert parallelism is not modelled; "
+                              "allowed with parallel.ep > 1: parallel.dp_shard=null")
+
+    def _check_tensor_parallel(self) -> None:
+        """parallel.tp against the model's widths (megatron splits heads, query groups and the MLP)."""
+        m, tp = self.model, self.tp
+        if m is None:
+            return
+        if m.num_heads % tp:
+            raise ConfigError(f"parallel.tp={tp}: must divide model.num_heads={m.num_heads}")
+        if m.hidden_size % tp:
+            raise ConfigError(f"parallel.tp={tp}: must divide model.hidden_size={m.hidden_size}")
+        # megatron replicates K/V heads when g < tp (an all-gather inside attention), but then a rank's
+        # K/V memory and FLOPs are not g/tp of the model's: not modelled, so refused.
+        if m.query_groups % tp:
+            raise ConfigError(f"parallel.tp={tp}: must divide the query groups (model.num_query_groups="
+                              f"{m.query_groups})")
+        if m.ffn % tp:
+            raise ConfigError(f"parallel.tp={tp}: must divide model.ffn_hidden_size={m.ffn}")
+        if m.is_moe and tp > 1:  # moe_layer.py MoELayer.forward refuses tp > 1 without sequence parallelism
+            raise ConfigError(f"parallel.tp={tp}: megatron-core's MoE layer trains with tp > 1 only with sequence "
+                              "parallelism, which is not modelled; allowed with model.num_experts: parallel.tp=1")
+
+    # -- sizes and groups -----------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Every rank of the trial: tp x dp (x sp x pp, 1 today), as ParallelConfig.world_size."""
+        return self.tp * self.dp * self.sp * self.pp
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks that partition one copy of the dense states: dp, or dp_shard with hybrid sharding."""
+        return self.dp_shard or self.dp
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding: the states sharded within groups smaller than dp, replicated across them."""
+        return self.shard_size != self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the sharded states across the dp ranks: dp / dp_shard (1 without hybrid sharding)."""
+        return self.dp // self.shard_size
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """The ranks that hold the same experts and partition their states: dp / ep (megatron's
+        expert-data-parallel group; dp at ep 1)."""
+        return self.dp // self.ep
+
+    @property
+    def groups(self) -> dict[str, int]:
+        """The process groups a rank is in, name -> ranks: the world, the data-parallel and the
+        tensor-parallel group; with ep > 1 the expert-parallel group (the dispatcher's all-to-all)
+        and the expert-data-parallel group (the experts' reduce-scatters and all-gathers); with
+        hybrid sharding the shard group and the replicate group (FSDP2's 2-D mesh)."""
+        out = {"world": self.world_size, "dp": self.dp, "tp": self.tp}
+        if self.ep > 1:
+            out.update(ep=self.ep, expert_dp=self.expert_data_parallel)
+        if self.hybrid:
+            out.update(shard=self.shard_size, replicate=self.replicas)
+        return out
+
+    def expert_rank(self, rank: int) -> int:
+        """A data-parallel rank's index among the ranks holding its experts: megatron's layout at tp 1
+        (parallel_state: ep consecutive ranks split the experts, so ranks r, r + ep, ... hold the same)."""
+        return rank // self.ep
+
+    # -- where each parameter lives ---------------------------------------------------------------
+    def partition_ranks(self, p: Param) -> int:
+        """The ranks one parameter's states are partitioned over where ZeRO (the states its stage
+        partitions) or FSDP2 shards them: the shard group (dp, or dp_shard with hybrid sharding), or,
+        for a routed expert's at ep > 1, the dp / ep ranks that hold the same experts. Until then
+        each of those ranks holds p as models/params.py shapes it: whole, or its tp slice (p.tp_dim)."""
+        return self.expert_data_parallel if self.ep > 1 and p.expert else self.shard_size
+
+    def partition_index(self, p: Param, rank: int) -> int:
+        """`rank`'s (a data-parallel rank's) index in the group that partitions p (partition_ranks)."""
+        return self.expert_rank(rank) if self.ep > 1 and p.expert else rank
+
+    @property
+    def experts_per_rank(self) -> Optional[int]:
+        """Routed experts of each MoE layer one rank holds: num_experts / ep (None: a dense model)."""
+        m = self.model
+        return m.num_experts // self.ep if m is not None and m.is_moe else None
+
+    @functools.cached_property
+    def params(self) -> tuple[Param, ...]:
+        """Every parameter one rank holds (its tensor-parallel shard, its experts_per_rank routed
+        experts of each MoE layer), in GPTModel.named_parameters() order: models/params.py's list,
+        built once per layout."""
+        if self.model is None:
+            raise ValueError("RankLayout.params: the layout has no model")
+        return tuple(param_list(self.model, self.tp, experts=self.experts_per_rank))
+
+    @functools.cached_property
+    def _split(self) -> tuple[int, int]:
+        dense = expert = 0
+        for p in self.params:
+            if p.expert:
+                expert += p.numel
+            else:
+                dense += p.numel
+        return dense, expert
+
+    @property
+    def held_params(self) -> int:
+        """Parameters one rank holds whole before any ZeRO / FSDP2 partitioning: its tensor-parallel
+        shard (replicated norms and row biases included), with its experts_per_rank routed experts."""
+        return sum(self._split)
+
+    @property
+    def dense_params(self) -> int:
+        """The held parameters that are no routed expert's (every rank holds them whatever ep)."""
+        return self._split[0]
+
+    @property
+    def held_expert_params(self) -> int:
+        """The routed experts' parameters one rank holds (experts_per_rank of each MoE layer)."""
+        return self._split[1]
+
+    @property
+    def tp_shard_expert_params(self) -> int:
+        """Every routed expert's parameters in this tensor-parallel shard (all ep ranks' together)."""
+        return self.held_expert_params * self.ep
+
+    @property
+    def tp_shard_params(self) -> int:
+        """This tensor-parallel rank's shard of the whole model, every expert once: what the data-parallel
+        ranks' partitions split between them (held_params at ep 1)."""
+        return self.dense_params + self.tp_shard_expert_params
+
+    # -- ZeRO's optimizer param groups ------------------------------------------------------------
+    def held_whole(self, total: float, experts: float = 0) -> float:
+        """Of `total` parameters of one tensor-parallel rank, `experts` of them the routed experts
+        (all E of each MoE layer), those one rank holds whole: total at ep 1; at ep > 1 the dense
+        ones and 1 / ep of the experts."""
+        experts = experts if self.ep > 1 else 0
+        return total - experts + experts / self.ep
+
+    def zero_groups(self, total: float, experts: float = 0) -> list[float]:
+        """Each ZeRO optimizer param group's partition on one rank, as the fraction the paper's formula
+        takes (estimate/states.py), for the counts held_whole takes: [held / dp] at ep 1; at ep > 1
+        the dense group over the dp ranks and the rank's experts over the dp / ep ranks holding
+        them (DeepSpeed's expert-data-parallel group): [dense / dp, (experts / ep) / (dp / ep)],
+        which add up to total / dp."""
+        if self.ep == 1:
+            return [self.held_whole(total, experts) / self.dp]
+        return [(total - experts) / self.dp, experts / self.ep / self.expert_data_parallel]
+
+    @property
+    def zero_partitions(self) -> list[int]:
+        """Elements of each ZeRO-1/2 optimizer param group's flat partition on one rank, of the
+        model's exact counts: [held // dp] at ep 1; at ep > 1 [dense // dp, held experts // (dp / ep)]."""
+        if self.ep == 1:
+            return [self.held_params // self.dp]
+        return [self.dense_params // self.dp, self.held_expert_params // self.expert_data_parallel]
