@@ -226,7 +226,7 @@ def _traced_step(bench: BenchConfig, micro: int) -> Traced:
     from zero_bench.models.megatron import build_gpt, fusion_args
 
     on_gpu = bench.hardware.device != Device.cpu
-    mesh = engine.dp_mesh(True, bench.parallel.dp, bench.parallel.dp_shard)  # real: it reads the group
+    mesh = engine.dp_mesh(True, bench.layout)  # real: it reads the group
     config = engine.compute_config(bench, on_cpu=True)  # CPU initialisation (the fake tensors' device)
     if on_gpu:  # megatron's jit fusions as a GPU rank runs them (run eagerly below: what they save)
         fused = fusion_args(bench.model, on_cpu=False, fusions=bench.fusions)
