@@ -42,7 +42,7 @@ def test_the_trace_holds_the_formulas_exact_states_at_any_world(dp):
     at dp 2, 3 (every dim 0 of llama-tiny padded: 256 rows are 86 + 86 + 84) and 64."""
     b = bench("model=llama-tiny", "zero=3", f"parallel.dp={dp}")
     t = trace(b, 1)
-    want = fsdp2_estimate.model_states(b.model, dp)
+    want = fsdp2_estimate.model_states(b.layout)
     assert t.terms["params"] == want.params
     assert t.terms["optimizer"] == want.moments
     assert t.world == dp
