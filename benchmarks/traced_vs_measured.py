@@ -18,6 +18,7 @@ of theirs is documented); moe-tiny is refused (a mixture of experts: data-depend
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 import time
 
 from zero_bench.config.configure import compose, from_cfg
@@ -26,18 +27,10 @@ from zero_bench.estimate.traced import compare, trace, warnings
 from zero_bench.errors import ConfigError
 from zero_bench.units import MiB
 
-# (model, precision, zero, micro) -> measured MiB: tests/unit/test_fsdp2.py MEASURED_PEAK_MIB
-PROTOTYPE = {
-    ("gpt-tiny", "fp32", 3, 2): 3.66, ("gpt-tiny", "fp32", 3, 4): 5.63, ("gpt-tiny", "fp32", 2, 2): 3.85,
-    ("gpt-tiny", "fp32", 2, 4): 5.82, ("gpt-tiny", "bf16", 3, 2): 2.93, ("gpt-tiny", "bf16", 3, 4): 4.66,
-    ("gpt-tiny", "bf16", 2, 2): 3.12, ("gpt-tiny", "bf16", 2, 4): 4.85,
-    ("gpt-mini", "fp32", 3, 2): 109.33, ("gpt-mini", "fp32", 3, 4): 168.87, ("gpt-mini", "fp32", 2, 2): 118.36,
-    ("gpt-mini", "fp32", 2, 4): 177.91, ("gpt-mini", "bf16", 3, 2): 89.69, ("gpt-mini", "bf16", 3, 4): 143.24,
-    ("gpt-mini", "bf16", 2, 2): 95.72, ("gpt-mini", "bf16", 2, 4): 149.26,
-    ("gpt-small", "fp32", 3, 2): 711.96, ("gpt-small", "fp32", 3, 4): 808.67, ("gpt-small", "fp32", 2, 2): 847.08,
-    ("gpt-small", "fp32", 2, 4): 965.31, ("gpt-small", "bf16", 3, 2): 626.91, ("gpt-small", "bf16", 3, 4): 650.90,
-    ("gpt-small", "bf16", 2, 2): 666.36, ("gpt-small", "bf16", 2, 4): 725.97,
-}
+# (model, precision, zero, micro) -> measured MiB: kept once, in tests/unit/test_fsdp2.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # its conftest too
+from unit.test_fsdp2 import MEASURED_PEAK_MIB as PROTOTYPE  # noqa: E402
+
 # llama-tiny, micro 2: overrides -> the formula's documented error against the measured live peak (%)
 LLAMA_TINY = {("zero=3", "precision=fp32"): -0.4, ("zero=2", "precision=fp32"): -2.8,
               ("zero=3", "precision=fp32", "recompute=full"): -5.2, ("zero=3", "precision=bf16"): 0.2}
