@@ -319,7 +319,7 @@ def validate_static(b: BenchConfig) -> None:
     if b.precision == "fp16" and b.hardware.device == "cpu":
         raise ConfigError("precision=fp16: not supported by DeepSpeed's CPU accelerator; allowed on cpu: fp32, bf16")
     # last: a key nothing reads is refused only once the config is otherwise one that runs
-    honoured.refuse_unhonoured(b)
+    honoured.check(b)  # its warnings are the commands' to print (subcommands.warn_unhonoured)
     spec(b.engine).validate(b, "ignored")
 
 

@@ -8,7 +8,7 @@ Every key of the schema is classified here, and tests/unit/test_honoured.py hold
 a key the schema gains is in CONDITIONS (honoured only when its condition holds) or in EVERYWHERE
 (read by every trial, whatever the engine, stage and device). A key "has a value" when it differs
 from the schema's default (presets count: a preset that sets a key asks for it too). The DeepSpeed
-keys under `ds` are DeepSpeed's engine's concern: engines/refusals.py asks ds_zero_key_stage for them.
+keys under `ds` are DeepSpeed's engine's concern: engines/refusals.py ds_keys_read refuses them.
 """
 from __future__ import annotations
 
@@ -110,8 +110,3 @@ def check(b: BenchConfig) -> list[str]:
             raise ConfigError(f"{line}; leave it out here")
         warnings.append(line)
     return warnings
-
-
-def refuse_unhonoured(b: BenchConfig) -> None:
-    """configure.validate_static's part: the refusals, without the warnings."""
-    check(b)
