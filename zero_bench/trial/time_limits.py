@@ -11,8 +11,8 @@ where the pace (seconds per sample on one rank) is the slowest one measured so f
 search, probes and trials alike, this launch's own steps included; before anything was measured,
 the model's FLOPs per sample over the measured matmul rate at ASSUMED_EFFICIENCY (metrics.py).
 timeout_s is the floor: a step expected to take a second still gets timeout_s. An entry's first step
-gets FIRST_STEP x that, plus COLD_COMPILE_S where megatron's jit fusions compile in it (GPU,
-BenchConfig.fusions). The time from the start to a rank's first record (imports in a launch of its
+gets FIRST_STEP x that, plus COLD_COMPILE_S where it compiles (compile=true, or megatron's jit
+fusions on GPU: BenchConfig.fusions). The time from the start to a rank's first record (imports in a launch of its
 own, the model, the engine) gets INIT_FACTOR x timeout_s. Pure arithmetic; launch.py applies it
 (Limits.for_trial), search/maxbatch.py supplies the pace.
 """
