@@ -248,6 +248,7 @@ class RankRecord:
     # allocator on GPU (interpreter, torch, deepspeed, megatron-core, the process group; the CUDA context)
     peak_live_bytes: Optional[int] = None  # live tensor bytes of one profiled step (CPU) / torch peak (GPU)
     peak_phase: str = ""
+    phase_live_bytes: dict = field(default_factory=dict)  # CPU: the profiled step's live peak per phase
     loss_scale: Optional[float] = None  # fp16's dynamic loss scale after the entry (None: no scaling)
     skipped_steps: Optional[int] = None  # optimizer steps of the entry skipped on overflow (excluded from time/it)
     compile_s: Optional[float] = None  # compile=true: the launch's first step beyond a steady step

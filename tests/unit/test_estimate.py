@@ -17,7 +17,7 @@ from zero_bench.config.configure import compose, from_cfg
 from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig
 from zero_bench.errors import ConfigError
-from zero_bench.estimate import (GiB, MiB, activation_bytes_per_sample, deepspeed_buffers, estimate,
+from zero_bench.estimate import (CPU_ACTIVATION_FACTOR, GiB, MiB, activation_bytes_per_sample, deepspeed_buffers, estimate,
                                  model_states_bytes, param_numels, seed_micro)
 
 from conftest import cpu_cfg, model
@@ -211,7 +211,9 @@ def test_seed_micro_and_monotone():
     m = seed.micro
     assert m and m == e.max_micro()
     assert e.peak_bytes(m) <= 2 * GiB < e.peak_bytes(m + 1)
-    assert seed.per_sample == e.peak_bytes(m + 1) - e.peak_bytes(m) > 0  # the search's slope at the guess
+    # the search's slope at the guess: on CPU the live bytes a sample adds (without the RSS factor)
+    assert seed.per_sample == int((e.peak_bytes(m + 1) - e.peak_bytes(m)) / CPU_ACTIVATION_FACTOR) > 0
+    assert seed.per_sample < e.peak_bytes(m + 1) - e.peak_bytes(m)
     assert seed_micro(bench("gpt-mini", zero=2, memory_gb=0.3)) is None  # not even the overhead fits
 
 

@@ -51,10 +51,52 @@ class Sim:
             for i, e in enumerate(plan):  # a launch ends at its first failure, as the worker does
                 p = self.peak(e.micro, i)
                 ok = p <= self.cap
-                self.trials.append(result(e.micro, Status.OK if ok else Status.OOM, i == 0, e.mode, p))
+                self.trials.append(self.result(e.micro, Status.OK if ok else Status.OOM, i == 0, e.mode, p))
                 if not ok:
                     break
         raise AssertionError(f"no answer after {max_launches} launches: {[(t.micro, t.status) for t in self.trials]}")
+
+
+    def result(self, micro: int, status: Status, fresh: bool, mode: str, peak: int) -> TrialResult:
+        return result(micro, status, fresh, mode, peak)
+
+
+class FloorSim(Sim):
+    """The demo's ZeRO-0 on CPU: the optimizer step's temporaries hold the RSS peak at a floor the
+    batch does not move (931 MiB at micro 15 and 17) until the forward pass's activations pass it.
+    RSS keeps a constant distance to the live tensors in every phase; with `phases` the ranks
+    report the profiled step's live peak per phase, as the worker does."""
+
+    def __init__(self, boundary: int, seed: int, phases: bool, floor=509 * MiB, gap=422 * MiB, **kw):
+        super().__init__(boundary, SearchConfig(), leftover=20 * MiB, seed=seed, base=gap + 270 * MiB, **kw)
+        self.floor, self.gap, self.phases = floor, gap, phases
+
+    def live(self, micro: int) -> int:
+        return self.base - self.gap + micro * self.per
+
+    def peak(self, micro: int, position: int) -> int:
+        return self.gap + max(self.floor, self.live(micro)) + (self.leftover if position else 0)
+
+    def result(self, micro: int, status: Status, fresh: bool, mode: str, peak: int) -> TrialResult:
+        t = result(micro, status, fresh, mode, peak)
+        if status == Status.OK:
+            fwd = self.live(micro)
+            t.ranks[0].peak_live_bytes = max(self.floor, fwd)
+            if self.phases:
+                t.ranks[0].phase_live_bytes = {"forward": fwd, "backward": fwd, "step": self.floor}
+        return t
+
+
+def test_a_flat_step_phase_does_not_hide_the_boundary():
+    """Seeded 6 samples below the boundary, inside the step's flat floor: the forward phase's own
+    peak places the next trial on the boundary (3 fresh trials: the seed, b, b + 1); extrapolating
+    the flat RSS peak instead takes more."""
+    per_phase = FloorSim(21, seed=15, phases=True, per_sample=13 * MiB)
+    assert answer(per_phase) == (SearchStatus.DONE, 21, 22)
+    assert per_phase.launches == 3, [(t.micro, t.status, t.fresh) for t in per_phase.trials]
+    flat = FloorSim(21, seed=15, phases=False, per_sample=13 * MiB)
+    assert answer(flat) == (SearchStatus.DONE, 21, 22)
+    assert flat.launches > 3
 
 
 def answer(sim: Sim) -> tuple:

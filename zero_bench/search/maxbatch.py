@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 from zero_bench.config.configure import resolve
 from zero_bench.config.schema import BenchConfig, SearchConfig
-from zero_bench.devices.capacity import search_capacity, trial_peak
+from zero_bench.devices.capacity import search_capacity, trial_growing_peak, trial_peak
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot
 from zero_bench.records import (Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Seed, Status,
@@ -46,7 +46,8 @@ class Known:
     fits: dict[int, bool] = field(default_factory=dict)  # latest fresh outcome, else any probe's
     fresh: dict[int, list[bool]] = field(default_factory=dict)  # fresh outcomes per size, in order
     measured: set[int] = field(default_factory=set)  # sizes with a fresh, fitting, full-step trial
-    peak: dict[int, int] = field(default_factory=dict)  # micro -> per-rank peak (fresh preferred)
+    peak: dict[int, int] = field(default_factory=dict)  # micro -> per-rank peak of the phases that grow
+    # with the batch (fresh preferred; capacity.growing_peak): what predictions extrapolate
     timeouts: dict[int, int] = field(default_factory=dict)
 
     @classmethod
@@ -57,7 +58,7 @@ class Known:
                 k.timeouts[t.micro] = k.timeouts.get(t.micro, 0) + 1
             if not t.status.decides_fit:
                 continue
-            k.add(t.micro, t.status == Status.OK, t.fresh, trial_peak(t.ranks, device))
+            k.add(t.micro, t.status == Status.OK, t.fresh, trial_growing_peak(t.ranks, device))
             if t.fresh and t.status == Status.OK and t.mode == Mode.MEASURE:
                 k.measured.add(t.micro)
         return k

@@ -212,6 +212,7 @@ class Rank:
         self.states: Optional[ModelStates] = None
         self.applied = self.applied_any = False  # was the last / any optimizer step applied
         self.runtime_bytes: Optional[int] = None  # the process before the model was built (start())
+        self.phase_live: dict = {}  # the last profiled step's live peak per phase (CPU)
         self.build_bytes: Optional[int] = None  # the build's peak above runtime_bytes (start())
         self.fixed_terms: dict = {}  # calibrate, GPU: FixedTermsProbe's figures (start()), on every END record
         self._mask = None
@@ -259,8 +260,11 @@ class Rank:
 
         CPU: the live bytes at the start (gc walk) plus the largest net allocation the profiler's
         memory events show during the step; frees of blocks allocated before the profiler started
-        are invisible to it, so this errs high, never low. GPU: torch's own peak counter.
+        are invisible to it, so this errs high, never low. The same peak per phase goes to
+        `self.phase_live` (a search reads the phases that grow with the batch from it). GPU:
+        torch's own peak counter.
         """
+        self.phase_live = {}
         if not self.on_cpu:
             torch.cuda.reset_peak_memory_stats()
             secs, loss = self.step(micro)
@@ -273,18 +277,19 @@ class Rank:
             secs, loss = self.step(micro)
         events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                         if e.name() == "[memory]")
+        # Profiler clock and time.time() agree closely enough to name the phase of each event.
+        marks = [(t * 1e9, ph) for t, ph in self.marks.marks[first:]]
         cur = peak = 0
-        t_peak = None
+        phase, i, by_phase = "forward", 0, {}
         for t, n in events:
+            while i < len(marks) and marks[i][0] <= t:
+                phase, i = marks[i][1], i + 1
             cur += n
-            if cur > peak:
-                peak, t_peak = cur, t
-        phase = "forward"
-        if t_peak is not None:
-            # Profiler clock and time.time() agree closely enough to name the phase.
-            for t, ph in self.marks.marks[first:]:
-                if t * 1e9 <= t_peak:
-                    phase = ph
+            by_phase[phase] = max(by_phase.get(phase, 0), cur)
+        if by_phase:
+            phase = max(by_phase, key=by_phase.get)
+            peak = by_phase[phase]
+        self.phase_live = {ph: base + b for ph, b in by_phase.items()}
         return secs, loss, base + peak, phase
 
     def applied_profile(self, run: _EntrySteps, micro: int) -> tuple[float, int, str]:
@@ -342,7 +347,8 @@ class Rank:
         return RankRecord(rank=self.rank, event=Event.END, status=RankStatus.OK, micro=micro, mode=mode,
                           loss=run.losses[-1], losses=run.losses, grad_norms=run.grad_norms, step_times=run.times,
                           time_per_step=statistics.median(run.times) if run.times else None, time_note=note,
-                          peak_live_bytes=peak_live, peak_phase=phase, model_states=self.states.to_dict(),
+                          peak_live_bytes=peak_live, peak_phase=phase, phase_live_bytes=self.phase_live,
+                          model_states=self.states.to_dict(),
                           loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,
                           zero_init=self.engine.zero_init, offloaded=self.engine.offloaded(),
                           runtime_bytes=self.runtime_bytes, build_bytes=self.build_bytes, marks=self.marks.marks,
