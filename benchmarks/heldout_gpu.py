@@ -1,7 +1,10 @@
-"""The estimate's activations against GPU measurements zero_bench never saw: Megatron-LM's own CI
-GPT runs (NVIDIA/Megatron-LM, tests/functional_tests/test_cases/gpt/<case>/golden_values_*.json:
-`mem-max-allocated-bytes` and `mem-allocated-bytes` per step, torch.cuda's counters as megatron's
-training loop logs them, with the run's arguments in the case's model_config.yaml).
+"""The estimate against GPU measurements zero_bench never saw. Two sets:
+1. Megatron-LM's own CI GPT runs (NVIDIA/Megatron-LM, tests/functional_tests/test_cases/gpt/<case>/
+   golden_values_*.json: `mem-max-allocated-bytes` and `mem-allocated-bytes` per step, torch.cuda's
+   counters as megatron's training loop logs them, with the run's arguments in the case's
+   model_config.yaml): the activation peak.
+2. Published peaks of modern recipes that zero_bench can express (torchtitan's benchmarks/, torchtune's
+   README): the whole peak per GPU, `zero_bench estimate` with the recipe's keys.
 
     python benchmarks/heldout_gpu.py
 
@@ -11,6 +14,8 @@ gradients in that persistent buffer, so what the peak adds is activations and th
 Predicted: micro x the estimate's activation peak per sample (estimate/activations.py, GPU,
 loss=megatron, fusions on as in megatron's runs), beside the same with the softmax upcast to fp32
 (what the estimate counted for the unfused attention on GPU before). Pure arithmetic, no GPU.
+For set 2 the metric is the one published: torchtitan logs torch's max reserved, torchtune its
+peak active bytes (compared with the predicted allocated peak).
 The figures live here only (docs/estimate.md shows this script's output)."""
 from __future__ import annotations
 
@@ -98,7 +103,59 @@ def predicted(row: Row, upcast: bool = False) -> float:
     return row.micro * act()["total"]
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """A published peak per GPU (GiB) and the `zero_bench estimate` keys that express the run."""
+    source: str
+    what: str
+    published_gib: float
+    metric: str  # "reserved" or "allocated": which of the estimate's peaks the publication reports
+    keys: tuple
+
+
+TITAN = "https://github.com/pytorch/torchtitan/blob/31a17bfdb70bab6f62a13d21816a5339b911d6e3/benchmarks/llama3_h100_202412_torchtitan.md"
+TUNE = "https://github.com/pytorch/torchtune/blob/main/README.md (Optimization flags)"
+# torchtitan's llama3_8b.toml: seq 8192, selective AC with the per-op policy (recompute=op), its loss
+# on logits upcast to fp32, FSDP2 with bf16 compute and fp32 reduction, eager ops (no compile).
+_TITAN = ("model=llama3-8b", "engine=fsdp2", "zero=3", "recompute=op", "loss=fp32", "fusions=false",
+          "hardware=h100_80gb", "batch.micro=2")
+# Llama 3.2 3B (28 layers, h 3072, 24 / 8 heads, SwiGLU 8192, tied), pure bf16 (states and AdamW's
+# moments in bf16), one GPU, its logits upcast to fp32 before the loss, eager ops.
+_LLAMA32_3B = ("model=llama3-8b", "model.num_layers=28", "model.hidden_size=3072", "model.num_heads=24",
+               "model.ffn_hidden_size=8192", "model.tie_embeddings=true")
+RECIPES = [
+    Recipe(TITAN, "torchtitan Table 1: Llama 3.1 8B, FSDP 8 GPUs, local batch 2, selective AC", 82.4,
+           "reserved", _TITAN + ("parallel=dp8",)),
+    Recipe(TITAN, "torchtitan Table 3: Llama 3.1 8B, FSDP 128 GPUs, local batch 2, selective AC", 67.0,
+           "reserved", _TITAN + ("parallel=dp8", "parallel.dp=128")),
+    Recipe(TUNE, "torchtune full_finetune_single_device, Llama 3.2 3B, bs 2, packed 4096, A100", 60.0,
+           "allocated", _LLAMA32_3B + ("model.seq_len=4096", "engine=fsdp2", "zero=3", "states=bf16", "loss=fp32",
+                                       "fusions=false", "parallel=dp1", "hardware=a100_80gb", "batch.micro=2")),
+]
+
+
+def recipe_peak_gib(r: Recipe) -> float:
+    from zero_bench.config.configure import compose, from_cfg
+    from zero_bench.estimate import estimate
+
+    bench = from_cfg(compose(list(r.keys)), here=False)
+    return estimate(bench).at_micro(bench.batch.micro)[f"{r.metric}_bytes"] / 2**30
+
+
 def main() -> None:
+    megatron_ci()
+    print()
+    print(f"{'published recipe':86} {'published':>9} {'pred':>7} {'err %':>6}  GiB per GPU")
+    within = 0
+    for r in RECIPES:
+        pred = recipe_peak_gib(r)
+        e = 100 * (pred - r.published_gib) / r.published_gib
+        within += abs(e) <= 15
+        print(f"{r.what:86} {r.published_gib:9.1f} {pred:7.1f} {e:+6.1f}  {r.metric}; zero_bench estimate {' '.join(r.keys)}")
+    print(f"within 15 %: {within}/{len(RECIPES)}; sources: {TITAN}, {TUNE}")
+
+
+def megatron_ci() -> None:
     print(f"{'Megatron-LM CI case (golden file)':92} {'measured':>9} {'pred':>9} {'err %':>6} "
           f"{'fp32 sm':>9} {'err %':>6}")
     within = within_before = 0
