@@ -112,3 +112,47 @@ def test_gpu_figures_move_only_where_the_softmax_runs_in_16_bits():
     sdpa = dataclasses.replace(m, attention="sdpa")
     assert (activation_bytes_per_sample(sdpa, precision="bf16", device="gpu", fusions=True)
             == activation_bytes_per_sample(sdpa, precision="bf16", device="gpu", fusions=False))
+
+
+def peak_per_sample(m, upcast: bool) -> float:
+    """The step's peak of net allocations (torch.profiler's memory events, every allocation of a
+    bf16 forward and backward in view), bytes one more sample adds (micro 1 -> 2)."""
+    from megatron.core import parallel_state
+    from torch.profiler import ProfilerActivity, profile
+
+    seed_cpu_rng(1)
+    cfg = BenchConfig(model=m, hardware=HardwareConfig(device="cpu"), precision="bf16")
+    config = transformer_config(cfg, on_cpu=True)
+    config.attention_softmax_in_fp32 = upcast
+    gpt = build_gpt(cfg, config, on_cpu=True).to(torch.bfloat16)
+
+    def step(micro: int) -> None:
+        tok = torch.randint(0, m.vocab_size, (micro, m.seq_len + 1), generator=torch.Generator().manual_seed(micro))
+        pos = torch.arange(m.seq_len).unsqueeze(0).expand(micro, -1)
+        gpt(tok[:, :-1].contiguous(), pos, None, labels=tok[:, 1:].contiguous()).float().mean().backward()
+
+    peaks = []
+    for micro in (1, 2):
+        step(micro)  # warm-up: the gradients exist (zeroed in place below), lazily built state too
+        gpt.zero_grad(set_to_none=False)
+        parallel_state.get_global_memory_buffer().buffer.clear()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step(micro)
+        cur = peak = 0
+        for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                           if e.name() == "[memory]"):
+            cur += n
+            peak = max(peak, cur)
+        peaks.append(peak)
+    return peaks[1] - peaks[0]
+
+
+def test_the_16_bit_softmaxs_backward_peak_is_the_formulas():
+    """Where the attention's backward is the step's peak (long sequence, small vocabulary): the
+    16-bit softmax differentiated holds what the fp32 path does, in 16 bits (backward_transients)."""
+    m = dataclasses.replace(model("gpt-tiny"), num_layers=2, seq_len=384, dropout=0.0, attention="unfused")
+    f = activation_bytes_per_sample(m, 1, "bf16", device="gpu", fusions=True)
+    assert f["total"] == f["attention_backward"]
+    assert f["total"] == pytest.approx(peak_per_sample(m, upcast=softmax_in_fp32(on_cpu=False)), rel=0.02)
+    assert activation_bytes_per_sample(m, 1, "bf16", device="cpu")["total"] == pytest.approx(
+        peak_per_sample(m, upcast=True), rel=0.02)
