@@ -156,7 +156,7 @@ def main() -> None:
 
 
 def megatron_ci() -> None:
-    print(f"{'Megatron-LM CI case (golden file)':92} {'measured':>9} {'pred':>9} {'err %':>6} "
+    print(f"{'Megatron-LM CI case (golden file)':104} {'measured':>9} {'pred':>9} {'err %':>6} "
           f"{'fp32 sm':>9} {'err %':>6}")
     within = within_before = 0
     for row in ROWS:
@@ -165,7 +165,7 @@ def megatron_ci() -> None:
         e, eb = 100 * (now - measured) / measured, 100 * (before - measured) / measured
         within, within_before = within + (abs(e) <= 15), within_before + (abs(eb) <= 15)
         name = f"{row.case} ({row.golden.removeprefix('golden_values_').removesuffix('.json')})"
-        print(f"{name:92} {measured:9.1f} {now:9.1f} {e:+6.1f} {before:9.1f} {eb:+6.1f}  {row.note}")
+        print(f"{name:104} {measured:9.1f} {now:9.1f} {e:+6.1f} {before:9.1f} {eb:+6.1f}  {row.note}")
     print(f"within 15 %: {within}/{len(ROWS)} (softmax upcast to fp32, as before: {within_before}/{len(ROWS)}); "
           f"MiB of activation peak per rank (max allocated - allocated), source {REPO}{CASES}")
 
