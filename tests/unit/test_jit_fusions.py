@@ -112,7 +112,10 @@ def test_fusions_false_runs_megatrons_eager_ops_on_gpu():
     assert on.bias_dropout_fusion and on.bias_activation_fusion
     off = transformer_config(gpu_cfg(fusions=False), on_cpu=False, initialize=False)
     assert not (off.bias_dropout_fusion or off.bias_activation_fusion)
-    assert not any(fusion_args(model("llama-tiny"), on_cpu=True).values())  # CPU: eager whatever the key
+    assert on.attention_softmax_in_fp32 is False and off.attention_softmax_in_fp32 is True
+    for fusions in (True, False):  # CPU: eager whatever the key, the softmax upcast to fp32
+        cpu = fusion_args(model("llama-tiny"), on_cpu=True, fusions=fusions)
+        assert cpu.pop("attention_softmax_in_fp32") is True and not any(cpu.values())
 
 
 def test_the_key_changes_neither_a_cpu_trial_nor_an_older_gpu_trial():

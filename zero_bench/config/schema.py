@@ -233,7 +233,8 @@ class BenchConfig:
     torch.compile, so each GPU rank compiles them with inductor and Triton in its first step (a C
     compiler, Python's headers and libcuda needed: `zero_bench doctor` checks). false: megatron's
     eager ops, nothing compiled; the estimate then counts the eager SwiGLU (5 intermediates of
-    ffn per token, 3 fused). CPU runs always take the eager ops (a compile there costs minutes per
+    ffn per token, 3 fused). true also keeps unfused attention's softmax in 16 bits, as megatron's
+    fused softmax kernel does (2 bytes per score kept where the fp32 upcast keeps 6). CPU runs always take the eager ops (a compile there costs minutes per
     shape), so on CPU this key changes nothing, trial keys included. A gated MoE model with biases
     runs eager on GPU too (megatron's fused SwiGLU for experts has no bias: models/megatron.py)."""
     batch: BatchConfig = field(default_factory=BatchConfig)

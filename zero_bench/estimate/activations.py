@@ -13,9 +13,12 @@ per token, B bytes per element (fp32 4, bf16 2), q = a*d/t, kv = g*d/t, f = ffn/
   Q, K, V         unfused: GQA (a > g): Q + K, V repeated to a/t heads = 3q*B; MHA: the QKV output
                   (q + 2kv)*B, plus with RoPE the rotated Q and K (V's view pins the QKV output);
                   sdpa: q + 2kv (K/V expanded to q where the kernel takes no GQA)
-  core attention  unfused: the softmax output kept in fp32, 4A (attention_softmax_in_fp32, no
-                  fused softmax kernel in megatron-core's wheel), in 16-bit plus its 16-bit copy B*A
-                  (6 bytes per score where Korthikanti counts 2); dropout: mask m*A + output B*A.
+  core attention  unfused: the softmax output, which the next matmul keeps too. CPU (and GPU with
+                  fusions=false) in 16-bit: attention_softmax_in_fp32 upcasts the scores, so the
+                  fp32 output 4A and its 16-bit copy B*A (6 bytes per score); GPU with fusions
+                  (models/megatron.py softmax_in_fp32): the 16-bit softmax, B*A, what megatron's
+                  fused scale-mask-softmax kernel keeps (Korthikanti's 2); fp32: 4A either way.
+                  Dropout: mask m*A + output B*A (the 16-bit copy, then unused, is freed).
                   sdpa flash kernels: the log-sum-exp, 4*a/t, nothing s x s; CPU with dropout:
                   torch's math fallback: softmax, dropout mask, dropped probabilities, 3*4A
   context         q*B (unfused: the permuted copy; sdpa: the kernel's output, the same tensor)
@@ -57,7 +60,9 @@ f_e = moe_ffn):
 Measured against live tensors on CPU (benchmarks/activation_memory.py, docs/verified.md,
 "Activations of llama-tiny" and "of moe-tiny"): the saved bytes to 0.1 %, the step's peak within
 5.1 %. The GPU-only terms (fused RMSNorm, 1-byte dropout masks, flash kernels) are read from the
-code, not measured here.
+code, not measured here; the GPU's 16-bit softmax runs on CPU too and is measured
+(tests/unit/test_attention_terms.py), and against Megatron-LM's own GPU runs in
+benchmarks/heldout_gpu.py.
 """
 from __future__ import annotations
 
@@ -136,15 +141,29 @@ def qk_norm_terms(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
     return {"qk_norm": own, "qk_norm_qkv_output": pinned}
 
 
-def core_attention_terms(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
+def softmax_upcast(precision: str, device: str, fusions: bool = False) -> bool:
+    """Whether megatron's unfused attention upcasts 16-bit scores to an fp32 softmax (models/megatron.py
+    softmax_in_fp32: CPU, or GPU with fusions=false); fp32 runs have nothing to upcast."""
+    if BYTES[precision] == 4:
+        return False
+    if device == "cpu" or not fusions:
+        return True  # answered without importing torch, as swiglu_fused
+    from zero_bench.models.megatron import softmax_in_fp32
+
+    return softmax_in_fp32(on_cpu=False, fusions=True)
+
+
+def core_attention_terms(m: ModelConfig, tp: int, precision: str, device: str, fusions: bool = False) -> dict:
     """Bytes per token of the core attention: {"qkv": Q/K/V storages it saves, "internal": what
-    selective recompute drops besides them, "context": its output as linear_proj keeps it}."""
+    selective recompute drops besides them, "context": its output as linear_proj keeps it}.
+    fusions: the BenchConfig key (on GPU the unfused attention's softmax stays in 16 bits)."""
     B, x = BYTES[precision], _dims(m, tp)
     q, kv, A, p = x["q"], x["kv"], x["A"], m.dropout > 0
     if m.attention == "unfused":
         qkv = 3 * q * B if x["rep"] > 1 else attention_inputs_bytes(m, tp, precision)
-        internal = 4 * A  # softmax output, fp32 (attention_softmax_in_fp32)
-        if B != 4 and not p:
+        upcast = softmax_upcast(precision, device, fusions)
+        internal = (4 if upcast else B) * A  # the softmax's output, which it saves
+        if upcast and not p:
             internal += B * A  # its 16-bit copy, what bmm keeps
         if p:
             internal += _mask_bytes(B, device) * A + B * A  # dropout mask + dropped probabilities
@@ -199,7 +218,7 @@ def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: st
     B, x = BYTES[precision], _dims(m, tp)
     h, f = x["h"], x["f"]
     mb = _mask_bytes(B, device) if m.dropout > 0 else 0
-    core = core_attention_terms(m, tp, precision, device)
+    core = core_attention_terms(m, tp, precision, device, fusions)
     fused = swiglu_fused(m, device, fusions)
     mlp = moe_terms(m, tp, precision, fused) if moe else {"fc1_input": B * h, "mlp": mlp_bytes(m, f, B, fused)}
     return {
@@ -264,7 +283,7 @@ def loss_chunk_bytes(m: ModelConfig, precision: str) -> int:
     return CHUNK_TOKENS * m.padded_vocab(1) * (BYTES[precision] + 12)
 
 
-def backward_transients(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
+def backward_transients(m: ModelConfig, tp: int, precision: str, device: str, fusions: bool = False) -> dict:
     """Bytes per token a layer's backward allocates beyond what it had saved, at its worst moment.
 
     mlp: SwiGLU's backward holds the gradients of both halves (2f; fc2's gradient replaces fc2's
@@ -272,10 +291,11 @@ def backward_transients(m: ModelConfig, tp: int, precision: str, device: str) ->
     kernel) four fp32 A-sized tensors when the masked softmax is differentiated (the incoming
     gradient and three temporaries of autograd's CopySlices: megatron's masked_fill_ works in place
     on a view of the baddbmm output), by which time the layer's softmax / dropout tensors are freed.
-    In 16-bit the mask is applied to an fp32 copy: the probabilities' 16-bit gradient and its fp32
-    cast. flash kernels: dq, dk, dv."""
+    In 16-bit with the upcast softmax the mask is applied to an fp32 copy: the probabilities' 16-bit
+    gradient and its fp32 cast; with the 16-bit softmax (GPU, fusions) the fp32 path's four tensors
+    in 16 bits. flash kernels: dq, dk, dv."""
     B, x = BYTES[precision], _dims(m, tp)
-    core = core_attention_terms(m, tp, precision, device)
+    core = core_attention_terms(m, tp, precision, device, fusions)
     mlp = (2 if m.gated else 1) * x["f"] * B
     if m.is_moe and m.moe_layers[-1]:
         # the gradient of the k permuted rows, and one expert's two halves at a time (SequentialMLP
@@ -285,7 +305,8 @@ def backward_transients(m: ModelConfig, tp: int, precision: str, device: str) ->
     if m.attention == "sdpa" and sdpa_kernel(m, device) == "math":
         attention = 4 * 4 * x["A"] - core["internal"]  # float intermediates whatever the dtype
     elif m.attention == "unfused":
-        attention = 4 * 4 * x["A"] - core["internal"] if B == 4 else (4 + B) * x["A"]
+        upcast = softmax_upcast(precision, device, fusions)
+        attention = (4 + B) * x["A"] if upcast else 4 * B * x["A"] - core["internal"]
     else:
         attention = core["qkv"]
     return {"mlp": mlp, "attention": attention}
@@ -396,7 +417,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     saved = layers + embedding + logits + scratch
     # The last layer's backward: the output side (logits, final norm, output-layer input) is gone.
     released = logits + head["final_norm"] + head["output_layer_input"]
-    grads = backward_transients(m, tp, precision, device)
+    grads = backward_transients(m, tp, precision, device, fusions)
     # linear_proj's input is freed after its backward, unless the flash kernel saved the same tensor.
     flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash"
     context = 0 if (flash and recompute != "selective") else terms["attention_context"]

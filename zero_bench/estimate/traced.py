@@ -232,6 +232,7 @@ def _traced_step(bench: BenchConfig, micro: int) -> Traced:
         fused = fusion_args(bench.model, on_cpu=False, fusions=bench.fusions)
         config.bias_dropout_fusion = fused["bias_dropout_fusion"]
         config.bias_activation_fusion = fused["bias_activation_fusion"]
+        config.attention_softmax_in_fp32 = fused["attention_softmax_in_fp32"]
     dtype = torch.bfloat16 if bench.states == States.bf16 else None
     with FakeTensorMode(), torch.compiler.set_stance("force_eager"):
         kw = engine.shard_options(mesh, bench, on_cpu=True)

@@ -146,11 +146,26 @@ def fusion_args(m: ModelConfig, on_cpu: bool, fusions: bool = True) -> dict:
     """megatron's fusions that run here. Never: the fused masked softmax, RoPE, persistent LayerNorm
     and the weight-gradient accumulation, which need CUDA extensions (megatron's fused kernels,
     Apex, Transformer Engine >= 1.4) this install does not have. Where jit_fused (GPU, the
-    `fusions` key): bias-dropout-add, and bias-activation where bias_activation_fused says."""
+    `fusions` key): bias-dropout-add, bias-activation where bias_activation_fused says, and the
+    unfused attention's softmax in 16 bits (softmax_in_fp32) in place of the masked softmax kernel."""
     jit = jit_fused(on_cpu, fusions)
     return dict(bias_dropout_fusion=jit, bias_activation_fusion=bias_activation_fused(m, on_cpu, fusions),
                 masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-                persist_layer_norm=False, apply_rope_fusion=False)
+                persist_layer_norm=False, apply_rope_fusion=False,
+                attention_softmax_in_fp32=softmax_in_fp32(on_cpu, fusions))
+
+
+def softmax_in_fp32(on_cpu: bool, fusions: bool = True) -> bool:
+    """TransformerConfig.attention_softmax_in_fp32 for megatron's unfused attention (16-bit runs
+    only; in fp32 the scores are fp32 already). True upcasts the 16-bit scores and keeps the fp32
+    softmax output for backward beside the 16-bit copy the next matmul keeps: 6 bytes per score.
+    Megatron-LM's GPU runs take the fused scale-mask-softmax kernel instead (Apex's
+    scaled_upper_triang_masked_softmax_cuda, Transformer Engine's in its unfused backend), which
+    computes in fp32 and keeps only its 16-bit output, 2 bytes, shared with the next matmul
+    (Korthikanti et al.'s count). That kernel is not installed here; torch's 16-bit softmax
+    (fp32 accumulation inside, 16-bit output) keeps the same tensor, so on GPU with `fusions`
+    megatron runs it (False here). CPU trials keep the fp32 softmax they were measured with."""
+    return not jit_fused(on_cpu, fusions)
 
 
 def jit_fused(on_cpu: bool, fusions: bool = True) -> bool:
