@@ -7,8 +7,9 @@ Memory, from DeepSpeed 0.19.8's code:
   made as a module is released after its gathers (`_partition`), so from the second step on it
   appears in backward, and freed at the end of the optimizer step (stage3.py `step` ->
   `invalidate_secondary_tensor`): alive at the end of backward and through the step, not at the
-  activations' peak of forward. deepspeed.zero.Init makes one for every parameter as the model is
-  built, freed at the first step. Trainable parameters' copies are never quantized (only
+  activations' peak of forward. Persistent parameters (stage3_param_persistence_threshold) stay
+  gathered, so get none after the first step. deepspeed.zero.Init makes one for every parameter as
+  the model is built, freed at the first step. Trainable parameters' copies are never quantized (only
   zero_quantized_nontrainable_weights quantizes them).
 - qwZ: an all-gather fetches int8 partitions and one fp32 scale per group (CUDAQuantizer: groups
   of at most target_group_size elements), then dequantizes into the parameter: an int8 copy of
@@ -48,8 +49,12 @@ def buffers(bench: BenchConfig, live_numel: int, get: Callable[[str], int]) -> d
     out: dict[str, tuple[int, tuple]] = {}
     if z.hpz > 1:
         off_device = bench.offload_param and bench.hardware.device != "cpu"  # remote_device: the host
+        # persistent parameters (at most stage3_param_persistence_threshold elements) stay gathered
+        # after the first step: never released, they get no new copy (init_peak counts them all: thr 0)
+        thr = get("stage3_param_persistence_threshold")
         out["hpz_secondary"] = (0 if off_device else b * sum(_aligned(p.numel, layout.dp) // z.hpz
-                                                              for p in layout.params), ("bwd_end", "step"))
+                                                              for p in layout.params if p.numel > thr),
+                                ("bwd_end", "step"))
     if z.qwz:
         out["qwz_int8_gather"] = (live_numel + FP32_SCALE * math.ceil(live_numel / QUANT_GROUP), ("act",))
     if z.qgz and bench.hardware.num_nodes > 1:
@@ -85,6 +90,8 @@ def line(bench: BenchConfig, buffers_detail: dict) -> str:
                     for k in ("hpz_secondary", "qwz_int8_gather", "qgz_int4_reduce") if k in buffers_detail)
     qgz_note = ("; qgZ: one node reduce-scatters as ZeRO-3 (DeepSpeed quantizes gradients only across nodes)"
                 if bench.zeropp.qgz and bench.hardware.num_nodes == 1 else "")
-    return (f"ZeRO++ {bench.zeropp.tag()}: {mem or 'no buffers'} per rank; cross-node communication per step "
+    where = ("cross-node communication" if bench.hardware.num_nodes > 1 else
+             "on one node every collective stays inside it; across nodes the paper counts")
+    return (f"ZeRO++ {bench.zeropp.tag()}: {mem or 'no buffers'} per rank; {where} per step "
             f"{c['forward_allgather_M']:g}M + {c['backward_allgather_M']:g}M + {c['grad_reduce_scatter_M']:g}M = "
             f"{c['total_M']:g}M, x{c['vs_zero3']:.2f} of ZeRO-3's 3M ({c['source']}){qgz_note}")
