@@ -122,3 +122,19 @@ def test_the_zeropp_section_is_a_dataclass_with_a_docstring_per_field():
 
     docs = field_docs(ZeroppConfig)
     assert {f.name for f in dataclasses.fields(ZeroppConfig)} == set(docs) and all(docs.values())
+
+
+def test_the_report_tells_zeropp_rows_apart():
+    """A stored config's ZeRO++ is its own column (and part of what Compare matches), "none" for
+    records stored before it; the recommendation's names say it where it varies."""
+    import pandas as pd
+
+    from zero_bench.report.recommend import config_names
+    from zero_bench.report.tables import CONFIG_KEY, setup_of
+
+    stored = bench("zero=3", "zeropp.qwz=true", "zeropp.hpz=2").to_dict()
+    assert setup_of(stored).zeropp == "qwz+hpz2" and "ZeRO++" in CONFIG_KEY
+    old = {k: v for k, v in bench("zero=3").to_dict().items() if k != "zeropp"}
+    assert setup_of(old).zeropp == "none"
+    g = pd.DataFrame([{"ZeRO Stage": 3, "ZeRO++": "none", "config": "a"}, {"ZeRO Stage": 3, "ZeRO++": "hpz2", "config": "b"}])
+    assert list(config_names(g).values()) == ["ZeRO-3", "ZeRO-3 + ZeRO++ hpz2"]
