@@ -40,12 +40,14 @@ tp2           30  2gpu  2+ GPUs: gpt-tiny tp=2 over NCCL
 dp2           80  2gpu  2+ GPUs: a 2-rank ZeRO-3 search
 ep2-zero2     30  2gpu  2+ GPUs: moe-tiny ep=2, DeepSpeed ZeRO-2 (megatron's alltoall dispatcher over NCCL)
 ep2-fsdp2     30  2gpu  2+ GPUs: moe-tiny ep=2, FSDP2 zero=3, recompute=op
+zeropp2       90  2gpu  2+ GPUs: ZeRO++ qwZ + hpZ 2, ZeRO-3 over NCCL: int8 all-gathers (DeepSpeed's quantizer JIT-built first; qgZ needs 2 nodes)
 op-zero1      25  gpu   recipe: per-op recompute (torch's selective checkpoint, CUDA's flash kernel), ZeRO-1
 moe-fsdp2-op  25  gpu   recipe: the mixture of experts, FSDP2, per-op recompute
 bf16-states   25  gpu   recipe: pure bf16 states, ZeRO-2
 chunked-loss  25  gpu   recipe: the chunked loss, ZeRO-3
 op-fsdp2      25  gpu   recipe: per-op recompute, FSDP2
 moe-zero2     25  gpu   recipe: the mixture of experts, ZeRO-2
+zeropp-qwz    90  gpu   recipe: ZeRO++ qwZ, ZeRO-3 on one GPU: DeepSpeed's quantizer built and loaded by zero.Init (no CPU kernel; zeropp2 gathers it)
 zero1         80  any   max-batch search, ZeRO-1 (as time allows)
 zero2         80  any   max-batch search, ZeRO-2 (as time allows)
 zero0         80  any   max-batch search, ZeRO-0 (as time allows)
@@ -233,6 +235,9 @@ if [ "$NGPU" -ge 2 ]; then
   EP2="$HW parallel=dp2 parallel.ep=2 model=moe-tiny precision=bf16 batch.micro=2 steps.warmup=1 steps.timed=2"
   trial ep2-zero2 $EP2 zero=2
   trial ep2-fsdp2 $EP2 engine=fsdp2 zero=3 recompute=op
+  # ZeRO++'s quantized all-gathers need 2 ranks and CUDA (refused on CPU); qgZ would need 2 nodes
+  trial zeropp2 $HW parallel=dp2 model=llama-tiny precision=bf16 zero=3 zeropp.qwz=true zeropp.hpz=2 \
+    batch.micro=2 steps.warmup=1 steps.timed=2
 elif [ "$MODE" = gpu ]; then say SKIP 2-gpu "one GPU only"; fi
 
 if [ "$MODE" = gpu ]; then  # one trial each of the 2026 recipes (their memory beside the estimate: the report)
@@ -247,6 +252,7 @@ bf16-states model=llama-tiny zero=2 precision=bf16 states=bf16
 chunked-loss model=llama-tiny zero=3 precision=bf16 loss=chunked
 op-fsdp2 model=llama-tiny engine=fsdp2 zero=3 precision=bf16 recompute=op
 moe-zero2 model=moe-tiny zero=2 precision=bf16
+zeropp-qwz model=llama-tiny zero=3 precision=bf16 zeropp.qwz=true
 RECIPES
 fi
 

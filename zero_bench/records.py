@@ -257,6 +257,8 @@ class RankRecord:
     build_bytes: Optional[int] = None  # the engine's build at its peak, above what the process held before
     # it: torch's peak allocated on GPU; on CPU peak RSS (VmHWM) after it, an upper bound (worker.build_peak)
     model_states: dict = field(default_factory=dict)  # ModelStates.to_dict() (read with ModelStates.from_dict)
+    hpz_secondary: dict = field(default_factory=dict)  # ZeRO++ hpZ's second partitions, bytes, of the profiled
+    # step: {"bwd_end": at the step's start, "after_step": once it ran}; {} without hpZ
     offloaded: dict = field(default_factory=dict)  # what the engine holds off the device: optimizer / params
     torch_peak_allocated: Optional[int] = None
     torch_peak_reserved: Optional[int] = None

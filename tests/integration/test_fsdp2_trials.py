@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from zero_bench.config.layout import RankLayout
-from zero_bench.config.schema import ParallelConfig
+from zero_bench.config.schema import ParallelConfig, ZeroppConfig
 from zero_bench.estimate import estimate
 from zero_bench.estimate.fsdp2 import model_states
 from zero_bench.models.params import layer_numels, num_params, params_per_shard
@@ -67,6 +67,8 @@ def runs(tmp_path_factory):
     with PoolSlot(tmp / "pool") as pools:
         out = {}
         todo = {"deepspeed_zero3": dict(zero=3), "deepspeed_llama_zero3": dict(name="llama-tiny", zero=3),
+                # ZeRO++ hpZ beside the ZeRO-3 run it is compared with: one more child of this pool
+                "deepspeed_llama_zero3_hpz2": dict(name="llama-tiny", zero=3, zeropp=ZeroppConfig(hpz=2)),
                 **{n: dict(engine="fsdp2", **kw) for n, kw in FSDP2.items()},
                 **{f"deep_{n}": dict(engine="fsdp2", model=DEEP, **kw) for n, kw in PEAKS.items()}}
         for name, kw in todo.items():
@@ -99,6 +101,27 @@ def test_fp32_losses_equal_zero3s_at_every_step(runs, name):
     for r in runs[0][name][1].ranks:
         assert len(r.losses) == len(ref) >= 4
         assert r.losses == pytest.approx(ref, rel=SAME_LOSS), (r.losses, ref)
+
+
+def test_zeropp_hpz_trains_zero3s_model_and_its_second_copy_lives_where_the_estimate_says(runs):
+    """ZeRO++ hpZ over 2 ranks, hpz 2 (the one size 2 ranks allow beyond 1: each rank keeps a second
+    copy of its own partition, and backward gathers from it). The same arithmetic as ZeRO-3: the
+    losses equal to the bit. The copy, counted at the step's start, is the estimate's hpz_secondary
+    to the byte and gone after the step; it is not there at the activations' peak in backward, as
+    the estimate has it (bwd_end / step), so the peak live bytes stay ZeRO-3's (a copy at the peak
+    would add all of it)."""
+    cfg, res, _ = runs[0]["deepspeed_llama_zero3_hpz2"]
+    ref = runs[0]["deepspeed_llama_zero3"][1]
+    assert res.status == "ok", res.reason
+    assert "zeropp=hpz2" in res.label.split() and res.ds_config["zero_optimization"]["zero_hpz_partition_size"] == 2
+    want = estimate(cfg).buffers["hpz_secondary"]
+    assert want["phases"] == ["bwd_end", "step"] and want["bytes"] > 0
+    for r, r0 in zip(res.ranks, ref.ranks):
+        assert len(r.losses) >= 4 and r.losses == r0.losses
+        assert r.hpz_secondary == {"bwd_end": want["bytes"], "after_step": 0}
+        assert r.model_states == r0.model_states
+        assert r.peak_phase == r0.peak_phase == "backward"
+        assert abs(r.peak_live_bytes - r0.peak_live_bytes) < want["bytes"] / 4, (r.peak_live_bytes, r0.peak_live_bytes)
 
 
 @pytest.mark.parametrize("name", list(FSDP2))

@@ -21,6 +21,7 @@ APPLIED_S = 0.05  # an applied step sleeps this long; a skipped one returns at o
 class OverflowingEngine:
     """The first `overflows` optimizer steps overflow: skipped, loss scale halved."""
     zero_init = False
+    hpz_secondary: dict = {}
 
     def __init__(self, overflows: int, fp16: bool = True):
         self.overflows, self.steps, self.fp16 = overflows, 0, fp16

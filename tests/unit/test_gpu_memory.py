@@ -146,6 +146,7 @@ def test_no_refresh_without_emulation(monkeypatch, devices):
 class _Engine:
     """Counts steps; every step applied (the worker's GPU bookkeeping is what is under test)."""
     zero_init = False
+    hpz_secondary: dict = {}
 
     def __init__(self, log):
         self.log = log

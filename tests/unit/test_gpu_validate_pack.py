@@ -158,6 +158,7 @@ def test_on_one_gpu_the_zero3_search_answers_the_smoke_tests_trial_checks_then_t
     assert v["2-gpu"] == "SKIP 2-gpu one GPU only"
     names = [line.split()[1] for line in out.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP"))]
     assert names.index("report") < names.index("op-zero1") < names.index("moe-fsdp2-op") < names.index("moe-zero2")
+    assert names.index("moe-zero2") < names.index("zeropp-qwz") and "zeropp2" not in names  # qwZ built on one GPU
     assert index(calls, "report") < index(calls, "recompute=op")  # the report before the recipes
     searches = [c for c in calls if "maxbatch" in c.split()]
     assert all("model.attention=sdpa" in c.split() and "hardware.memory_mib=24576" in c.split() for c in searches)
@@ -171,3 +172,5 @@ def test_on_two_gpus_the_nccl_checks_come_before_the_recipes(tmp_path):
     assert v["1-gpu"].startswith("PASS 1-gpu CUDA_VISIBLE_DEVICES=1: time/it 0.1234s on GPU-fake-1")
     assert v["tp2"].startswith("PASS") and v["ep2-fsdp2"].startswith("PASS")
     assert index(calls, "parallel=tp2") < index(calls, "parallel=dp2", "maxbatch") < index(calls, "states=bf16")
+    # ZeRO++'s quantized all-gathers (refused on CPU) over 2 GPUs, hpZ beside them
+    assert v["zeropp2"].startswith("PASS") and index(calls, "zeropp.qwz=true", "zeropp.hpz=2") < index(calls, "states=bf16")

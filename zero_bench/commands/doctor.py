@@ -184,7 +184,8 @@ def op_status() -> dict[str, dict]:
 
 
 # op name -> the accelerator's builder class (deepspeed/ops/op_builder)
-BUILDERS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder"}
+BUILDERS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder",
+            "quantizer": "QuantizerBuilder"}
 
 
 def needed_ops(bench) -> dict[str, str]:
@@ -200,11 +201,14 @@ def needed_ops(bench) -> dict[str, str]:
         return {}
     if bench.hardware.device == "cpu":
         return {"deepspeed_shm_comm": "init_distributed on CPU (~34 s to JIT-build once)"}
+    # ZeRO++'s qwZ / qgZ load DeepSpeed's quantizer in every rank (zero.Init, the gradients' all-to-all)
+    quant = ({"quantizer": "ZeRO++ qwZ / qgZ: int8 / int4 quantized collectives (JIT-built with nvcc)"}
+             if bench.zeropp.qwz or bench.zeropp.qgz else {})
     if bench.offload:
-        return {"cpu_adam": "DeepSpeedCPUAdam for optimizer offload (JIT-built with the host compiler)"}
+        return {"cpu_adam": "DeepSpeedCPUAdam for optimizer offload (JIT-built with the host compiler)", **quant}
     if fused_adam_fallback():
-        return {}
-    return {"fused_adam": "FusedAdam for AdamW (JIT-built with nvcc)"}
+        return quant
+    return {"fused_adam": "FusedAdam for AdamW (JIT-built with nvcc)", **quant}
 
 
 def torch_adamw_line(reason: str) -> str:

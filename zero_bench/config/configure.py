@@ -200,6 +200,7 @@ def check_bench(b: BenchConfig) -> None:
     if b.parallel.dp_shard is not None:
         integer("parallel.dp_shard", b.parallel.dp_shard)
     integer("parallel.ep", b.parallel.ep)
+    integer("zeropp.hpz", b.zeropp.hpz)
     choice("zero", b.zero, ZERO_STAGES)
     integer("recompute_layers", b.recompute_layers)
     choice("ds_preset", b.ds_preset, ds_presets())
@@ -316,6 +317,8 @@ def validate_static(b: BenchConfig) -> None:
     if b.offload and b.zero == 0:
         raise ConfigError("offload=true: needs ZeRO stage 1, 2 or 3 (got zero=0); allowed with zero=0: false")
     spec(b.engine).validate(b, "offload_param")
+    if b.zeropp.active:
+        spec(b.engine).validate(b, "zeropp")
     if b.precision == "fp16" and b.hardware.device == "cpu":
         raise ConfigError("precision=fp16: not supported by DeepSpeed's CPU accelerator; allowed on cpu: fp32, bf16")
     # last: a key nothing reads is refused only once the config is otherwise one that runs

@@ -53,6 +53,9 @@ CONDITIONS: tuple[Condition, ...] = (
               why="it names the GPU whose calibration the estimate uses"),
     Condition("fusions", _gpu, "hardware.device=gpu", harmless=True,
               why="megatron's jit fusions are always off on CPU"),
+    Condition("zeropp.qgz", lambda b: b.hardware.num_nodes > 1, "hardware.num_nodes > 1", harmless=True,
+              why="DeepSpeed 0.19.8 quantizes gradients only across nodes (stage3.py: num_nodes > 1); one "
+                  "node reduce-scatters them as plain ZeRO-3 does"),
     Condition("offload", _gpu, "hardware.device=gpu", harmless=True,
               why="on CPU the states move from host memory to host memory: the code path runs, the peak RSS "
                   "cannot drop (reports made on CPU say so)"),
@@ -69,6 +72,7 @@ EVERYWHERE = frozenset({
     "model.moe_dense_layers", "model.hf_config",
     "parallel.tp", "parallel.dp", "parallel.dp_shard", "parallel.ep",
     "hardware.device", "hardware.memory_gb", "hardware.memory_mib", "hardware.hostfile", "hardware.num_nodes",
+    "zeropp.qwz", "zeropp.hpz",
     "engine", "zero", "offload_param", "precision", "states", "loss", "recompute", "ds_preset", "compile",
     "batch.micro", "batch.grad_accum", "steps.warmup", "steps.timed", "steps.probe", "timeout_s", "seed", "ds",
 })

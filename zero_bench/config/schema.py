@@ -22,7 +22,7 @@ from zero_bench.models import ModelConfig
 from zero_bench.models.description import key_fields
 
 __all__ = ["ConfigError", "BenchConfig", "EngineName", "ModelConfig", "ParallelConfig", "HardwareConfig",
-           "BatchConfig", "StepsConfig", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
+           "BatchConfig", "StepsConfig", "ZeroppConfig", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
 
 _CHECKOUT = Path(__file__).resolve().parents[2]  # zero_bench/config/schema.py -> the checkout
 CONF_DIR = _CHECKOUT / "conf"
@@ -170,6 +170,34 @@ class StepsConfig:
 
 
 @dataclass
+class ZeroppConfig:
+    """ZeRO++ (Wang et al. 2023, "ZeRO++: Extremely Efficient Collective Communication for Giant
+    Model Training", arXiv:2306.10209), DeepSpeed ZeRO-3 only (the `zeropp:` section). What each
+    costs and saves: zero_bench/estimate/zeropp.py."""
+    qwz: bool = False
+    """qwZ: the parameters all-gathered as int8 with a scale per group (DeepSpeed's
+    zero_quantized_weights); needs DeepSpeed's quantizer kernel (CUDA: refused on CPU)."""
+    qgz: bool = False
+    """qgZ: the gradients reduce-scattered as int4 by an all-to-all within, then across nodes
+    (DeepSpeed's zero_quantized_gradients); DeepSpeed 0.19.8 uses it only across nodes
+    (stage3.py: num_nodes > 1), one node reduce-scatters as plain ZeRO-3; CUDA only."""
+    hpz: int = 1
+    """hpZ: a second copy of the parameters partitioned within groups of hpz consecutive ranks, so
+    that backward's all-gathers stay inside a group (DeepSpeed's zero_hpz_partition_size); must
+    divide the ranks per node, tp 1; 1: off. Runs on CPU."""
+
+    @property
+    def active(self) -> bool:
+        return self.qwz or self.qgz or self.hpz > 1
+
+    def tag(self) -> str:
+        """How labels name it: "zeropp=qwz+qgz+hpz2"; "" when off."""
+        parts = [n for n, on in (("qwz", self.qwz), ("qgz", self.qgz)) if on]
+        parts += [f"hpz{self.hpz}"] if self.hpz > 1 else []
+        return "zeropp=" + "+".join(parts) if parts else ""
+
+
+@dataclass
 class BenchConfig:
     """One trial's configuration, everything but which batch sizes to try. Built by from_cfg, whose
     result has device, precision and offload_param resolved (no "auto", no None)."""
@@ -225,6 +253,8 @@ class BenchConfig:
     """The ds_configs/ template set: default (buckets scaled to the model on CPU) or
     megatron_deepspeed (the reference table's buckets, overlap_comm, fp16 loss scaling, activation
     checkpointing; with CPU offload or ZeRO-3 its offload/zero3 templates too)."""
+    zeropp: ZeroppConfig = field(default_factory=ZeroppConfig)
+    """ZeRO++ at ZeRO-3 (engine=deepspeed): zeropp.qwz, zeropp.qgz, zeropp.hpz."""
     compile: bool = False
     """DeepSpeed's engine.compile() (torch.compile); compile time is reported apart from time/it."""
     fusions: bool = True
@@ -310,6 +340,8 @@ class BenchConfig:
             d["parallel"].pop("dp_shard", None)
         if d["parallel"].get("ep") == 1:
             d["parallel"].pop("ep")
+        if not self.zeropp.active:
+            d.pop("zeropp")  # off: the keys configurations had before ZeRO++ was a dimension
         return d
 
     def label(self) -> str:
@@ -317,7 +349,7 @@ class BenchConfig:
         extras = [f"dp_shard={shard}" if shard and shard != self.parallel.dp else "",
                   f"ep={self.parallel.ep}" if self.parallel.ep > 1 else "",
                   f"states={self.states}" if self.states != States.mixed else "",
-                  f"loss={self.loss}" if self.loss != Loss.megatron else "",
+                  f"loss={self.loss}" if self.loss != Loss.megatron else "", self.zeropp.tag(),
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",
                   f"recompute=block({self.recompute_layers})" if self.recompute == "block" else "",
                   "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else "",

@@ -20,6 +20,8 @@ TRAINERS = {name: load(s.trainer) for name, s in SPECS.items()}  # imports every
 class Engine(Protocol):
     zero_init: bool
     """The parameters were partitioned as the model was built (no rank ever held the whole model)."""
+    hpz_secondary: dict
+    """ZeRO++ hpZ's second partitions in the last step, bytes: {"bwd_end", "after_step"}; {} without hpZ."""
 
     def step(self, batches: list[Batch], mask: torch.Tensor, marks: Callable[[str], None]) -> list[float]:
         """One optimizer step over the micro-batches (gradient accumulation); their losses. Calls

@@ -45,6 +45,8 @@ class DeepSpeedEngine:
                                  data_parallel_group=mpu.get_data_parallel_group()):
             model = build_gpt(cfg, config, on_cpu)
         self.zero_init = all(hasattr(p, "ds_id") for p in model.parameters())
+        self.hpz = cfg.zeropp.hpz > 1
+        self.hpz_secondary: dict = {}  # ZeRO++ hpZ's second partitions: bytes at backward's end, after the step
         if cfg.zero == 3 and cfg.compile:
             tied_weight_gathered_by_root(model)
         with deepspeed_moe(model, layout.ep) as parameters:
@@ -59,9 +61,20 @@ class DeepSpeedEngine:
             marks("backward")
             self.engine.backward(loss)
             marks("step")
+            before = self.secondary_bytes()
             self.engine.step()
+            if before is not None:  # the last micro-step's, so the profiled step's
+                self.hpz_secondary = {"bwd_end": before, "after_step": self.secondary_bytes()}
             losses.append(loss.item())
         return losses
+
+    def secondary_bytes(self) -> Optional[int]:
+        """Bytes of ZeRO++ hpZ's second partitions held now (None without hpZ): what the estimate
+        counts as hpz_secondary (estimate/zeropp.py)."""
+        if not self.hpz:
+            return None
+        return sum(storage_bytes([p.ds_secondary_tensor for p in self.engine.module.parameters()
+                                  if getattr(p, "ds_secondary_tensor", None) is not None]).values())
 
     def was_step_applied(self) -> bool:
         return self.engine.was_step_applied()

@@ -63,6 +63,15 @@ def scaled_buckets(num_params_per_rank: int) -> dict:
 PURE_BF16 = {"bf16": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
 
 
+def zeropp_keys(cfg: BenchConfig) -> dict:
+    """zeropp.* as DeepSpeed 0.19.8 names them (runtime/zero/config.py); only the ones switched on, so
+    a config without ZeRO++ keeps its JSON byte for byte (configure refuses them below ZeRO-3)."""
+    z = cfg.zeropp
+    keys = {"zero_quantized_weights": z.qwz, "zero_quantized_gradients": z.qgz,
+            "zero_hpz_partition_size": z.hpz if z.hpz > 1 else None}
+    return {"zero_optimization": {k: v for k, v in keys.items() if v}} if z.active else {}
+
+
 def build(cfg: BenchConfig) -> dict:
     serial = serial_unpinned(cfg)
     ds = merge(load_template("base"), load_template(f"zero{cfg.zero}"))
@@ -74,6 +83,7 @@ def build(cfg: BenchConfig) -> dict:
             if serial:
                 ds = merge(ds, {"zero_optimization": {section: UNPINNED}})
     ds = _with_preset(ds, cfg)
+    ds = merge(ds, zeropp_keys(cfg))
     on_cpu = cfg.hardware.device == "cpu"
     if on_cpu:
         ds = merge(ds, load_template("cpu"))

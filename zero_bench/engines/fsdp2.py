@@ -62,6 +62,7 @@ class Fsdp2Engine:
     clipping, AdamW, gradients freed after the step."""
 
     zero_init = True  # each layer is sharded as it is built (build_gpt's on_layer)
+    hpz_secondary: dict = {}  # ZeRO++ is DeepSpeed's (refused with fsdp2): never any
 
     def __init__(self, spec: TrialSpec, on_cpu: bool):
         cfg = spec.config

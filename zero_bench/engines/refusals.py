@@ -3,6 +3,7 @@ its spec's `refusals`, each raising ConfigError with one line naming the key and
 configure.validate_static asks at the place it checks that concern's shared conditions."""
 from __future__ import annotations
 
+from zero_bench.config.hosts import local_ranks
 from zero_bench.config.schema import BenchConfig
 from zero_bench.errors import ConfigError
 
@@ -33,8 +34,63 @@ def deepspeed(b: BenchConfig, concern: str) -> None:
                           "or engine=fsdp2")
     if concern == "offload_param" and b.offload_param and b.zero != 3:
         raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
+    if concern == "zeropp":
+        zeropp(b)
     if concern == "ignored":
         ds_keys_read(b)
+
+
+def first_zeropp_key(b: BenchConfig) -> str:
+    """The first ZeRO++ key switched on, as the user typed it (zeropp.qwz=true, zeropp.hpz=2)."""
+    z = b.zeropp
+    return next(f"zeropp.{k}={v}" for k, v, on in (("qwz", "true", z.qwz), ("qgz", "true", z.qgz),
+                                                      ("hpz", z.hpz, z.hpz > 1)) if on)
+
+
+def zeropp(b: BenchConfig) -> None:
+    """ZeRO++ is ZeRO-3's (DeepSpeed reads its keys in stage3.py and zero.Init only). hpZ's groups
+    are consecutive global ranks (utils/groups.py _create_zero_param_parallel_group), a node's
+    ranks when hpz divides them, as the paper means it; at tp > 1 they would pair tensor-parallel
+    peers, whose partitions differ."""
+    if b.zero != 3:
+        raise ConfigError(f"{first_zeropp_key(b)}: ZeRO++ is DeepSpeed's ZeRO-3 (got zero={b.zero}); allowed: zero=3, "
+                          "or leave zeropp.* out")
+    hpz = b.zeropp.hpz
+    if hpz == 1:
+        return
+    if b.parallel.tp > 1:
+        raise ConfigError(f"zeropp.hpz={hpz}: DeepSpeed groups hpZ's ranks consecutively, which at parallel.tp="
+                          f"{b.parallel.tp} pairs tensor-parallel peers; allowed with tp > 1: zeropp.hpz=1")
+    per_node = local_ranks(b)
+    if per_node % hpz:
+        allowed = ", ".join(str(d) for d in range(1, per_node + 1) if per_node % d == 0)
+        raise ConfigError(f"zeropp.hpz={hpz}: must divide the ranks per node ({per_node}: hpZ's second copy is "
+                          f"sharded within a node); allowed: {allowed}")
+
+
+def quantizer_missing(b: BenchConfig) -> str:
+    """One line when qwZ / qgZ are asked on a device whose DeepSpeed accelerator has no quantizer
+    kernel, "" otherwise. Asked of the accelerator itself: 0.19.8's CPU accelerator answers
+    QuantizerBuilder with its NotImplementedBuilder, whose load() raises (zero.Init builds the
+    quantizer for qwZ at once; qgZ's all-to-all loads it at its first multi-node reduction)."""
+    z = b.zeropp
+    if not (z.qwz or z.qgz) or b.hardware.device != "cpu":
+        return ""
+    import logging
+
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # the import announces the accelerator; bad input stays one line
+    try:
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    finally:
+        logging.disable(before)
+    builder = CPU_Accelerator().get_op_builder("QuantizerBuilder")
+    if builder is not None and builder.__name__ != "NotImplementedBuilder":
+        return ""
+    key = "zeropp.qwz=true" if z.qwz else "zeropp.qgz=true"
+    return (f"{key}: DeepSpeed's CPU accelerator has no quantizer kernel (QuantizerBuilder is not implemented on "
+            "CPU); `zero_bench estimate` models it and launch/gpu_validate.sh runs it on GPUs; allowed on cpu: "
+            "zeropp.qwz=false zeropp.qgz=false (zeropp.hpz runs)")
 
 
 def ds_keys_read(b: BenchConfig) -> None:
@@ -81,6 +137,10 @@ def stage3_zero_keys() -> set:
 def fsdp2(b: BenchConfig, concern: str) -> None:
     """What engine=fsdp2 cannot run, each in one line with the nearest choices; it runs every shared
     feature (bf16 states with offload, hybrid sharding, ep at any stage, offload_param at zero=2)."""
+    if concern == "zeropp":
+        raise ConfigError(f"{first_zeropp_key(b)}: ZeRO++ is DeepSpeed's (ZeRO-3's quantized and hierarchical "
+                          "collectives); engine=fsdp2 runs none of it; allowed: engine=deepspeed zero=3, or leave "
+                          "zeropp.* out")
     if concern != "engine":
         return
     if b.zero not in (2, 3):

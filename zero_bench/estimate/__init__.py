@@ -102,6 +102,7 @@ class Estimate:
     act_phase: dict = field(default_factory=dict)  # phase -> activation bytes per sample; {}: act_per_sample in "act"
     engine: str = DEFAULT_ENGINE
     ep: int = 1  # expert-parallel degree: params_per_shard holds the rank's num_experts / ep experts
+    zeropp: str = ""  # ZeroppConfig.tag(): "" without ZeRO++
     partitioned_params: Optional[int] = None  # what the dp ranks' ZeRO partitions split (each holds
     # this / dp): params_per_shard at ep 1; with ep > 1 the dense parameters and all E experts
     # (dense / dp + (E/ep experts) / (dp/ep) per rank). None: params_per_shard
@@ -209,7 +210,7 @@ class Estimate:
         return {
             "config": (f"{tag(self.engine)} " if tag(self.engine) else "") + f"zero{self.zero}"
                       + ("+offload" if self.offload_optimizer else "")
-                      + ("+param" if self.offload_param else ""),
+                      + ("+param" if self.offload_param else "") + (f" {self.zeropp}" if self.zeropp else ""),
             "params": s.params, "grads": s.grads, "optimizer": s.optimizer,
             "device_states": s.device, "host_states": s.host,
             "buffers": self.buffers_total, "act_per_sample": self.act_per_sample,
@@ -231,7 +232,7 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     common = dict(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
                   offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=layout.dp, tp=layout.tp,
                   num_params=num_params(bench.model), params_per_shard=layout.held_params,
-                  local_ranks=local_ranks(bench), engine=bench.engine,
+                  local_ranks=local_ranks(bench), engine=bench.engine, zeropp=bench.zeropp.tag(),
                   capacity=capacity if capacity is not None else search_capacity(bench), ep=layout.ep,
                   partitioned_params=layout.tp_shard_params if layout.ep > 1 else None, **fixed_terms(bench))
     return Estimate(**common, **load(spec(bench.engine).estimate_parts)(bench, ds))

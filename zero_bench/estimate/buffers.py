@@ -6,6 +6,7 @@ from typing import Mapping, Optional
 
 from zero_bench.config.schema import BenchConfig
 from zero_bench.engines import ds_config
+from zero_bench.estimate import zeropp
 from zero_bench.estimate.states import master_bytes
 from zero_bench.units import BYTES
 
@@ -41,7 +42,8 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     - ZeRO-3: the reduce bucket; the gathered (live) parameters: the largest parameter plus the
       prefetch bucket, capped by stage3_max_live_parameters (never below one whole parameter) -- on
       CPU the whole shard, as measured (see the comment below); the
-      parameters below stage3_param_persistence_threshold that every rank keeps whole.
+      parameters below stage3_param_persistence_threshold that every rank keeps whole; ZeRO++'s
+      secondary partition and quantized buffers (estimate/zeropp.py).
     - fp16 at ZeRO-0: DeepSpeed's FP16_Optimizer builds fp32 copies of the gradients at the step (8P).
     - torch's (non-fused) Adam, which the CPU ds_config selects (torch_adam), makes one temporary
       the size of the fp32 partition it updates (sqrt of the second moment); fused/CPU Adam: none.
@@ -87,6 +89,8 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
             # copy of the parameters, not the max_live/prefetch bound (module not built under zero.Init).
             live = P
         out["live_params"] = (min(live, P) * b, ("act",))
+        if bench.zeropp.active:
+            out.update(zeropp.buffers(bench, min(live, P), get))
         thr = get("stage3_param_persistence_threshold")
         out["persistent_params"] = (sum(x for x in numels if x <= thr) * b, ("act", "bwd_end", "step"))
     torch_adam = bool(((full.get("optimizer") or {}).get("params") or {}).get("torch_adam"))
@@ -110,7 +114,9 @@ def init_peak(bench: BenchConfig) -> int:
     P = layout.held_params
     if bench.zero == 3:
         whole = b * max(p.numel for p in layout.params)
-        return whole + (0 if bench.offload_param and bench.hardware.device != "cpu" else b * P // layout.dp)
+        # zero.Init gives every parameter its hpZ copy as it partitions it (kept until the first step)
+        secondary = zeropp.buffers(bench, 0, lambda k: 0).get("hpz_secondary", (0,))[0]
+        return whole + (0 if bench.offload_param and bench.hardware.device != "cpu" else b * P // layout.dp) + secondary
     if bench.zero == 0:
         return b * P
     largest = P if layout.ep == 1 else max(layout.dense_params, layout.held_expert_params)

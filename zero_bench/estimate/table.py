@@ -14,7 +14,7 @@ from typing import Any, Optional
 from zero_bench.config.configure import from_cfg, validate_static
 from zero_bench.config.schema import BenchConfig, ConfigError
 from zero_bench.engines.specs import spec
-from zero_bench.estimate import Estimate, estimate
+from zero_bench.estimate import Estimate, estimate, zeropp
 from zero_bench.models.description import summary
 from zero_bench.models.params import active_params, num_params
 from zero_bench.records import SearchStatus
@@ -97,7 +97,8 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
             f"micro {micro} x grad_accum "
             f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank"
             + (f"; fixed terms: {first.calibration}" if first else ""))
-    return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first),
+    zpp = [zeropp.line(v, e.buffers) for v, e in ests if v.zeropp.active][:1]  # ZeRO-3 only: one at most
+    return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first), *zpp,
                       format_table(rows), LEGEND, "", at_micro_table(at, bench),
                       AT_MICRO_LEGEND[_kind(bench)] + AT_MICRO_TAIL]
                      + ([] if traces is None else ["", traced_table(bench, rows, ests, traces)]))
@@ -216,7 +217,8 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
                        "overhead_bytes": first.overhead if first else None,
                        "calibration": first.calibration if first else None, "terms": first.terms if first else {},
                        "configs": [{**r, "at_micro": {k: v for k, v in a.items() if k != "config"},
-                                    "buffers_detail": e.buffers, "activations": e.activations}
+                                    "buffers_detail": e.buffers, "activations": e.activations,
+                                    **({"zeropp_communication": zeropp.communication(bench)} if e.zeropp else {})}
                                    for r, e, a in zip(rows, ests, at)]}, indent=2)
 
 

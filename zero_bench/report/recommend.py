@@ -25,7 +25,7 @@ SPS, BSZ = "Throughput (samples/sec)", "Max Global BSZ"
 # Keys that tell configurations of one group apart, and how a name shows each (ZeRO stage always).
 NAMED = {"engine": lambda v: f"on {SPECS.get(v, SPECS[DEFAULT_ENGINE]).title}",
          "data parallel": lambda v: f"dp{v:g}", "model parallel": lambda v: f"tp{v:g}",
-         "expert parallel": lambda v: f"ep{v:g}",
+         "expert parallel": lambda v: f"ep{v:g}", "ZeRO++": lambda v: "" if v == "none" else f"+ ZeRO++ {v}",
          "CPU Offload": lambda v: {"No": "", "Yes": "+ offload"}.get(v, f"+ offload {v[4:]}".strip()),
          "precision": str, "recompute": lambda v: f"recompute {v}", "compile": lambda v: "compiled" if v == "Yes" else
          "eager", "ds preset": str, "grad accum": lambda v: f"grad accum {v:g}"}

@@ -35,7 +35,7 @@ NOTE_KEY = "_note"  # a record's extra note, moved into Notes
 TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
 # What identifies "the same configuration" across stores (the Compare and Scaling sheets).
 CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
-              "expert parallel", "engine", "ZeRO Stage", "CPU Offload", "precision", "recompute", "ds preset",
+              "expert parallel", "engine", "ZeRO Stage", "ZeRO++", "CPU Offload", "precision", "recompute", "ds preset",
               "compile", "grad accum", "device"]
 COMPARED = ["Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)", "tokens/s per GPU", "MFU",
             "peak memory used"]
@@ -61,6 +61,7 @@ class Setup:
     recompute_layers: int = 1
     dp_shard: Optional[int] = None
     ep: int = 1  # expert parallelism (parallel.ep); 1 for records stored before it
+    zeropp: str = "none"  # ZeRO++ as labels name it without "zeropp=" (qwz+hpz2); none for records before it
 
     @property
     def world(self) -> int:
@@ -98,7 +99,8 @@ def setup_of(c: dict) -> Setup:
                  offload_param=bool(b.offload_param), precision=str(b.precision), device=str(b.hardware.device),
                  grad_accum=b.batch.grad_accum, recompute=str(b.recompute), ds_preset=b.ds_preset,
                  compile=b.compile, engine=str(b.engine), states=str(b.states),
-                 recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep)
+                 recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep,
+                 zeropp=b.zeropp.tag().removeprefix("zeropp=") or "none")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -161,6 +163,8 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
         cols.insert(cols.index("num params") + 1, "active params")
     if (df["expert parallel"] > 1).any():  # shown where some row splits the experts (parallel.ep)
         cols.insert(cols.index("model parallel") + 1, "expert parallel")
+    if (df["ZeRO++"] != "none").any():  # shown where some row runs ZeRO++ (zeropp.*)
+        cols.insert(cols.index("ZeRO Stage") + 1, "ZeRO++")
     cols += REPEAT_COLUMNS if any(len(r.repeats) > 1 for r in rows) else []
     if df.get(ESTIMATE_COLUMNS[1]) is not None and df[ESTIMATE_COLUMNS[1]].notna().any():
         cols += ESTIMATE_COLUMNS
@@ -180,7 +184,8 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     m = s.model
     rec = {"Model": m.get("name"), "num_layers": m.get("num_layers"), "hidden_size": m.get("hidden_size"),
            "num_heads": m.get("num_heads"), "# gpus": s.world, "data parallel": s.dp, "model parallel": s.tp,
-           "expert parallel": s.ep, "engine": s.engine, "ZeRO Stage": s.zero, "CPU Offload": _offload_text(s),
+           "expert parallel": s.ep, "engine": s.engine, "ZeRO Stage": s.zero, "ZeRO++": s.zeropp,
+           "CPU Offload": _offload_text(s),
            "precision": s.precision, "recompute": s.recompute, "ds preset": s.ds_preset,
            "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,

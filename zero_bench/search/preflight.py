@@ -10,9 +10,10 @@ from typing import Optional
 import psutil
 
 from zero_bench.config.hosts import check_hostfile, device_tokens, local_ranks
-from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, ConfigError, States, make_label
+from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, ConfigError, States, ZeroppConfig, make_label
 from zero_bench.devices.capacity import search_capacity
 from zero_bench.engines.ds_config import check_with_deepspeed
+from zero_bench.engines.refusals import quantizer_missing
 from zero_bench.engines.specs import spec
 from zero_bench.estimate import estimate
 from zero_bench.records import Entry, SearchResult, SearchStatus, Status, TrialResult
@@ -56,10 +57,14 @@ def check_mig(b: BenchConfig, tokens: Optional[list[str]]) -> None:
 
 
 def refuse_estimate_only(b: BenchConfig) -> None:
-    """What zero_bench estimates but cannot run: 8-bit AdamW needs torchao, not one of its dependencies."""
+    """What zero_bench estimates but cannot run here: 8-bit AdamW needs torchao, not one of its
+    dependencies; ZeRO++'s quantized collectives need a quantizer kernel the CPU accelerator lacks."""
     if b.states == States.adam8bit:
         raise ConfigError("states=adam8bit: 8-bit AdamW needs torchao, which zero_bench does not install; "
                           "`zero_bench estimate` models it; trials allowed with states=mixed or bf16")
+    missing = quantizer_missing(b)  # ZeRO++'s qwZ / qgZ on an accelerator without the kernel
+    if missing:
+        raise ConfigError(missing)
 
 
 def validate_machine(b: BenchConfig) -> None:
@@ -132,6 +137,11 @@ def skipped_search(c: dict, reason: str) -> SearchResult:
     m, p = c["model"], c["parallel"]
     engine = c.get("engine") or DEFAULT_ENGINE
     label = make_label(m["name"], p["tp"], p["dp"], c["zero"], c["offload"], c["precision"], engine)
+    try:  # the entry may be skipped for its zeropp values themselves
+        zpp = ZeroppConfig(**{k: v for k, v in (c.get("zeropp") or {}).items() if k in ("qwz", "qgz", "hpz")}).tag()
+    except (TypeError, ValueError):
+        zpp = ""
+    label += f" {zpp}" if zpp else ""
     keyed = {k: c[k] for k in ("model", "parallel", "zero", "offload", "precision", "batch")}
     if engine != DEFAULT_ENGINE:  # the default engine's skipped entries keep the keys they had before `engine`
         keyed["engine"] = engine

@@ -351,6 +351,7 @@ class Rank:
                           model_states=self.states.to_dict(),
                           loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,
                           zero_init=self.engine.zero_init, offloaded=self.engine.offloaded(),
+                          hpz_secondary=self.engine.hpz_secondary,
                           runtime_bytes=self.runtime_bytes, build_bytes=self.build_bytes, marks=self.marks.marks,
                           **self.fixed_terms,
                           **self.memory_now())
