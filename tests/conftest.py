@@ -11,6 +11,7 @@ buffer behind, and the session's isolation from the machine it runs on:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -224,3 +225,22 @@ def no_leftovers(tmp_path):
     assert not left, f"shm buffers left in /dev/shm by this test's launches: {sorted(map(str, left))}"
     left = [p for p in worker_processes(str(tmp_path)) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes left behind: {[' '.join(p.cmdline()) for p in left]}"
+
+
+@contextlib.contextmanager
+def megatron_one_rank(store: Path):
+    """megatron's parallel state on a real one-rank gloo group (rendezvous file `store`), with the
+    CPU shims: module-level tests of megatron's layers."""
+    import torch
+    from megatron.core import parallel_state
+
+    from zero_bench.models.shims import install_cpu_shims
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    install_cpu_shims()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()

@@ -13,25 +13,18 @@ import torch
 from zero_bench.config.schema import BenchConfig, HardwareConfig
 from zero_bench.estimate.activations import activation_bytes_per_sample, core_attention_terms
 from zero_bench.models.megatron import build_gpt, fusion_args, softmax_in_fp32, transformer_config
-from zero_bench.models.shims import install_cpu_shims, seed_cpu_rng
+from zero_bench.models.shims import seed_cpu_rng
 from zero_bench.units import BYTES
 
-from conftest import model
+from conftest import megatron_one_rank, model
 
 BATCH = 2
 
 
 @pytest.fixture(scope="module", autouse=True)
 def megatron_tp1(tmp_path_factory):
-    from megatron.core import parallel_state
-
-    store = tmp_path_factory.mktemp("pg") / "store"
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    install_cpu_shims()
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    with megatron_one_rank(tmp_path_factory.mktemp("pg") / "store"):
+        yield
 
 
 def saved_score_bytes(m, precision: str, upcast: bool) -> float:

@@ -14,9 +14,9 @@ from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig, HardwareConfig
 from zero_bench.models import ModelConfig
 from zero_bench.models.megatron import build_gpt, transformer_config
-from zero_bench.models.shims import cpu_checkpoint, install_cpu_shims, seed_cpu_rng
+from zero_bench.models.shims import cpu_checkpoint, seed_cpu_rng
 
-from conftest import model
+from conftest import megatron_one_rank, model
 
 # llama-tiny, shortened so that each build and step takes well under a second
 SMALL = dataclasses.replace(model("llama-tiny"), num_layers=2, seq_len=64)
@@ -27,18 +27,13 @@ SMALL_QWEN3 = dataclasses.replace(model("qwen3-tiny"), num_layers=2, seq_len=64)
 @pytest.fixture(scope="module", autouse=True)
 def megatron_tp1(tmp_path_factory):
     """megatron's parallel state on a real one-rank gloo group, with the CPU shims."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
-    store = tmp_path_factory.mktemp("pg") / "store"
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    install_cpu_shims()
-    before = tensor_parallel.checkpoint
-    tensor_parallel.checkpoint = cpu_checkpoint
-    yield
-    tensor_parallel.checkpoint = before
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    with megatron_one_rank(tmp_path_factory.mktemp("pg") / "store"):
+        before = tensor_parallel.checkpoint
+        tensor_parallel.checkpoint = cpu_checkpoint
+        yield
+        tensor_parallel.checkpoint = before
 
 
 def loss_and_grads(m: ModelConfig, recompute: str = "none", state: dict = None) -> tuple[float, list]:
