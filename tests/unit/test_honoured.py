@@ -38,6 +38,7 @@ EXAMPLES = {
     "hardware.card": (["hardware.card=H100"], ["hardware.device=gpu", "precision=bf16"]),
     "fusions": (["fusions=false"], ["hardware.device=gpu", "precision=bf16"]),
     "offload": (["offload=true"], ["hardware.device=gpu", "precision=bf16"]),
+    "nvme_path": (["nvme_path=/tmp"], ["zero=3", "offload_device=nvme"]),
 }
 
 

@@ -53,7 +53,8 @@ CONDITIONS: tuple[Condition, ...] = (
               why="it names the GPU whose calibration the estimate uses"),
     Condition("fusions", _gpu, "hardware.device=gpu", harmless=True,
               why="megatron's jit fusions are always off on CPU"),
-    Condition("offload", _gpu, "hardware.device=gpu", harmless=True,
+    Condition("nvme_path", lambda b: b.nvme, "offload_device=nvme", why="nothing is swapped to disk"),
+    Condition("offload", lambda b: _gpu(b) or b.nvme, "hardware.device=gpu or offload_device=nvme", harmless=True,
               why="on CPU the states move from host memory to host memory: the code path runs, the peak RSS "
                   "cannot drop (reports made on CPU say so)"),
 )
@@ -69,7 +70,7 @@ EVERYWHERE = frozenset({
     "model.moe_dense_layers", "model.hf_config",
     "parallel.tp", "parallel.dp", "parallel.dp_shard", "parallel.ep",
     "hardware.device", "hardware.memory_gb", "hardware.memory_mib", "hardware.hostfile", "hardware.num_nodes",
-    "engine", "zero", "offload_param", "precision", "states", "loss", "recompute", "ds_preset", "compile",
+    "engine", "zero", "offload_param", "offload_device", "precision", "states", "loss", "recompute", "ds_preset", "compile",
     "batch.micro", "batch.grad_accum", "steps.warmup", "steps.timed", "steps.probe", "timeout_s", "seed", "ds",
 })
 """Keys every trial reads (or whose every value the checks in configure.py and engines/refusals.py

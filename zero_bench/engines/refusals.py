@@ -33,6 +33,12 @@ def deepspeed(b: BenchConfig, concern: str) -> None:
                           "or engine=fsdp2")
     if concern == "offload_param" and b.offload_param and b.zero != 3:
         raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
+    if concern == "offload_device" and b.nvme and b.zero != 3:
+        # stage_1_and_2.py: any offload_optimizer.device but none sets cpu_offload, and nothing there
+        # swaps; only stage3.py builds an optimizer swapper (swap_optimizer = device == nvme)
+        raise ConfigError(f"offload_device=nvme: DeepSpeed 0.19.8 swaps to NVMe at ZeRO-3 only (ZeRO 1-2 keep "
+                          f"'nvme' optimizer states in host memory, as cpu); allowed with zero={b.zero}: "
+                          "offload_device=none, cpu")
     if concern == "ignored":
         ds_keys_read(b)
 
@@ -81,6 +87,9 @@ def stage3_zero_keys() -> set:
 def fsdp2(b: BenchConfig, concern: str) -> None:
     """What engine=fsdp2 cannot run, each in one line with the nearest choices; it runs every shared
     feature (bf16 states with offload, hybrid sharding, ep at any stage, offload_param at zero=2)."""
+    if concern == "offload_device":
+        raise ConfigError("offload_device=nvme: engine=fsdp2 offloads to host memory only (CPUOffloadPolicy); "
+                          "allowed with fsdp2: offload_device=none, cpu (or engine=deepspeed zero=3)")
     if concern != "engine":
         return
     if b.zero not in (2, 3):

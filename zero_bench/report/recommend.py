@@ -26,7 +26,8 @@ SPS, BSZ = "Throughput (samples/sec)", "Max Global BSZ"
 NAMED = {"engine": lambda v: f"on {SPECS.get(v, SPECS[DEFAULT_ENGINE]).title}",
          "data parallel": lambda v: f"dp{v:g}", "model parallel": lambda v: f"tp{v:g}",
          "expert parallel": lambda v: f"ep{v:g}",
-         "CPU Offload": lambda v: {"No": "", "Yes": "+ offload"}.get(v, f"+ offload {v[4:]}".strip()),
+         "CPU Offload": lambda v: {"No": "", "Yes": "+ offload", "NVMe": "+ NVMe offload"}.get(
+             v, f"+ {'NVMe ' if v.startswith('NVMe') else ''}offload {v.split(' ', 1)[-1]}".strip()),
          "precision": str, "recompute": lambda v: f"recompute {v}", "compile": lambda v: "compiled" if v == "Yes" else
          "eager", "ds preset": str, "grad accum": lambda v: f"grad accum {v:g}"}
 UNITS = {"cpu": "CPU ranks", "gpu": "GPUs"}

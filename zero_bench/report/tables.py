@@ -28,7 +28,7 @@ SEED_COLUMNS = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "da
                 "engine", "ZeRO Stage", "CPU Offload", "precision", "recompute", "ds preset", "compile",
                 "Max Global BSZ", "micro batch", "grad accum", "time/it (ms)", "Throughput (samples/sec)", "tokens/s",
                 "tokens/s per GPU", "model TFLOP/s per GPU", "MFU", "HFU", "compile time (s)", "loss scale",
-                "skipped steps", "num params"]
+                "skipped steps", "num params", "offload", "NVMe disk peak (MiB/rank)"]
 REPEAT_COLUMNS = ["time/it median (ms)", "time/it min (ms)", "time/it max (ms)", "repeats"]
 ESTIMATE_COLUMNS = ["model states est. (MiB/rank)", "model states measured (MiB/rank)", "model states error (%)"]
 NOTE_KEY = "_note"  # a record's extra note, moved into Notes
@@ -61,6 +61,7 @@ class Setup:
     recompute_layers: int = 1
     dp_shard: Optional[int] = None
     ep: int = 1  # expert parallelism (parallel.ep); 1 for records stored before it
+    offload_device: str = "none"  # the offload rung (none / cpu / nvme); records before it: from `offload`
 
     @property
     def world(self) -> int:
@@ -98,7 +99,7 @@ def setup_of(c: dict) -> Setup:
                  offload_param=bool(b.offload_param), precision=str(b.precision), device=str(b.hardware.device),
                  grad_accum=b.batch.grad_accum, recompute=str(b.recompute), ds_preset=b.ds_preset,
                  compile=b.compile, engine=str(b.engine), states=str(b.states),
-                 recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep)
+                 recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep, offload_device=str(b.rung))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -109,7 +110,22 @@ def _settings(stored: str) -> BenchConfig:
 
 
 def _offload_text(s: Setup) -> str:
-    return "Yes (+params)" if s.offload_param else ("Yes" if s.offload else "No")
+    """The reference table's "CPU Offload" cell; the NVMe rung says so there too."""
+    yes = "NVMe" if s.offload_device == "nvme" else "Yes"
+    return f"{yes} (+params)" if s.offload_param else (yes if s.offload else "No")
+
+
+def offload_rung(s: Setup) -> str:
+    """The "offload" cell: the rung and what it holds, e.g. "nvme: optimizer+params", "none"."""
+    if not (s.offload or s.offload_param):
+        return "none"
+    return f"{s.offload_device}: optimizer" + ("+params" if s.offload_param else "")
+
+
+def disk_peak_mib(t: TrialResult) -> Optional[float]:
+    """The largest rank's NVMe swap files at their peak (sampled beside the memory timeline)."""
+    disk = t.devices_of("disk")
+    return max(d.peak_bytes for d in disk) / MiB if disk else None
 
 
 # -- environment and peak FLOP/s ------------------------------------------------------------------
@@ -181,6 +197,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     rec = {"Model": m.get("name"), "num_layers": m.get("num_layers"), "hidden_size": m.get("hidden_size"),
            "num_heads": m.get("num_heads"), "# gpus": s.world, "data parallel": s.dp, "model parallel": s.tp,
            "expert parallel": s.ep, "engine": s.engine, "ZeRO Stage": s.zero, "CPU Offload": _offload_text(s),
+           "offload": offload_rung(s),
            "precision": s.precision, "recompute": s.recompute, "ds preset": s.ds_preset,
            "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
@@ -189,6 +206,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     if r.measure is not None and r.measure.samples_per_s:
         rec.update(_performance(r.measure, s, peaks))
         rec.update(_memory(r.measure))
+        rec["NVMe disk peak (MiB/rank)"] = disk_peak_mib(r.measure)
         states = _model_states(r.measure, s)
         failed = states.pop(NOTE_KEY, "")
         rec.update(states)
@@ -357,8 +375,11 @@ def environment_frames(env: dict, env_source: str, peaks: Peaks, rows: list[Row]
     notes = []
     if on_cpu:
         notes.append("CPU: devices are ranks and memory is each rank's RSS; MFU/HFU use a measured matmul peak.")
-    if any(s.offload or s.offload_param for s in on_cpu):
+    if any((s.offload or s.offload_param) and s.offload_device != "nvme" for s in on_cpu):
         notes.append("CPU offload on CPU moves bytes from CPU to CPU: it runs the code path but cannot lower RSS.")
+    if any(s.offload_device == "nvme" for s in on_cpu):
+        notes.append("NVMe offload on CPU: DeepSpeed's async_io swapper moves the states to files under nvme_path, "
+                     "so RSS drops by them, less its pinned buffers; the disk peak per rank is sampled beside RSS.")
     engines = {setup_of(r.config).engine for r in rows}
     notes += [s.report_note for name, s in SPECS.items() if s.report_note and name in engines]
     per_row = [_reproduce(r, loaded) for r in rows]

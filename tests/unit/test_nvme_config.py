@@ -1,0 +1,147 @@
+"""offload_device / nvme_path (NVMe offload, ZeRO-Infinity): the rung resolved from either key, the
+keys and labels old configs keep, DeepSpeed's JSON, bad input in one line before any launch, the
+estimate's split (disk, pinned buffers) and the swap folders a killed launch leaves."""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero_bench.config.configure import compose, from_cfg
+from zero_bench.engines import ds_config
+from zero_bench.errors import ConfigError
+from zero_bench.estimate import estimate
+from zero_bench.estimate.nvme import sub_groups
+from zero_bench.search import preflight
+from zero_bench.trial import swap
+
+
+def bench(*overrides: str):
+    return from_cfg(compose(["model=gpt-mini", "hardware.device=cpu", "precision=fp32", *overrides]), here=False)
+
+
+def test_offload_true_is_the_cpu_rung_and_keeps_its_keys_and_label():
+    old, new = bench("zero=3", "offload=true"), bench("zero=3", "offload_device=cpu")
+    assert old.offload_device == new.offload_device == "cpu" and new.offload and new.offload_param
+    assert old.trial_key() == new.trial_key() and old.label() == new.label()
+    assert bench("zero=3").offload_device == "none" and bench("zero=3").trial_key() == bench("zero=3",
+                                                                                               "offload_device=none").trial_key()
+
+
+def test_nvme_is_its_own_rung_key_and_label():
+    b = bench("zero=3", "offload_device=nvme")
+    assert b.offload and b.offload_param and b.nvme
+    assert "zero3+nvme" in b.label() and b.trial_key() != bench("zero=3", "offload=true").trial_key()
+
+
+def test_ds_json_swaps_both_sections_with_deepspeeds_aio_defaults():
+    from deepspeed.runtime.swap_tensor.aio_config import AIO_DEFAULT_DICT
+
+    ds = ds_config.build(bench("zero=3", "offload_device=nvme"), "/scratch/zb-1")
+    z = ds["zero_optimization"]
+    for section in ("offload_optimizer", "offload_param"):
+        assert z[section]["device"] == "nvme" and z[section]["nvme_path"] == "/scratch/zb-1"
+    assert ds["aio"] == AIO_DEFAULT_DICT
+    over = ds_config.build(bench("zero=3", "offload_device=nvme", "+ds.aio.queue_depth=32"))
+    assert over["aio"]["queue_depth"] == 32 and over["aio"]["block_size"] == AIO_DEFAULT_DICT["block_size"]
+    assert "aio" not in ds_config.build(bench("zero=3", "offload=true"))
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["zero=2", "offload_device=nvme"], "offload_device=nvme: DeepSpeed 0.19.8 swaps to NVMe at ZeRO-3 only"),
+    (["zero=0", "offload_device=nvme"], "offload_device=nvme: needs ZeRO stage 3"),
+    (["zero=3", "engine=fsdp2", "offload_device=nvme"], "offload_device=nvme: engine=fsdp2"),
+    (["zero=3", "offload=true", "offload_device=none"], "offload_device=none: offload=true"),
+    (["zero=3", "offload_device=disk"], "offload_device=disk: allowed values are none, cpu, nvme"),
+    (["zero=3", "nvme_path=/tmp"], "nvme_path=/tmp: read only with offload_device=nvme"),
+])
+def test_bad_input_is_one_line_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        bench(*overrides)
+    assert str(e.value).startswith(key) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.fixture
+def with_async_io(monkeypatch):
+    monkeypatch.setattr(preflight.aio, "async_io_problem", lambda: None)
+
+
+def test_a_missing_swap_folder_is_refused(with_async_io):
+    path = "/nonexistent/zb"
+    with pytest.raises(ConfigError) as e:
+        preflight.check_nvme(bench("zero=3", "offload_device=nvme", f"nvme_path={path}"))
+    assert str(e.value).startswith(f"nvme_path={path}: does not exist"), str(e.value)
+
+
+def test_a_filesystem_without_o_direct_is_refused(with_async_io, tmp_path, monkeypatch):
+    """The filesystem's EINVAL for O_DIRECT (tmpfs before Linux 6.6) at the one open that asks."""
+    def refuse(path):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(preflight.aio, "open_direct", refuse)
+    path, why = tmp_path, "without O_DIRECT"
+    with pytest.raises(ConfigError) as e:
+        preflight.check_nvme(bench("zero=3", "offload_device=nvme", f"nvme_path={path}"))
+    assert str(e.value).startswith(f"nvme_path={path}: ") and why in str(e.value), str(e.value)
+
+
+def test_an_unwritable_swap_folder_is_refused(with_async_io, tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes everywhere")
+    tmp_path.chmod(0o500)
+    with pytest.raises(ConfigError, match="is not writable"):
+        preflight.check_nvme(bench("zero=3", "offload_device=nvme", f"nvme_path={tmp_path}"))
+
+
+def test_too_little_free_disk_is_refused(with_async_io, tmp_path, monkeypatch):
+    b = bench("zero=3", "offload_device=nvme", f"nvme_path={tmp_path}")
+    need = estimate(b).disk_bytes()
+    monkeypatch.setattr(preflight.aio, "free_bytes", lambda p: need - 1)
+    with pytest.raises(ConfigError, match=r"GiB free, the swap files of 2 ranks need"):
+        preflight.check_nvme(b)
+    monkeypatch.setattr(preflight.aio, "free_bytes", lambda p: need)
+    preflight.check_nvme(b)
+
+
+def test_missing_async_io_is_refused_with_its_fix(monkeypatch):
+    monkeypatch.setattr(preflight.aio, "async_io_problem", lambda: "async_io cannot be built; fix: apt-get install -y libaio-dev")
+    with pytest.raises(ConfigError, match=r"^offload_device=nvme: .*fix: apt-get install -y libaio-dev$"):
+        preflight.check_nvme(bench("zero=3", "offload_device=nvme"))
+
+
+def test_the_cli_refuses_before_any_launch(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "zero_bench", "zero=2", "offload_device=nvme"], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("rank0.jsonl"))
+    assert [ln for ln in out.stderr.splitlines() if "offload_device=nvme" in ln], out.stderr[-1000:]
+
+
+def test_sub_groups_close_as_deepspeeds():
+    assert sub_groups([3, 3, 3], 100) == [9]
+    assert sub_groups([3, 3, 3, 1], 5) == [6, 4]
+
+
+def test_estimate_moves_the_swappable_states_to_disk_and_adds_the_pinned_buffers():
+    cpu, nvme = estimate(bench("zero=3", "offload=true")), estimate(bench("zero=3", "offload_device=nvme"))
+    assert nvme.nvme_bytes > 0 and nvme.disk_bytes() == 2 * nvme.nvme_bytes
+    buf = nvme.buffers["swap_buffers"]["bytes"]
+    assert nvme.persistent == cpu.persistent - nvme.nvme_bytes
+    assert nvme.peak_bytes(1) == cpu.peak_bytes(1) - nvme.nvme_bytes + buf
+    assert nvme.row()["config"] == "zero3+nvme+param" and "disk_needed" in nvme.row()
+    assert "disk_needed" not in cpu.row()
+
+
+def test_a_killed_launchs_swap_folder_is_removed_by_the_next_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZERO_BENCH_LOCK", str(tmp_path / "lock"))
+    b = bench("zero=3", "offload_device=nvme")
+    folder = swap.make_swap_folder(b, tmp_path / "run", 7)
+    (folder / "x.swp").write_bytes(b"1" * 4096)
+    assert swap.remove_stale_swap() == []  # its runner (this process) lives
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    marker = next(swap.registry().iterdir())
+    marker.rename(marker.with_name(f"{dead.stdout.strip()}-7"))  # as if a runner now gone had made it
+    assert swap.remove_stale_swap() == [folder] and not folder.exists() and not any(swap.registry().iterdir())
