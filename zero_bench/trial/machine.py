@@ -24,6 +24,7 @@ from typing import Iterator, Optional
 
 from zero_bench.devices.toolkit import extensions_dir
 from zero_bench.errors import MachineBusy
+from zero_bench.trial.swap import remove_stale_swap
 
 SHM = Path("/dev/shm")
 # A JIT build's lock older than this, with no process building in its folder, was left by a killed build.
@@ -115,8 +116,6 @@ def _acquire(wait: bool) -> int:
     os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}".encode(), 0)
     remove_stale_shm()
     remove_stale_build_locks()
-    from zero_bench.trial.swap import remove_stale_swap  # swap imports this module's lock_path
-
     remove_stale_swap()
     return fd
 

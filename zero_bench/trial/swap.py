@@ -16,29 +16,30 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import psutil
 
-from zero_bench.config.schema import BenchConfig
+if TYPE_CHECKING:  # the machine lock imports this module: it stays light
+    from zero_bench.config.schema import BenchConfig
 
 FOLDER_PREFIX = "zb-"
 _RANK = re.compile(r"^rank(\d+)$")
 
 
 def registry() -> Path:
-    from zero_bench.trial.machine import lock_path
-
-    lock = lock_path()
+    """Beside the machine lock's file (machine.lock_path, which imports this module: read here from
+    the same variable), so that whoever takes that lock sweeps these."""
+    lock = Path(os.environ.get("ZERO_BENCH_LOCK", "/tmp/zero_bench.lock"))
     return lock.with_name(lock.name + ".swap")
 
 
-def swap_root(cfg: BenchConfig, run_dir: Path) -> Path:
+def swap_root(cfg: "BenchConfig", run_dir: Path) -> Path:
     """Where a launch's swap folder goes: nvme_path, else `nvme` under the run directory."""
     return Path(cfg.nvme_path).expanduser() if cfg.nvme_path else run_dir / "nvme"
 
 
-def make_swap_folder(cfg: BenchConfig, run_dir: Path, launch_id: int) -> Optional[Path]:
+def make_swap_folder(cfg: "BenchConfig", run_dir: Path, launch_id: int) -> Optional[Path]:
     """The launch's own swap folder, created and registered (None: the config swaps nothing)."""
     if not cfg.nvme:
         return None
