@@ -39,6 +39,7 @@ def nvme_sub_groups() -> dict:
 VARIANTS = {
     "cpu": dict(offload_device="cpu", offload_param=False, ds=nvme_sub_groups()),
     "nvme": dict(offload_device="nvme", offload_param=False),
+    "cpu_params": dict(offload_device="cpu", ds=nvme_sub_groups()),
     "nvme_params": dict(offload_device="nvme"),
 }
 MICRO = 2
@@ -68,10 +69,14 @@ def test_losses_equal_cpu_offload_at_every_step(runs, name):
     assert len(got) == len(ref) >= 3 and got == ref, (got, ref)
 
 
-def test_rss_drops_by_the_swapped_optimizer_states(runs):
-    """The measured drop of the peak RSS, rank by rank, is the estimate's (states on disk less the
-    optimizer swapper's pinned buffers) within 25 % (glibc returns freed blocks unevenly)."""
-    (cpu_cfg_, cpu), (nvme_cfg, nvme) = runs["cpu"], runs["nvme"]
+@pytest.mark.parametrize("cpu_name,nvme_name", [("cpu", "nvme"), ("cpu_params", "nvme_params")])
+def test_rss_drops_by_the_swapped_states_less_the_pinned_buffers(runs, cpu_name, nvme_name):
+    """The measured drop of the peak RSS, rank by rank, is the estimate's within 25 % (glibc returns
+    freed blocks unevenly): the optimizer's states and gradients on disk less the swappers' pinned
+    buffers. With the parameters on NVMe too the drop is smaller: DeepSpeed keeps their pinned flat
+    copy in host memory below max_in_cpu and adds the parameter swapper's buffers (measured on this
+    machine, micro 2: 94.3 MiB and 54.0 MiB; estimated 94.7 and 54.7)."""
+    (cpu_cfg_, cpu), (nvme_cfg, nvme) = runs[cpu_name], runs[nvme_name]
     want = estimate(cpu_cfg_).peak_bytes(MICRO) - estimate(nvme_cfg).peak_bytes(MICRO)
     assert want > 0
     for a, b in zip(cpu.ranks, nvme.ranks):

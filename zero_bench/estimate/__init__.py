@@ -104,7 +104,9 @@ class Estimate:
     act_phase: dict = field(default_factory=dict)  # phase -> activation bytes per sample; {}: act_per_sample in "act"
     engine: str = DEFAULT_ENGINE
     ep: int = 1  # expert-parallel degree: params_per_shard holds the rank's num_experts / ep experts
-    nvme_bytes: int = 0  # offload_device=nvme: this rank's states in swap files (estimate/nvme.py), not in memory
+    nvme_bytes: int = 0  # offload_device=nvme: this rank's states in swap files (estimate/nvme.py)
+    nvme_freed: int = 0  # of which, bytes no longer also held in memory (the optimizer's; parameters beyond max_in_cpu)
+    swap_buffer_bytes: int = 0  # offload_device=nvme: the swappers' pinned host buffers (on CPU also in `buffers`)
     partitioned_params: Optional[int] = None  # what the dp ranks' ZeRO partitions split (each holds
     # this / dp): params_per_shard at ep 1; with ep > 1 the dense parameters and all E experts
     # (dense / dp + (E/ep experts) / (dp/ep) per rank). None: params_per_shard
@@ -128,7 +130,7 @@ class Estimate:
     @property
     def states_on_rank(self) -> int:
         """Model-state bytes in the memory the capacity is about (CPU: device + host; GPU: device)."""
-        return self.states.total - self.nvme_bytes if self.device == "cpu" else self.states.device
+        return self.states.total - self.nvme_freed if self.device == "cpu" else self.states.device
 
     @property
     def persistent(self) -> int:
@@ -205,8 +207,7 @@ class Estimate:
     def host_bytes(self) -> int:
         """Host memory the offloaded states need on one node (all its ranks): with NVMe offload, what
         is not in the swap files plus the swappers' pinned buffers."""
-        swap = self.buffers.get("swap_buffers", {}).get("bytes", 0)
-        return (self.states.host - self.nvme_bytes + swap) * self.local_ranks
+        return (self.states.host - self.nvme_freed + self.swap_buffer_bytes) * self.local_ranks
 
     def disk_bytes(self) -> int:
         """NVMe bytes the swap files of one node's ranks hold (offload_device=nvme)."""
@@ -217,17 +218,16 @@ class Estimate:
         m = self.max_micro()
         return {
             "config": (f"{tag(self.engine)} " if tag(self.engine) else "") + f"zero{self.zero}"
-                      + (("+nvme" if "swap_buffers" in self.buffers else "+offload") if self.offload_optimizer else "")
+                      + (("+nvme" if self.swap_buffer_bytes else "+offload") if self.offload_optimizer else "")
                       + ("+param" if self.offload_param else ""),
             "params": s.params, "grads": s.grads, "optimizer": s.optimizer,
-            "device_states": s.device, "host_states": s.host,
+            "device_states": s.device, "host_states": self.host_bytes() // self.local_ranks,
             "buffers": self.buffers_total, "act_per_sample": self.act_per_sample,
             "overhead": self.overhead, "peak_micro1": self.peak_bytes(1),
             "host_needed": self.host_bytes(), "capacity": self.capacity,
             "max_micro": m, "max_global_batch": None if m is None else m * self.dp,
             "max_micro_low_overhead": self.max_micro_range()[1] if self.overhead_low is not None else None,
-            **({"nvme_states": self.nvme_bytes, "disk_needed": self.disk_bytes()} if "swap_buffers" in self.buffers
-               else {}),
+            **({"nvme_states": self.nvme_bytes, "disk_needed": self.disk_bytes()} if self.swap_buffer_bytes else {}),
         }
 
     def to_dict(self) -> dict:
@@ -273,11 +273,12 @@ def deepspeed_parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     if bench.loss == "chunked":
         buffers["loss_chunk"] = {"bytes": loss_chunk_bytes(m, bench.precision), "phases": ["act"]}
     nvme = nvme_split(bench, (ds_full(bench).get("zero_optimization") or {}) if ds is None else ds)
-    if nvme is not None:  # pinned at initialize, kept through every phase
+    if nvme is not None and on_cpu:  # host memory, pinned at initialize and kept: on CPU, the rank's own
         buffers["swap_buffers"] = {"bytes": nvme.buffers, "phases": list(grads_phase)}
     return dict(states=states, buffers=buffers, activations=act, act_per_sample=int(per_sample * factor),
                 init_peak=init_peak(bench), grads_phase={k: int(v) for k, v in grads_phase.items()},
-                nvme_bytes=nvme.on_disk if nvme else 0)
+                nvme_bytes=nvme.on_disk if nvme else 0, nvme_freed=nvme.freed if nvme else 0,
+                swap_buffer_bytes=nvme.buffers if nvme else 0)
 
 
 def fixed_terms(bench: BenchConfig) -> dict:
