@@ -164,3 +164,25 @@ def test_on_gpu_the_swap_buffers_are_host_memory_not_the_devices():
     assert 4 * 10**9 * 4 + 5 * 10**8 * 2 + 2 * 7.9e9 < nvme.swap_buffer_bytes < 1.01 * (4 * 1_003_782_656 * 4 + 10**9
                                                                                          + 2 * 8_030_261_248)
     assert nvme.host_bytes() == cpu.host_bytes() - 8 * (nvme.nvme_freed - nvme.swap_buffer_bytes)
+
+
+def test_without_libaio_doctor_names_the_one_command_and_nvme_is_refused(monkeypatch):
+    """Where DeepSpeed's AsyncIOBuilder finds no libaio (its io_submit probe fails), async_io is not
+    JIT-cached: doctor's line and the refusal carry the package manager's command."""
+    from deepspeed.accelerator import get_accelerator
+
+    from zero_bench.commands import doctor
+    from zero_bench.devices import aio
+
+    builder = type(get_accelerator().create_op_builder("AsyncIOBuilder"))
+    monkeypatch.setattr(builder, "is_compatible", lambda self, verbose=False: False)
+    monkeypatch.setattr(aio, "jit_cached", lambda op: None)
+    monkeypatch.setattr(aio.shutil, "which", lambda tool: "/usr/bin/apt-get" if tool == "apt-get" else None)
+    aio.async_io_problem.cache_clear()
+    try:
+        problem = aio.async_io_problem()
+        check = doctor.check_async_io()
+    finally:
+        aio.async_io_problem.cache_clear()
+    assert problem.endswith("libaio's headers are missing; fix: apt-get install -y libaio-dev"), problem
+    assert check.status == doctor.NA and check.fix == "apt-get install -y libaio-dev", check
