@@ -186,3 +186,19 @@ def test_without_libaio_doctor_names_the_one_command_and_nvme_is_refused(monkeyp
         aio.async_io_problem.cache_clear()
     assert problem.endswith("libaio's headers are missing; fix: apt-get install -y libaio-dev"), problem
     assert check.status == doctor.NA and check.fix == "apt-get install -y libaio-dev", check
+
+
+def test_the_reports_offload_column_names_the_rung_for_old_and_new_records():
+    from zero_bench.report.tables import _offload_text, offload_rung, setup_of
+
+    cases = [  # stored config (as before offload_device, as resolved, a skipped grid entry as given)
+        ("none", {"zero": 3}, "No"),
+        ("cpu: optimizer+params", {"zero": 3, "offload": True, "offload_param": True}, "Yes (+params)"),
+        ("cpu: params", {"zero": 3, "offload_param": True}, "Yes (+params)"),
+        ("nvme: optimizer", {"zero": 3, "offload": True, "offload_param": False, "offload_device": "nvme"}, "NVMe"),
+        ("nvme: optimizer", {"zero": 2, "offload_device": "nvme"}, "NVMe"),
+    ]
+    old = {k: v for k, v in bench().to_dict().items() if k not in ("offload_device", "offload", "offload_param")}
+    for want, stored, cell in cases:
+        s = setup_of({**old, **stored})
+        assert (offload_rung(s), _offload_text(s)) == (want, cell), stored

@@ -95,7 +95,9 @@ def setup_of(c: dict) -> Setup:
     means on resume), its model as stored (models.description.from_stored reads any version's)."""
     b = _settings(json.dumps(c, sort_keys=True, default=str))
     par = b.parallel
-    return Setup(model=dict(c.get("model") or {}), tp=par.tp, dp=par.dp, zero=b.zero, offload=b.offload,
+    # a skipped grid entry stores the config as given: offload_device=nvme without offload=true
+    return Setup(model=dict(c.get("model") or {}), tp=par.tp, dp=par.dp, zero=b.zero,
+                 offload=b.offload or b.offload_device not in (None, "none"),
                  offload_param=bool(b.offload_param), precision=str(b.precision), device=str(b.hardware.device),
                  grad_accum=b.batch.grad_accum, recompute=str(b.recompute), ds_preset=b.ds_preset,
                  compile=b.compile, engine=str(b.engine), states=str(b.states),
@@ -119,7 +121,8 @@ def offload_rung(s: Setup) -> str:
     """The "offload" cell: the rung and what it holds, e.g. "nvme: optimizer+params", "none"."""
     if not (s.offload or s.offload_param):
         return "none"
-    return f"{s.offload_device}: optimizer" + ("+params" if s.offload_param else "")
+    held = "+".join(k for k, on in (("optimizer", s.offload), ("params", s.offload_param)) if on)
+    return f"{s.offload_device}: {held}"
 
 
 def disk_peak_mib(t: TrialResult) -> Optional[float]:
