@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.zero_bench-installed
 # names the command, and nvme runs are refused (their tests skip) until it has run.
 $(STAMP): requirements-cpu.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	-test -e /usr/include/libaio.h || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libaio-dev >/dev/null; }
+	-test -e /usr/include/libaio.h || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && { apt-get update -qq || true; } && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libaio-dev >/dev/null; }
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	PATH=$(abspath $(VENV))/bin:$$PATH DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
