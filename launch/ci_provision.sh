@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Provision the tools the two-host test (tests/test_multinode.py) needs: an sshd and pdsh.
-# Idempotent: installs the Debian packages openssh-server and pdsh only when a binary is missing.
+# Provision the tools the two-host test (tests/test_multinode.py) needs: an sshd and pdsh; and
+# libaio's headers, which DeepSpeed's async_io op (NVMe offload, tests/integration/test_nvme_offload.py)
+# is built against. Idempotent: installs the Debian packages openssh-server, pdsh and libaio-dev only
+# when a binary (or libaio.h) is missing.
 # Needs root (or passwordless sudo) and apt; prints what it did. It starts no daemon: the test runs
 # an sshd of its own on port 2222 and stops it by PID.
 set -euo pipefail
@@ -10,9 +12,10 @@ command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need+=(openssh-serve
 command -v pdsh >/dev/null 2>&1 || need+=(pdsh)
 command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
 command -v ssh-keygen >/dev/null 2>&1 || need+=(openssh-client)
+[ -e /usr/include/libaio.h ] || need+=(libaio-dev)
 
 if [ ${#need[@]} -eq 0 ]; then
-    echo "ci_provision: sshd, ssh and pdsh already installed"
+    echo "ci_provision: sshd, ssh, pdsh and libaio-dev already installed"
 else
     SUDO=""
     if [ "$(id -u)" -ne 0 ]; then

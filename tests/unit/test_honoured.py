@@ -39,6 +39,7 @@ EXAMPLES = {
     "fusions": (["fusions=false"], ["hardware.device=gpu", "precision=bf16"]),
     "offload": (["offload=true"], ["hardware.device=gpu", "precision=bf16"]),
     "zeropp.qgz": (["zero=3", "zeropp.qgz=true"], ["hardware.num_nodes=2"]),
+    "nvme_path": (["nvme_path=/tmp"], ["zero=3", "offload_device=nvme"]),
 }
 
 

@@ -26,6 +26,7 @@ from zero_bench.devices import cpu_features, metrics
 from zero_bench.config.configure import auto_precision, from_cfg
 from zero_bench.config.hosts import check_hostfile, master_addr
 from zero_bench.config.schema import DEFAULT_ENGINE, Device, EngineName
+from zero_bench.devices.aio import async_io_problem, libaio_fix
 from zero_bench.devices.cpu_features import CpuFeatures
 from zero_bench.devices.nvml import Nvml
 from zero_bench.devices.toolkit import cuda_toolkit, extensions_dir, fused_adam_fallback, jit_cached
@@ -185,7 +186,8 @@ def op_status() -> dict[str, dict]:
 
 # op name -> the accelerator's builder class (deepspeed/ops/op_builder)
 BUILDERS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder",
-            "quantizer": "QuantizerBuilder"}
+            "quantizer": "QuantizerBuilder", "async_io": "AsyncIOBuilder"}
+NVME_OP = {"async_io": "NVMe offload's swapper (libaio; JIT-built once)"}
 
 
 def needed_ops(bench) -> dict[str, str]:
@@ -199,13 +201,15 @@ def needed_ops(bench) -> dict[str, str]:
     """
     if not spec(bench.engine).builds_deepspeed_ops:
         return {}
+    nvme = NVME_OP if bench.nvme else {}
     if bench.hardware.device == "cpu":
-        return {"deepspeed_shm_comm": "init_distributed on CPU (~34 s to JIT-build once)"}
+        return {"deepspeed_shm_comm": "init_distributed on CPU (~34 s to JIT-build once)", **nvme}
     # ZeRO++'s qwZ / qgZ load DeepSpeed's quantizer in every rank (zero.Init, the gradients' all-to-all)
     quant = ({"quantizer": "ZeRO++ qwZ / qgZ: int8 / int4 quantized collectives (JIT-built with nvcc)"}
              if bench.zeropp.qwz or bench.zeropp.qgz else {})
     if bench.offload:
-        return {"cpu_adam": "DeepSpeedCPUAdam for optimizer offload (JIT-built with the host compiler)", **quant}
+        return {"cpu_adam": "DeepSpeedCPUAdam for optimizer offload (JIT-built with the host compiler)", **quant,
+                **nvme}
     if fused_adam_fallback():
         return quant
     return {"fused_adam": "FusedAdam for AdamW (JIT-built with nvcc)", **quant}
@@ -219,8 +223,8 @@ def torch_adamw_line(reason: str) -> str:
 def prebuild_ops(bench, say=print) -> list[str]:
     """Build the ops a GPU trial of `bench` needs, once, here: outside every trial's timeout, and a
     machine that cannot build them gets one line before any launch instead of failed trials."""
-    if bench.hardware.device != "gpu":
-        return []  # CPU: make builds the shared-memory op at install time
+    if bench.hardware.device != "gpu" and not bench.nvme:
+        return []  # CPU: make builds the shared-memory op (and async_io where libaio is) at install time
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
 
@@ -229,7 +233,8 @@ def prebuild_ops(bench, say=print) -> list[str]:
     if fallback:
         say(f"zero_bench: {torch_adamw_line(fallback)}")
     built = []
-    for name, why in needed_ops(bench).items():
+    needed = needed_ops(bench) if bench.hardware.device == "gpu" else NVME_OP
+    for name, why in needed.items():
         if installed_ops.get(name) or jit_cached(name):
             continue
         say(f"zero_bench: building DeepSpeed op {name} once, before the first trial ({why})")
@@ -282,6 +287,16 @@ def check_ops(bench=None) -> list[Check]:
             out.append(Check(FIX, f"op {name}", f"not compatible here ({o['note'] or 'see ds_report'}); needed for {why}",
                              "install what ds_report lists for this op, or DS_BUILD_OPS=1 pip install deepspeed"))
     return out
+
+
+def check_async_io() -> Check:
+    """NVMe offload (offload_device=nvme) needs DeepSpeed's async_io op: whether it builds here, and
+    the one command that makes it build where it does not. Not blocking: only nvme runs need it."""
+    problem = async_io_problem()
+    if problem:
+        return Check(NA, "op async_io", problem.split("; fix:")[0] + "; offload_device=nvme is refused here",
+                     libaio_fix())
+    return Check(OK, "op async_io", f"NVMe offload can run ({'JIT-cached' if jit_cached('async_io') else 'libaio found, built at first use'})")
 
 
 def check_gpu_optimizer(bench) -> list[Check]:
@@ -493,7 +508,7 @@ def doctor_checks(cfg: Any) -> list[Check]:
     engine = bench.engine if bench is not None else DEFAULT_ENGINE
     checks = check_accelerator(device) + check_cpu(device, engine)
     checks += [check_nvml(device), check_peak_flops(device, precision)]
-    checks += check_ops(bench) + [check_jit_fusions(bench)] + check_launchers(bench) + run_checks
+    checks += check_ops(bench) + [check_async_io()] + [check_jit_fusions(bench)] + check_launchers(bench) + run_checks
     blocking = [c for c in checks if c.status == FIX]
     demo = "the configured run" if bench is None or bench.model.name != "GPT-tiny" else "the default demo"
     checks.append(Check(OK if not blocking else FIX, "can run",

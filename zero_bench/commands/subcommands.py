@@ -96,8 +96,8 @@ def store_path(cfg: DictConfig, inv: Invocation) -> Path:
 
 
 def result_row(r: TrialResult) -> str:
-    peaks = " ".join(f"{d.kind}{d.id}={d.peak_bytes / MiB:.0f}/{(d.total_bytes or 0) / MiB:.0f}MiB"
-                     for d in r.devices)
+    peaks = " ".join(f"{d.kind}{d.id}={d.peak_bytes / MiB:.0f}" + (f"/{d.total_bytes / MiB:.0f}MiB" if d.total_bytes
+                                                                    else "MiB") for d in r.devices)
     rss = " ".join(f"r{x.rank}:{(x.peak_rss_bytes or 0) / MiB:.0f}MiB" for x in r.ranks)
     perf = (f"time/it {r.time_per_step_s * 1e3:.1f} ms | {r.samples_per_s:.2f} samples/s | "
             f"{r.tokens_per_s:.0f} tokens/s | loss {r.loss:.4f}" if r.status == Status.OK and r.time_per_step_s

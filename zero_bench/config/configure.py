@@ -14,7 +14,7 @@ from typing import Any, Optional
 from zero_bench.config import honoured
 from zero_bench.devices import cpu_features
 from zero_bench.config.schema import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
-                               HardwareConfig, Precision, ReportConfig, SearchConfig, States, composition_error,
+                               HardwareConfig, OffloadDevice, Precision, ReportConfig, SearchConfig, States, composition_error,
                                structured)
 from zero_bench.engines.specs import spec
 from zero_bench.errors import ConfigError
@@ -233,7 +233,7 @@ def check_report(r: ReportConfig) -> None:
 
 def ds_presets() -> tuple:
     """The ds_configs/ template sets: default, and each {name}.json that is not a layer of another."""
-    layers = {"base", "cpu", "offload_optimizer", "offload_param", "zero0", "zero1", "zero2", "zero3"}
+    layers = {"base", "cpu", "nvme", "offload_optimizer", "offload_param", "zero0", "zero1", "zero2", "zero3"}
     names = {p.stem for p in DS_TEMPLATES.glob("*.json")} - layers
     return ("default",) + tuple(sorted(n for n in names if not any(n.startswith(o + "_") for o in names)))
 
@@ -282,10 +282,23 @@ def resolve(b: BenchConfig, here: bool = True) -> BenchConfig:
     precision = b.precision
     if precision == Precision.auto:
         precision = auto_precision(Device(device), b.engine, here)
-    follows = b.offload and spec(b.engine).offload_param_follows(b.zero)
+    rung = offload_rung(b)
+    offload = rung != OffloadDevice.none
+    follows = offload and spec(b.engine).offload_param_follows(b.zero)
     offload_param = bool(follows) if b.offload_param is None else b.offload_param
     return dataclasses.replace(b, hardware=dataclasses.replace(b.hardware, device=Device(device)),
-                               precision=precision, offload_param=offload_param)
+                               precision=precision, offload=offload, offload_param=offload_param,
+                               offload_device=rung)
+
+
+def offload_rung(b: BenchConfig) -> OffloadDevice:
+    """offload_device as given, or what `offload` says (true: cpu); the two may not disagree."""
+    if b.offload_device is None:
+        return OffloadDevice.cpu if b.offload else OffloadDevice.none
+    if b.offload and b.offload_device == OffloadDevice.none:
+        raise ConfigError("offload_device=none: offload=true asks for an offload; allowed with offload=true: "
+                          "offload_device=cpu, nvme (or leave offload out)")
+    return OffloadDevice(b.offload_device)
 
 
 def validate_static(b: BenchConfig) -> None:
@@ -315,10 +328,15 @@ def validate_static(b: BenchConfig) -> None:
         raise ConfigError(f"model.num_heads={m.num_heads}: must divide model.hidden_size={m.hidden_size} "
                           "(or set model.head_dim)")
     if b.offload and b.zero == 0:
+        if b.nvme:
+            raise ConfigError("offload_device=nvme: needs ZeRO stage 3 (got zero=0: no ZeRO optimizer to swap); "
+                              "allowed with zero=0: offload_device=none")
         raise ConfigError("offload=true: needs ZeRO stage 1, 2 or 3 (got zero=0); allowed with zero=0: false")
     spec(b.engine).validate(b, "offload_param")
     if b.zeropp.active:
         spec(b.engine).validate(b, "zeropp")
+    if b.nvme:
+        spec(b.engine).validate(b, "offload_device")
     if b.precision == "fp16" and b.hardware.device == "cpu":
         raise ConfigError("precision=fp16: not supported by DeepSpeed's CPU accelerator; allowed on cpu: fp32, bf16")
     # last: a key nothing reads is refused only once the config is otherwise one that runs

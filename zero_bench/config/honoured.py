@@ -56,7 +56,8 @@ CONDITIONS: tuple[Condition, ...] = (
     Condition("zeropp.qgz", lambda b: b.hardware.num_nodes > 1, "hardware.num_nodes > 1", harmless=True,
               why="DeepSpeed 0.19.8 quantizes gradients only across nodes (stage3.py: num_nodes > 1); one "
                   "node reduce-scatters them as plain ZeRO-3 does"),
-    Condition("offload", _gpu, "hardware.device=gpu", harmless=True,
+    Condition("nvme_path", lambda b: b.nvme, "offload_device=nvme", why="nothing is swapped to disk"),
+    Condition("offload", lambda b: _gpu(b) or b.nvme, "hardware.device=gpu or offload_device=nvme", harmless=True,
               why="on CPU the states move from host memory to host memory: the code path runs, the peak RSS "
                   "cannot drop (reports made on CPU say so)"),
 )
@@ -73,7 +74,7 @@ EVERYWHERE = frozenset({
     "parallel.tp", "parallel.dp", "parallel.dp_shard", "parallel.ep",
     "hardware.device", "hardware.memory_gb", "hardware.memory_mib", "hardware.hostfile", "hardware.num_nodes",
     "zeropp.qwz", "zeropp.hpz",
-    "engine", "zero", "offload_param", "precision", "states", "loss", "recompute", "ds_preset", "compile",
+    "engine", "zero", "offload_param", "offload_device", "precision", "states", "loss", "recompute", "ds_preset", "compile",
     "batch.micro", "batch.grad_accum", "steps.warmup", "steps.timed", "steps.probe", "timeout_s", "seed", "ds",
 })
 """Keys every trial reads (or whose every value the checks in configure.py and engines/refusals.py

@@ -88,6 +88,12 @@ class ModuleLoading(StrEnum):
     eager = "eager"  # every kernel at start, as before CUDA 11.7 (the reference table's software)
 
 
+class OffloadDevice(StrEnum):
+    none = "none"  # every state on the device
+    cpu = "cpu"  # host memory (what offload=true has always meant)
+    nvme = "nvme"  # files under nvme_path through DeepSpeed's async_io swapper (ZeRO-Infinity), ZeRO-3
+
+
 class Strategy(StrEnum):
     fit = "fit"  # grow by measured memory per sample
     doubling = "doubling"  # plain doubling + bisection
@@ -214,8 +220,18 @@ class BenchConfig:
     """Optimizer states (and the gradients they read) to host memory; ZeRO 1-3. engine=fsdp2: the
     parameters, gradients and optimizer states together (CPUOffloadPolicy)."""
     offload_param: Optional[bool] = None
-    """Parameters to host memory; ZeRO-3 only. None: follow `offload` with ZeRO-3 (engine=fsdp2:
-    always follows `offload`)."""
+    """Parameters to host memory (or NVMe, with offload_device=nvme); ZeRO-3 only. None: follow
+    `offload` with ZeRO-3 (engine=fsdp2: always follows `offload`)."""
+    offload_device: Optional[OffloadDevice] = None
+    """Where offloaded states go, the rungs of ZeRO's memory ladder: none, cpu (host memory) or nvme
+    (DeepSpeed's ZeRO-Infinity: the optimizer states, and with offload_param the parameters, in files
+    under nvme_path, read and written through its async_io op (libaio) via pinned host buffers;
+    engine=deepspeed, ZeRO-3). None: follow `offload` (true: cpu, false: none); given, it sets
+    `offload` (offload=true with offload_device=none is refused). A BenchConfig holds the resolved one."""
+    nvme_path: Optional[str] = None
+    """With offload_device=nvme: the folder DeepSpeed's swapper writes into, on a filesystem that takes
+    O_DIRECT (not tmpfs); each launch swaps in a folder of its own under it, removed after the launch
+    (and by the next start if the launch was killed). None: `nvme` under the launch's run directory."""
     precision: Precision = Precision.auto
     """fp32, bf16, fp16 (GPU only) or auto: on CPU bf16 where this CPU computes it natively (x86:
     avx512_bf16 or amx_bf16 with torch's CPU capability AVX512 and ONEDNN_MAX_CPU_ISA, if set, naming
@@ -283,6 +299,19 @@ class BenchConfig:
         # Values given as plain strings (tests, stored records) become the enums the schema types.
         self.precision, self.recompute = Precision(self.precision), Recompute(self.recompute)
         self.engine, self.states, self.loss = EngineName(self.engine), States(self.states), Loss(self.loss)
+        if self.offload_device is not None:
+            self.offload_device = OffloadDevice(self.offload_device)
+
+    @property
+    def rung(self) -> OffloadDevice:
+        """The offload rung, also for a config built by hand or stored before offload_device existed."""
+        if self.offload_device is not None:
+            return self.offload_device
+        return OffloadDevice.cpu if self.offload or self.offload_param else OffloadDevice.none
+
+    @property
+    def nvme(self) -> bool:
+        return self.offload_device == OffloadDevice.nvme
 
     @functools.cached_property
     def layout(self) -> RankLayout:
@@ -336,6 +365,10 @@ class BenchConfig:
         if d["fusions"] or d["hardware"]["device"] == Device.cpu:
             d.pop("fusions")  # CPU runs eager whatever the key says
         d["hardware"].pop("card", None)  # names the card for the estimate; the trial is the same
+        if d.get("offload_device") != OffloadDevice.nvme:
+            d.pop("offload_device", None)  # none / cpu: `offload` says it, as before the key existed
+        if d.get("nvme_path") is None:
+            d.pop("nvme_path", None)
         if d["parallel"].get("dp_shard") is None:
             d["parallel"].pop("dp_shard", None)
         if d["parallel"].get("ep") == 1:
@@ -355,15 +388,16 @@ class BenchConfig:
                   "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else "",
                   "fusions=false" if not self.fusions and self.hardware.device != Device.cpu else ""]
         return " ".join([make_label(self.model.name, self.parallel.tp, self.parallel.dp, self.zero,
-                                    self.offload, self.precision, self.engine)] + [x for x in extras if x])
+                                    "nvme" if self.nvme else self.offload, self.precision, self.engine)] + [x for x in extras if x])
 
 
-def make_label(model: str, tp: int, dp: int, zero: Any, offload: bool, precision: str,
+def make_label(model: str, tp: int, dp: int, zero: Any, offload: Any, precision: str,
                engine: str = DEFAULT_ENGINE) -> str:
-    """E.g. "GPT-mini tp1 dp2 zero3 fp32", "GPT-mini tp1 dp2 zero3 fp32 fsdp2": DeepSpeed's labels read as
-    they did before there was a choice of engine."""
+    """E.g. "GPT-mini tp1 dp2 zero3 fp32", "GPT-mini tp1 dp2 zero3+nvme fp32 fsdp2": DeepSpeed's labels read as
+    they did before there was a choice of engine. offload: a bool, or "nvme" for the NVMe rung."""
     tail = f" {tag(engine)}" if tag(engine) else ""
-    return f"{model} tp{tp} dp{dp} zero{zero}{'+offload' if offload else ''} {precision}{tail}"
+    rung = "+nvme" if offload == "nvme" else ("+offload" if offload else "")
+    return f"{model} tp{tp} dp{dp} zero{zero}{rung} {precision}{tail}"
 
 
 @dataclass

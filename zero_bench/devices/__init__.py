@@ -8,5 +8,6 @@ cpu_features.py  what this CPU computes natively (bf16 or not), torch's capabili
 environment.py   the machine a trial runs on: CPU, memory, GPUs, library versions
 metrics.py       FLOPs -> MFU / HFU, and the peak FLOP/s they are measured against
 toolkit.py       the CUDA toolkit DeepSpeed JIT-builds its ops with
+aio.py           what NVMe offload needs here: DeepSpeed's async_io op (libaio), an O_DIRECT swap folder
 calibration.py   this machine's fixed terms as `zero_bench calibrate` measured them, and their cache
 """

@@ -13,6 +13,7 @@ import copy
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 from zero_bench.config.schema import DS_TEMPLATES, BenchConfig
 from zero_bench.devices.toolkit import TORCH_FUSED_ADAMW, fused_adam_fallback
@@ -72,7 +73,16 @@ def zeropp_keys(cfg: BenchConfig) -> dict:
     return {"zero_optimization": {k: v for k, v in keys.items() if v}} if z.active else {}
 
 
-def build(cfg: BenchConfig) -> dict:
+# Where a JSON built without a run directory (the estimate, the check before launch) says the swap
+# files go; a trial's JSON names its launch's own folder (write, swap_dir).
+NVME_PLACEHOLDER = "<run_dir>/nvme"
+# DeepSpeed's swappers skip tensors under MIN_AIO_BYTES (runtime/swap_tensor/utils.py: 1 MiB): a
+# sub-group of fewer fp32 elements than this would stay in host memory.
+MIN_SWAP_ELEMENTS = (1024 ** 2) // 4
+
+
+def build(cfg: BenchConfig, nvme_path: Optional[str] = None) -> dict:
+    """The trial's DeepSpeed JSON; nvme_path: the folder an offload_device=nvme trial swaps into."""
     serial = serial_unpinned(cfg)
     ds = merge(load_template("base"), load_template(f"zero{cfg.zero}"))
     if serial and cfg.zero >= 2:
@@ -82,6 +92,11 @@ def build(cfg: BenchConfig) -> dict:
             ds = merge(ds, load_template(section))
             if serial:
                 ds = merge(ds, {"zero_optimization": {section: UNPINNED}})
+            if cfg.nvme:
+                ds = merge(ds, {"zero_optimization": {section: {
+                    "device": "nvme", "nvme_path": nvme_path or cfg.nvme_path or NVME_PLACEHOLDER}}})
+    if cfg.nvme:
+        ds = merge(ds, load_template("nvme"))
     ds = _with_preset(ds, cfg)
     ds = merge(ds, zeropp_keys(cfg))
     on_cpu = cfg.hardware.device == "cpu"
@@ -106,7 +121,29 @@ def build(cfg: BenchConfig) -> dict:
         if cfg.zero < 3:
             keep = {k: v for k, v in keep.items() if not k.startswith("stage3")}
         ds = merge(ds, {"zero_optimization": keep})
+        if cfg.nvme:
+            ds = merge(ds, scaled_swap_buffers(cfg, user_zero))
     return with_buildable_adam(merge(ds, cfg.ds), cfg)
+
+
+def scaled_swap_buffers(cfg: BenchConfig, user_zero: dict) -> dict:
+    """offload_device=nvme on CPU (default preset): DeepSpeed's swap buffers sized to the model, as the
+    buckets are. Its defaults are for billion-parameter models and live in pinned host memory, the
+    very memory NVMe offload is to free: the parameter swapper keeps buffer_count (5) x buffer_size
+    (1e8 elements) = 2 GB of fp32 per rank (partitioned_param_swapper.py _configure_aio), the
+    optimizer swapper buffer_count (4) x its largest sub-group (optimizer_utils.py SwapBufferManager),
+    and sub_group_size's default (1e9) makes the whole partition one sub-group. Here: buffer_size =
+    the largest parameter partition (its swapper asserts every swapped partition fits one buffer),
+    sub_group_size = an eighth of the partition, at least what DeepSpeed swaps at all (1 MiB)."""
+    layout, dp = cfg.layout, cfg.parallel.dp
+    out: dict = {}
+    if "sub_group_size" not in user_zero:
+        out["sub_group_size"] = max(MIN_SWAP_ELEMENTS, layout.held_params // dp // 8)
+    user_param = user_zero.get("offload_param") or {}
+    if cfg.offload_param and "buffer_size" not in user_param:
+        largest = max(-(-p.numel // dp) for p in layout.params)
+        out["offload_param"] = {"buffer_size": max(MIN_SWAP_ELEMENTS, largest)}
+    return {"zero_optimization": out}
 
 
 def serial_unpinned(cfg: BenchConfig) -> bool:
@@ -141,8 +178,8 @@ def _with_preset(ds: dict, cfg: BenchConfig) -> dict:
     return ds
 
 
-def write(cfg: BenchConfig, path: Path) -> dict:
-    ds = build(cfg)
+def write(cfg: BenchConfig, path: Path, nvme_path: Optional[str] = None) -> dict:
+    ds = build(cfg, nvme_path)
     path.write_text(json.dumps(ds, indent=2) + "\n")
     return ds
 

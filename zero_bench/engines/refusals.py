@@ -36,6 +36,12 @@ def deepspeed(b: BenchConfig, concern: str) -> None:
         raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
     if concern == "zeropp":
         zeropp(b)
+    if concern == "offload_device" and b.nvme and b.zero != 3:
+        # stage_1_and_2.py: any offload_optimizer.device but none sets cpu_offload, and nothing there
+        # swaps; only stage3.py builds an optimizer swapper (swap_optimizer = device == nvme)
+        raise ConfigError(f"offload_device=nvme: DeepSpeed 0.19.8 swaps to NVMe at ZeRO-3 only (ZeRO 1-2 keep "
+                          f"'nvme' optimizer states in host memory, as cpu); allowed with zero={b.zero}: "
+                          "offload_device=none, cpu")
     if concern == "ignored":
         ds_keys_read(b)
 
@@ -141,6 +147,9 @@ def fsdp2(b: BenchConfig, concern: str) -> None:
         raise ConfigError(f"{first_zeropp_key(b)}: ZeRO++ is DeepSpeed's (ZeRO-3's quantized and hierarchical "
                           "collectives); engine=fsdp2 runs none of it; allowed: engine=deepspeed zero=3, or leave "
                           "zeropp.* out")
+    if concern == "offload_device":
+        raise ConfigError("offload_device=nvme: engine=fsdp2 offloads to host memory only (CPUOffloadPolicy); "
+                          "allowed with fsdp2: offload_device=none, cpu (or engine=deepspeed zero=3)")
     if concern != "engine":
         return
     if b.zero not in (2, 3):

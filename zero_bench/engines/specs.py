@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-CONCERNS = ("engine", "states", "hybrid", "expert_parallel", "offload_param", "zeropp", "ignored")
+CONCERNS = ("engine", "states", "hybrid", "expert_parallel", "offload_param", "offload_device", "zeropp", "ignored")
 """What `EngineSpec.validate` is asked about, each at the place configure.validate_static checks that
 concern's shared conditions (the parallel degrees: once config/layout.py's RankLayout holds them)."""
 

@@ -18,6 +18,7 @@ One module each: states.py, activations.py, buffers.py; this one adds them up (E
 engine=fsdp2 has its own states and phases (fsdp2.py: PyTorch FSDP2's memory model); it fills the
 same Estimate, whose peak is the largest phase either way. gpu.py adds what a GPU rank holds beyond
 its tensors (CUDA context, NCCL, allocator rounding); table.py is `zero_bench estimate`'s output.
+nvme.py is NVMe offload's split (states on disk, the swappers' pinned host buffers).
 traced.py is the traced prediction beside the formula (`traced=true`): the real engine's step
 traced under FakeTensorMode on a fake world, with torch's FSDPMemTracker.
 
@@ -43,6 +44,7 @@ from zero_bench.devices.capacity import search_capacity
 from zero_bench.engines.specs import load, spec, tag
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
+from zero_bench.estimate.nvme import nvme_split
 from zero_bench.records import ModelStates, Seed
 from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communicator_bytes, communicators, fragmentation,
                                      outside_allocator)
@@ -103,6 +105,9 @@ class Estimate:
     engine: str = DEFAULT_ENGINE
     ep: int = 1  # expert-parallel degree: params_per_shard holds the rank's num_experts / ep experts
     zeropp: str = ""  # ZeroppConfig.tag(): "" without ZeRO++
+    nvme_bytes: int = 0  # offload_device=nvme: this rank's states in swap files (estimate/nvme.py)
+    nvme_freed: int = 0  # of which, bytes no longer also held in memory (the optimizer's; parameters beyond max_in_cpu)
+    swap_buffer_bytes: int = 0  # offload_device=nvme: the swappers' pinned host buffers (on CPU also in `buffers`)
     partitioned_params: Optional[int] = None  # what the dp ranks' ZeRO partitions split (each holds
     # this / dp): params_per_shard at ep 1; with ep > 1 the dense parameters and all E experts
     # (dense / dp + (E/ep experts) / (dp/ep) per rank). None: params_per_shard
@@ -126,7 +131,7 @@ class Estimate:
     @property
     def states_on_rank(self) -> int:
         """Model-state bytes in the memory the capacity is about (CPU: device + host; GPU: device)."""
-        return self.states.total if self.device == "cpu" else self.states.device
+        return self.states.total - self.nvme_freed if self.device == "cpu" else self.states.device
 
     @property
     def persistent(self) -> int:
@@ -201,23 +206,29 @@ class Estimate:
                 "fits": None if self.capacity is None else peak <= self.capacity}
 
     def host_bytes(self) -> int:
-        """Host memory the offloaded states need on one node (all its ranks)."""
-        return self.states.host * self.local_ranks
+        """Host memory the offloaded states need on one node (all its ranks): with NVMe offload, what
+        is not in the swap files plus the swappers' pinned buffers."""
+        return (self.states.host - self.nvme_freed + self.swap_buffer_bytes) * self.local_ranks
+
+    def disk_bytes(self) -> int:
+        """NVMe bytes the swap files of one node's ranks hold (offload_device=nvme)."""
+        return self.nvme_bytes * self.local_ranks
 
     def row(self) -> dict:
         s = self.states
         m = self.max_micro()
         return {
             "config": (f"{tag(self.engine)} " if tag(self.engine) else "") + f"zero{self.zero}"
-                      + ("+offload" if self.offload_optimizer else "")
+                      + (("+nvme" if self.swap_buffer_bytes else "+offload") if self.offload_optimizer else "")
                       + ("+param" if self.offload_param else "") + (f" {self.zeropp}" if self.zeropp else ""),
             "params": s.params, "grads": s.grads, "optimizer": s.optimizer,
-            "device_states": s.device, "host_states": s.host,
+            "device_states": s.device, "host_states": self.host_bytes() // self.local_ranks,
             "buffers": self.buffers_total, "act_per_sample": self.act_per_sample,
             "overhead": self.overhead, "peak_micro1": self.peak_bytes(1),
             "host_needed": self.host_bytes(), "capacity": self.capacity,
             "max_micro": m, "max_global_batch": None if m is None else m * self.dp,
             "max_micro_low_overhead": self.max_micro_range()[1] if self.overhead_low is not None else None,
+            **({"nvme_states": self.nvme_bytes, "disk_needed": self.disk_bytes()} if self.swap_buffer_bytes else {}),
         }
 
     def to_dict(self) -> dict:
@@ -266,8 +277,13 @@ def deepspeed_parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     buffers = deepspeed_buffers(bench, ds)
     if bench.loss == "chunked":
         buffers["loss_chunk"] = {"bytes": loss_chunk_bytes(m, bench.precision), "phases": ["act"]}
+    nvme = nvme_split(bench, (ds_full(bench).get("zero_optimization") or {}) if ds is None else ds)
+    if nvme is not None and on_cpu:  # host memory, pinned at initialize and kept: on CPU, the rank's own
+        buffers["swap_buffers"] = {"bytes": nvme.buffers, "phases": list(grads_phase)}
     return dict(states=states, buffers=buffers, activations=act, act_per_sample=int(per_sample * factor),
-                init_peak=init_peak(bench), grads_phase={k: int(v) for k, v in grads_phase.items()})
+                init_peak=init_peak(bench), grads_phase={k: int(v) for k, v in grads_phase.items()},
+                nvme_bytes=nvme.on_disk if nvme else 0, nvme_freed=nvme.freed if nvme else 0,
+                swap_buffer_bytes=nvme.buffers if nvme else 0)
 
 
 def fixed_terms(bench: BenchConfig) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from zero_bench.config.configure import from_cfg, validate_static
-from zero_bench.config.schema import BenchConfig, ConfigError
+from zero_bench.config.schema import BenchConfig, ConfigError, OffloadDevice
 from zero_bench.engines.specs import spec
 from zero_bench.estimate import Estimate, estimate, zeropp
 from zero_bench.models.description import summary
@@ -25,8 +25,9 @@ COLUMNS = {"config": "config", "params": "params GiB", "grads": "grads GiB", "op
            "device_states": "states/dev GiB", "host_states": "host/rank GiB", "buffers": "buffers GiB",
            "act_per_sample": "act/sample MiB", "peak_micro1": "peak@micro1 GiB", "host_needed": "host/node GiB",
            "max_micro": "max micro", "max_micro_low_overhead": "max micro (low end)", "max_global_batch": "max global",
-           "measured_max_micro": "measured micro"}
-GIB_COLUMNS = ("params", "grads", "optimizer", "device_states", "host_states", "buffers", "peak_micro1", "host_needed")
+           "measured_max_micro": "measured micro", "nvme_states": "NVMe/rank GiB", "disk_needed": "NVMe/node GiB"}
+GIB_COLUMNS = ("params", "grads", "optimizer", "device_states", "host_states", "buffers", "peak_micro1", "host_needed",
+               "nvme_states", "disk_needed")
 LEGEND = ("states/dev: params+grads+optimizer on the device; host/rank: offloaded states per rank (on CPU the "
           "same memory); peak@micro1 includes the fixed terms and buffers; max micro: predicted largest micro-batch "
           "per rank for the capacity ('?' when no capacity is known), with the fixed terms at the high end of their "
@@ -44,17 +45,20 @@ AT_MICRO_TAIL = ("fits: the peak <= the capacity, true up to max micro; grad_acc
 
 
 def variants(bench: BenchConfig, explicit: frozenset) -> list[BenchConfig]:
-    """The configurations to show: all stages x offload, or just the configured one when the user
-    gave zero=... (offload=... alone pins the offload and shows every stage)."""
+    """The configurations to show: all stages x offload to none / cpu, or just the configured one when
+    the user gave zero=... (offload=... or offload_device=... alone pins the rung and shows every stage
+    that runs it: offload_device=nvme, ZeRO-3)."""
     stages = [bench.zero] if "zero" in explicit else [0, 1, 2, 3]
-    offloads = [bench.offload] if explicit & {"zero", "offload"} else [False, True]
+    rungs = ([bench.offload_device] if explicit & {"zero", "offload", "offload_device"}
+             else [OffloadDevice.none, OffloadDevice.cpu])
     out = []
     for z in stages:
-        for off in offloads:
+        for rung in rungs:
+            off = rung != OffloadDevice.none
             # offload_param follows offload as configure.resolve has it (the engine's spec says when)
             follows = off and spec(bench.engine).offload_param_follows(z)
             op = bench.offload_param if "offload_param" in explicit else follows
-            v = dataclasses.replace(bench, zero=z, offload=off, offload_param=op)
+            v = dataclasses.replace(bench, zero=z, offload=off, offload_param=op, offload_device=rung)
             try:
                 validate_static(v)
             except ConfigError:
@@ -237,7 +241,8 @@ def format_table(rows: list[dict]) -> str:
 
     df = pd.DataFrame(rows)
     for k in GIB_COLUMNS:
-        df[k] = df[k].map(_gib)
+        if k in df:  # the NVMe columns only where a row swaps to disk
+            df[k] = df[k].map(_gib)
     df["act_per_sample"] = df["act_per_sample"].map(lambda x: f"{x / MiB:.1f}")
     for k in ("max_micro", "max_micro_low_overhead", "max_global_batch", "measured_max_micro"):
         if k in df:

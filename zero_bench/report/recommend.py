@@ -26,7 +26,8 @@ SPS, BSZ = "Throughput (samples/sec)", "Max Global BSZ"
 NAMED = {"engine": lambda v: f"on {SPECS.get(v, SPECS[DEFAULT_ENGINE]).title}",
          "data parallel": lambda v: f"dp{v:g}", "model parallel": lambda v: f"tp{v:g}",
          "expert parallel": lambda v: f"ep{v:g}", "ZeRO++": lambda v: "" if v == "none" else f"+ ZeRO++ {v}",
-         "CPU Offload": lambda v: {"No": "", "Yes": "+ offload"}.get(v, f"+ offload {v[4:]}".strip()),
+         "CPU Offload": lambda v: {"No": "", "Yes": "+ offload", "NVMe": "+ NVMe offload"}.get(
+             v, f"+ {'NVMe ' if v.startswith('NVMe') else ''}offload {v.split(' ', 1)[-1]}".strip()),
          "precision": str, "recompute": lambda v: f"recompute {v}", "compile": lambda v: "compiled" if v == "Yes" else
          "eager", "ds preset": str, "grad accum": lambda v: f"grad accum {v:g}"}
 UNITS = {"cpu": "CPU ranks", "gpu": "GPUs"}
@@ -70,6 +71,9 @@ def _advice(g: pd.DataFrame, train_tokens: Optional[float]) -> Advice:
         picks = (largest_batch(ok, names), fastest(ok, names, train_tokens))
         if COST_PER_MTOK in ok.columns and ok[COST_PER_MTOK].notna().any():
             picks += (cheapest(ok, names, train_tokens),)
+        climb = ladder(ok, names)
+        if climb is not None:
+            picks += (climb,)
     return Advice(heading=_heading(g), picks=picks, unmeasured=unmeasured)
 
 
@@ -137,6 +141,37 @@ def cheapest(ok: pd.DataFrame, names: dict, train_tokens: Optional[float] = None
         text += (f"; training {tokens_text(train_tokens)} tokens costs {fmt(w[COST_TO_TRAIN])} and takes "
                  f"{fmt(w[DAYS_TO_TRAIN])} days")
     return Pick("cheapest", str(w["config"]), text + ".")
+
+
+RUNGS = ("none", "cpu", "nvme")  # ZeRO's offload ladder, from host memory only to the disk
+
+
+def ladder(ok: pd.DataFrame, names: dict) -> Optional[Pick]:
+    """Where the group holds more than one offload rung (the report's "offload" column: "none",
+    "cpu: ...", "nvme: ..."): climbing from no offload, which rung first fits a larger batch than
+    every rung below it, and what it costs in samples/s against the rung without offload (or the
+    lowest measured). None with one rung."""
+    if "offload" not in ok.columns:
+        return None
+    rung = ok["offload"].astype(str).str.split(":").str[0]
+    if rung.nunique() < 2:
+        return None
+    parts, best, base = [], 0.0, None
+    for r in RUNGS:
+        rows = ok[rung == r]
+        if rows.empty:
+            continue
+        i = rows.sort_values([BSZ, SPS], ascending=False).index[0]
+        bsz, sps = ok.at[i, BSZ], ok.at[i, SPS]
+        if base is None:
+            parts.append(f"{names[i]} fits up to {bsz:,.0f} samples ({fmt(sps)} samples/s)")
+            base, best = sps, bsz
+        elif bsz > best:
+            parts.append(f"{names[i]} is the first rung that fits {bsz:,.0f} and {_faster(sps, base)}")
+            best = bsz
+        else:
+            parts.append(f"{names[i]} fits no more ({bsz:,.0f})")
+    return Pick("ladder", "", "Offload ladder: " + "; ".join(parts) + ".")
 
 
 def _only(row: pd.Series, name: str) -> Pick:

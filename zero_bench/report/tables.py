@@ -28,7 +28,7 @@ SEED_COLUMNS = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "da
                 "engine", "ZeRO Stage", "CPU Offload", "precision", "recompute", "ds preset", "compile",
                 "Max Global BSZ", "micro batch", "grad accum", "time/it (ms)", "Throughput (samples/sec)", "tokens/s",
                 "tokens/s per GPU", "model TFLOP/s per GPU", "MFU", "HFU", "compile time (s)", "loss scale",
-                "skipped steps", "num params"]
+                "skipped steps", "num params", "offload", "NVMe disk peak (MiB/rank)"]
 REPEAT_COLUMNS = ["time/it median (ms)", "time/it min (ms)", "time/it max (ms)", "repeats"]
 ESTIMATE_COLUMNS = ["model states est. (MiB/rank)", "model states measured (MiB/rank)", "model states error (%)"]
 NOTE_KEY = "_note"  # a record's extra note, moved into Notes
@@ -62,6 +62,7 @@ class Setup:
     dp_shard: Optional[int] = None
     ep: int = 1  # expert parallelism (parallel.ep); 1 for records stored before it
     zeropp: str = "none"  # ZeRO++ as labels name it without "zeropp=" (qwz+hpz2); none for records before it
+    offload_device: str = "none"  # the offload rung (none / cpu / nvme); records before it: from `offload`
 
     @property
     def world(self) -> int:
@@ -95,12 +96,14 @@ def setup_of(c: dict) -> Setup:
     means on resume), its model as stored (models.description.from_stored reads any version's)."""
     b = _settings(json.dumps(c, sort_keys=True, default=str))
     par = b.parallel
-    return Setup(model=dict(c.get("model") or {}), tp=par.tp, dp=par.dp, zero=b.zero, offload=b.offload,
+    # a skipped grid entry stores the config as given: offload_device=nvme without offload=true
+    return Setup(model=dict(c.get("model") or {}), tp=par.tp, dp=par.dp, zero=b.zero,
+                 offload=b.offload or b.offload_device not in (None, "none"),
                  offload_param=bool(b.offload_param), precision=str(b.precision), device=str(b.hardware.device),
                  grad_accum=b.batch.grad_accum, recompute=str(b.recompute), ds_preset=b.ds_preset,
                  compile=b.compile, engine=str(b.engine), states=str(b.states),
                  recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep,
-                 zeropp=b.zeropp.tag().removeprefix("zeropp=") or "none")
+                 zeropp=b.zeropp.tag().removeprefix("zeropp=") or "none", offload_device=str(b.rung))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -111,7 +114,23 @@ def _settings(stored: str) -> BenchConfig:
 
 
 def _offload_text(s: Setup) -> str:
-    return "Yes (+params)" if s.offload_param else ("Yes" if s.offload else "No")
+    """The reference table's "CPU Offload" cell; the NVMe rung says so there too."""
+    yes = "NVMe" if s.offload_device == "nvme" else "Yes"
+    return f"{yes} (+params)" if s.offload_param else (yes if s.offload else "No")
+
+
+def offload_rung(s: Setup) -> str:
+    """The "offload" cell: the rung and what it holds, e.g. "nvme: optimizer+params", "none"."""
+    if not (s.offload or s.offload_param):
+        return "none"
+    held = "+".join(k for k, on in (("optimizer", s.offload), ("params", s.offload_param)) if on)
+    return f"{s.offload_device}: {held}"
+
+
+def disk_peak_mib(t: TrialResult) -> Optional[float]:
+    """The largest rank's NVMe swap files at their peak (sampled beside the memory timeline)."""
+    disk = t.devices_of("disk")
+    return max(d.peak_bytes for d in disk) / MiB if disk else None
 
 
 # -- environment and peak FLOP/s ------------------------------------------------------------------
@@ -185,7 +204,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     rec = {"Model": m.get("name"), "num_layers": m.get("num_layers"), "hidden_size": m.get("hidden_size"),
            "num_heads": m.get("num_heads"), "# gpus": s.world, "data parallel": s.dp, "model parallel": s.tp,
            "expert parallel": s.ep, "engine": s.engine, "ZeRO Stage": s.zero, "ZeRO++": s.zeropp,
-           "CPU Offload": _offload_text(s),
+           "CPU Offload": _offload_text(s), "offload": offload_rung(s),
            "precision": s.precision, "recompute": s.recompute, "ds preset": s.ds_preset,
            "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
@@ -194,6 +213,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     if r.measure is not None and r.measure.samples_per_s:
         rec.update(_performance(r.measure, s, peaks))
         rec.update(_memory(r.measure))
+        rec["NVMe disk peak (MiB/rank)"] = disk_peak_mib(r.measure)
         states = _model_states(r.measure, s)
         failed = states.pop(NOTE_KEY, "")
         rec.update(states)
@@ -362,8 +382,11 @@ def environment_frames(env: dict, env_source: str, peaks: Peaks, rows: list[Row]
     notes = []
     if on_cpu:
         notes.append("CPU: devices are ranks and memory is each rank's RSS; MFU/HFU use a measured matmul peak.")
-    if any(s.offload or s.offload_param for s in on_cpu):
+    if any((s.offload or s.offload_param) and s.offload_device != "nvme" for s in on_cpu):
         notes.append("CPU offload on CPU moves bytes from CPU to CPU: it runs the code path but cannot lower RSS.")
+    if any(s.offload_device == "nvme" for s in on_cpu):
+        notes.append("NVMe offload on CPU: DeepSpeed's async_io swapper moves the states to files under nvme_path, "
+                     "so RSS drops by them, less its pinned buffers; the disk peak per rank is sampled beside RSS.")
     engines = {setup_of(r.config).engine for r in rows}
     notes += [s.report_note for name, s in SPECS.items() if s.report_note and name in engines]
     per_row = [_reproduce(r, loaded) for r in rows]

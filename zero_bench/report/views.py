@@ -24,7 +24,7 @@ LEAD = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data paral
         "CPU Offload", "Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)"]
 # Keys "what each optimization buys" compares, and each one's order from baseline to most optimised.
 OPTIMIZATIONS = {"ZeRO Stage": [0, 1, 2, 3], "engine": list(SPECS),
-                 "CPU Offload": ["No", "Yes", "Yes (+params)"],
+                 "CPU Offload": ["No", "Yes", "Yes (+params)", "NVMe", "NVMe (+params)"],
                  "precision": ["fp32", "fp16", "bf16"], "recompute": ["none", "selective", "op", "block", "full"],
                  "compile": ["No", "Yes"], "ds preset": ["default", "megatron_deepspeed"]}
 SAME = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",

@@ -391,7 +391,8 @@ class Search:
         known = self.known()
         why = f" ({t.reason})" if t.status != Status.OK and t.reason else ""
         # a launch stopped over budget has no rank record: its sampled peak says how far it got
-        peak = trial_peak(t.ranks, self.cfg.hardware.device) or max((d.peak_bytes for d in t.devices), default=None)
+        sampled = (d.peak_bytes for d in t.devices if d.kind != "disk")  # disk: swap files, not memory
+        peak = trial_peak(t.ranks, self.cfg.hardware.device) or max(sampled, default=None)
         self.say(f"trial {self.new_trials}: micro={t.micro} (global {t.global_batch}){' fresh' if t.fresh else ''}"
                  f" -> {t.status}{why} | peak {_mib(peak)}/{_mib(self.cap)} MiB | elapsed "
                  f"{time.time() - self.t0:.0f}s | best so far {known.lo or '-'}")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Optional
 
 import psutil
 
 from zero_bench.config.hosts import check_hostfile, device_tokens, local_ranks
 from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, ConfigError, States, ZeroppConfig, make_label
+from zero_bench.devices import aio
 from zero_bench.devices.capacity import search_capacity
 from zero_bench.engines.ds_config import check_with_deepspeed
 from zero_bench.engines.refusals import quantizer_missing
@@ -80,6 +82,8 @@ def validate_machine(b: BenchConfig) -> None:
     if b.hardware.hostfile:
         check_hostfile(b)  # ranks live on the hostfile's hosts, not here
         return
+    if b.nvme:
+        check_nvme(b)
     have = available_devices(b.hardware.device)
     # CPU ranks are processes: allow two per core before calling it a mistake.
     limit = have if b.hardware.device == "gpu" else 2 * have
@@ -91,6 +95,24 @@ def validate_machine(b: BenchConfig) -> None:
 
         if not torch.cuda.is_bf16_supported():
             raise ConfigError("precision=bf16: this GPU has no bf16; allowed here: fp32, fp16")
+
+
+def check_nvme(b: BenchConfig) -> None:
+    """offload_device=nvme on this machine: DeepSpeed's async_io op, a swap folder it can write with
+    O_DIRECT, and free disk for the swap files the estimate predicts for this node's ranks."""
+    problem = aio.async_io_problem()
+    if problem:
+        raise ConfigError(f"offload_device=nvme: {problem}")
+    given = b.nvme_path is not None
+    path = Path(b.nvme_path) if given else Path.cwd() / "runs"
+    key = f"nvme_path={b.nvme_path}" if given else f"nvme_path=null (swap files under the run directory, {path})"
+    problem = aio.folder_problem(path, must_exist=given)
+    if problem:
+        raise ConfigError(f"{key}: {problem}; allowed: an existing, writable folder on a local disk's filesystem")
+    need, free = estimate(b).disk_bytes(), aio.free_bytes(path)
+    if need > free:
+        raise ConfigError(f"{key}: {free / GiB:.2f} GiB free, the swap files of {local_ranks(b)} ranks need "
+                          f"{need / GiB:.2f} GiB (estimated); free space there or name another nvme_path")
 
 
 def preflight(bench: BenchConfig, force: bool = False, micro: Optional[int] = None) -> Optional[TrialResult]:

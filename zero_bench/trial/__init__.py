@@ -9,6 +9,7 @@ Runner side:
   outcome.py      the ranks' records -> one outcome per batch size (pure)
   time_limits.py  how long a trial may go without progress, from the speed measured
   machine.py      one zero_bench at a time per machine; no shared memory left behind
+  swap.py         NVMe offload's swap folder per launch: its disk bytes sampled, removed, swept after a kill
 Rank side:
   rank.py         `python -m zero_bench.trial.rank`: one trial, or a pool's rank
   pool_rank.py    a pooled rank: forks a fresh child per trial

@@ -37,6 +37,7 @@ from zero_bench.trial.machine import machine_lock, remove_shm_buffers
 from zero_bench.trial.outcome import LaunchEnd, Logs, classify, finished_prefix, gpu_devices
 from zero_bench.trial.pool import PoolSlot
 from zero_bench.trial.sampler import Sampler, summarize
+from zero_bench.trial.swap import make_swap_folder, remove_swap_folder
 from zero_bench.trial.time_limits import Limits, Pace, device_flops, estimated_pace
 
 __all__ = ["Entry", "LaunchOptions", "RunningRanks", "run_launch", "read_rank_logs"]
@@ -125,6 +126,7 @@ class _Launch:
     emitted: list[TrialResult] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
     hung: str = ""  # why the runner ended the launch as hung (time_limits.py)
+    swap: Optional[Path] = None  # offload_device=nvme: this launch's swap folder (trial/swap.py)
     launch_id: int = field(default_factory=lambda: next(_launch_ids))
     t0: float = field(default_factory=time.time)
 
@@ -136,7 +138,8 @@ class _Launch:
             old.unlink()
         ds_path = ""  # engine=fsdp2 reads no DeepSpeed config
         if engine_spec(self.cfg.engine).reads_ds_config:
-            self.ds = dsc.write(self.cfg, self.run_dir / "ds_config.json")
+            self.swap = make_swap_folder(self.cfg, self.run_dir, self.launch_id)
+            self.ds = dsc.write(self.cfg, self.run_dir / "ds_config.json", str(self.swap) if self.swap else None)
             ds_path = str((self.run_dir / "ds_config.json").resolve())
         self.cap = capacity_bytes(self.cfg)
         # absolute: a pool's ranks run in the pool's working directory, not this job's
@@ -296,7 +299,7 @@ def _watch(launch: _Launch, ranks: RunningRanks, env: dict, port: int) -> tuple[
                       if cfg.hardware.device == "gpu" else None,
                       budget=launch.cap if cfg.hardware.device == "cpu" else None,
                       on_over=lambda msg: launch.over_budget(ranks, msg),
-                      marker=ranks.marker, forked=ranks.forked, expect=local_ranks(cfg))
+                      marker=ranks.marker, forked=ranks.forked, expect=local_ranks(cfg), disk=launch.swap)
     sampler.start()
     timed_out = False
     try:
@@ -305,6 +308,7 @@ def _watch(launch: _Launch, ranks: RunningRanks, env: dict, port: int) -> tuple[
         sampler.stop()
         ranks.end(list(sampler.procs.values()))
         remove_shm_buffers(port)
+        remove_swap_folder(launch.swap)
     return sampler, timed_out
 
 

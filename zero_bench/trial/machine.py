@@ -9,7 +9,8 @@ DeepSpeed's CPU collective keeps 66 MiB per rank in /dev/shm (RAM). Ranks ending
 SIGKILL never unlink it: the runner removes a launch's buffers after it, and whoever takes the
 lock removes the buffers of launches whose runner died (no live process maps them). The same holds
 for the lock file of a JIT build of DeepSpeed's ops killed mid-way (a trial's timeout, a kill):
-every later rank would wait for it forever.
+every later rank would wait for it forever. And for NVMe offload's swap files (trial/swap.py): a
+killed launch's folder is removed by whoever takes the lock next.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Iterator, Optional
 
 from zero_bench.devices.toolkit import extensions_dir
 from zero_bench.errors import MachineBusy
+from zero_bench.trial.swap import remove_stale_swap
 
 SHM = Path("/dev/shm")
 # A JIT build's lock older than this, with no process building in its folder, was left by a killed build.
@@ -114,6 +116,7 @@ def _acquire(wait: bool) -> int:
     os.pwrite(fd, f"pid {os.getpid()}: {' '.join(sys.argv)[:300]}".encode(), 0)
     remove_stale_shm()
     remove_stale_build_locks()
+    remove_stale_swap()
     return fd
 
 

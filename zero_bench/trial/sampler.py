@@ -2,7 +2,8 @@
 
 Per rank process: resident memory (RSS) from the OS, on every machine. Per GPU: NVML's used/total
 bytes, the nvidia-smi figure (CUDA context and caching-allocator reserve included), through
-zero_bench.devices.nvml.
+zero_bench.devices.nvml. With NVMe offload, per rank: the bytes its swap files hold on disk (kind
+"disk", trial/swap.py), in the same timeline.
 After the trial, `summarize` joins samples with the phase marks each rank wrote (init / forward /
 backward / step) to name the phase in which every device peaked.
 """
@@ -28,7 +29,7 @@ RANK_MODULE = "zero_bench.trial.rank"
 @dataclass
 class Sample:
     t: float
-    kind: str  # "rank" (process RSS) or "gpu" (NVML)
+    kind: str  # "rank" (process RSS), "gpu" (NVML) or "disk" (a rank's NVMe swap files)
     ident: int  # global rank or GPU index on its node
     used: int
     total: int
@@ -85,12 +86,14 @@ class Sampler(threading.Thread):
 
     def __init__(self, root_pid: int, interval: float = 0.05, gpus: Optional[str] = None,
                  budget: Optional[int] = None, on_over: Optional[Callable[[str], None]] = None,
-                 marker: Optional[str] = None, forked: bool = False, expect: int = 0):
+                 marker: Optional[str] = None, forked: bool = False, expect: int = 0,
+                 disk: Optional[Path] = None):
         super().__init__(daemon=True, name="zero_bench-sampler")
         self.root_pid, self.interval, self.budget, self.on_over = root_pid, interval, budget, on_over
         self.marker = marker  # the trial's spec path: finds ranks that sshd started on this host
         self.forked = forked  # the ranks are children forked by a pool's ranks (zero_bench.trial.pool)
         self.expect = expect  # rank processes this host will have
+        self.disk = disk  # the launch's NVMe swap folder (None: nothing swapped)
         self.samples: list[Sample] = []
         self.procs: dict[int, psutil.Process] = {}  # pid -> process, every worker ever seen
         self.ranks: dict[int, int] = {}  # pid -> rank
@@ -145,6 +148,11 @@ class Sampler(threading.Thread):
         if self.nvml is not None:
             for idx, used, total in self.nvml.read():
                 self.samples.append(Sample(now, "gpu", idx, used, total))
+        if self.disk is not None:
+            from zero_bench.trial.swap import disk_bytes
+
+            for rank, used in sorted(disk_bytes(self.disk).items()):
+                self.samples.append(Sample(now, "disk", rank, used, 0))
 
     def run(self) -> None:
         if not self.interval:  # sampling off (benchmarks/sampler_overhead.py compares the two)
