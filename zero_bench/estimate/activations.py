@@ -54,6 +54,12 @@ f_e = moe_ffn):
                   3f_e and the weight B
   unpermute       scatter_add_ keeps only the indices above; the shared expert keeps its MLP (its
                   input is the router's)
+Long sequences (models/sequence.py): tiled_mlp (DeepSpeed's TiledMLP) keeps no MLP intermediates,
+only fc1's input; its backward holds one tile's intermediates and gradients (1/tiles of the
+sequence's) and the input's whole gradient B*h. recompute_offload: the checkpointed inputs B*h per
+layer are counted in `host`, not on the device (on CPU, where the host is the device, the estimate
+adds them back). Measured on CPU: tests/unit/test_sequence.py (the saved storages, to the byte) and
+tests/integration/test_long_sequence.py (the peak drop of tiling at 8192 tokens).
 Measured against live tensors on CPU (benchmarks/activation_memory.py, docs/verified.md,
 "Activations of llama-tiny" and "of moe-tiny"): the saved bytes to 0.1 %, the step's peak within
 5.1 %. The GPU-only terms (fused RMSNorm, 1-byte dropout masks, flash kernels) are read from the

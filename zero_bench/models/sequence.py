@@ -108,12 +108,12 @@ def offload(t: torch.Tensor) -> Callable:
     """Move `t`'s storage to the host now; the returned function puts it back on its device."""
     import torch
 
-    device, host = t.device, to_host(t)
+    device, host = t.device, [to_host(t)]
     t.data = torch.empty(0, dtype=t.dtype, device=device)
 
     def restore(*_):
-        if t.numel() == 0 and host is not None:
-            t.data = host.to(device, non_blocking=True)
+        if host:  # once; the host copy is released with it (the hook lives as long as the graph)
+            t.data = host.pop().to(device, non_blocking=True)
 
     return restore
 
