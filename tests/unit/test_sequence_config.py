@@ -52,3 +52,24 @@ def test_the_command_line_exits_2_before_launching(tmp_path):
                        env={"PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[2]), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2, r.stderr
     assert "tiled_mlp=0: must be an integer >= 1" in r.stderr and "launch" not in r.stdout.lower()
+
+
+def test_the_estimate_moves_the_offloaded_inputs_to_the_host_per_node():
+    """GPU: the checkpointed inputs leave the device's activations and join the host RAM a node needs
+    (its ranks x max micro-batch); CPU: the host is the memory measured, the per-sample figure stays."""
+    from zero_bench.estimate import estimate
+
+    def est(device: str, *extra: str):
+        hw = ["hardware=h100_80gb", "precision=bf16"] if device == "gpu" else []
+        b = from_cfg(compose(["model=llama3-8b", "model.seq_len=32768", "parallel.dp=8", "zero=3", "engine=fsdp2",
+                              "batch.micro=1", "loss=chunked", "recompute=full", *hw, *extra]), here=False)
+        return estimate(b)
+
+    full, off = est("gpu"), est("gpu", "recompute_offload=true")
+    host = off.activations["host"]
+    assert host == full.activations["layers"] > 0 and off.activations["layers"] == 0
+    assert off.peak_bytes(1) < full.peak_bytes(1)
+    m = off.row()["max_micro"]
+    assert off.row()["host_needed"] == off.local_ranks * host * m and full.row()["host_needed"] == 0
+    cpu_full, cpu_off = est("cpu"), est("cpu", "recompute_offload=true")
+    assert cpu_off.act_per_sample == cpu_full.act_per_sample

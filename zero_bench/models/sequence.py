@@ -21,7 +21,10 @@ get_cpu_activations_for_backward: the argument's storage swapped for a host copy
 its backward), at the one seam both share (megatron's tensor_parallel.checkpoint): after the chunk's
 forward its input's storage goes to host memory (pinned, an asynchronous copy on the compute stream
 on GPU), and a pre-hook on the chunk output's backward node brings it back before the recompute.
-On CPU the host copy is a second CPU tensor: the mechanics run, the peak cannot drop.
+On CPU the host copy is a second CPU tensor: the mechanics run, the peak cannot drop. (DeepSpeed's
+own cpu_checkpointing without partition_activations cannot run there: on its CPU accelerator the
+"host copy" is the argument itself, whose storage it then empties - the recompute got a 0-D tensor,
+"both arguments to linear need to be at least 1D", run with DeepSpeed 0.19.8.)
 """
 from __future__ import annotations
 
