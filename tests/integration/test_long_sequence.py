@@ -6,7 +6,8 @@ pool (as test_compile.py shares one):
 - llama-tiny at its 256 tokens, micro 2, fp32: the tiled MLP (3 uneven tiles of 512 rows) under
   DeepSpeed ZeRO-1 and ZeRO-3 (DeepSpeed's reduce hooks read TiledMLP's ds_grad_is_ready) and FSDP2,
   and the checkpoint offload under DeepSpeed's reentrant checkpoint (recompute=full) and FSDP2's
-  torch checkpoint (recompute=block), give the untiled, un-offloaded losses at every step.
+  torch checkpoint (recompute=block), and both together under ZeRO-3 with recompute=full, give the
+  untiled, un-offloaded losses at every step.
 8192 tokens, not 16K: CPU attention at 16K costs 22 s per layer and step on one core (measured),
 which would put this file past its share of the suite; the MLP's share of a layer is the same."""
 from __future__ import annotations
@@ -30,7 +31,9 @@ EQUAL = {"tiled_zero1": dict(zero=1, tiled_mlp="3"), "tiled_zero3": dict(zero=3,
          "tiled_fsdp2": dict(engine="fsdp2", zero=3, tiled_mlp="3"),
          "offload_zero2_full": dict(zero=2, recompute="full", recompute_offload=True),
          "offload_fsdp2_block": dict(engine="fsdp2", zero=3, recompute="block", recompute_layers=2,
-                                     recompute_offload=True)}
+                                     recompute_offload=True),
+         # both, the tiles' backward nested in DeepSpeed's reentrant checkpoint's backward
+         "tiled_offload_zero3_full": dict(zero=3, recompute="full", recompute_offload=True, tiled_mlp="auto")}
 
 
 def steps(b, timed: int):
