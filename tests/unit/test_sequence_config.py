@@ -73,3 +73,14 @@ def test_the_estimate_moves_the_offloaded_inputs_to_the_host_per_node():
     assert off.row()["host_needed"] == off.local_ranks * host * m and full.row()["host_needed"] == 0
     cpu_full, cpu_off = est("cpu"), est("cpu", "recompute_offload=true")
     assert cpu_off.act_per_sample == cpu_full.act_per_sample
+
+
+def test_traced_refuses_what_it_cannot_trace_in_one_line():
+    from zero_bench.estimate.traced import refusal
+
+    why = refusal(bench("tiled_mlp=4", "engine=fsdp2", "zero=3"))
+    assert why.startswith("tiled_mlp=4: traced=true cannot trace it") and "\n" not in why
+    gpu = from_cfg(compose(["hardware=h100_80gb", "precision=bf16", "model=llama-tiny", "engine=fsdp2", "zero=3",
+                            "recompute=full", "recompute_offload=true"]), here=False)
+    assert refusal(gpu).startswith("recompute_offload=true: traced=true traces CPU tensors")
+    assert refusal(bench("engine=fsdp2", "zero=3", "recompute=full", "recompute_offload=true")) is None
