@@ -28,6 +28,7 @@ def test_every_key_of_the_schema_is_classified_once():
 # Per condition: overrides that give the key a value, and overrides under which it is read.
 EXAMPLES = {
     "recompute_layers": (["recompute_layers=2"], ["recompute=full"]),
+    "recompute_offload": (["recompute_offload=true"], ["recompute=block"]),
     "model.rope_base": (["model.rope_base=500000"], ["model.position_embedding=rope"]),
     "model.moe_router_topk": (["model=llama-tiny", "model.moe_router_topk=1"], ["model=moe-tiny"]),
     "model.norm_topk_prob": (["model=llama-tiny", "model.norm_topk_prob=false"], ["model=moe-tiny"]),

@@ -203,6 +203,7 @@ def check_bench(b: BenchConfig) -> None:
     integer("zeropp.hpz", b.zeropp.hpz)
     choice("zero", b.zero, ZERO_STAGES)
     integer("recompute_layers", b.recompute_layers)
+    check_tiled_mlp(b.tiled_mlp)
     choice("ds_preset", b.ds_preset, ds_presets())
     integer("batch.micro", b.batch.micro)
     integer("batch.grad_accum", b.batch.grad_accum)
@@ -327,6 +328,7 @@ def validate_static(b: BenchConfig) -> None:
     if m.head_dim is None and m.hidden_size % m.num_heads:  # heads are h / a wide unless head_dim says
         raise ConfigError(f"model.num_heads={m.num_heads}: must divide model.hidden_size={m.hidden_size} "
                           "(or set model.head_dim)")
+    check_long_sequence(b)
     if b.offload and b.zero == 0:
         if b.nvme:
             raise ConfigError("offload_device=nvme: needs ZeRO stage 3 (got zero=0: no ZeRO optimizer to swap); "
@@ -342,6 +344,34 @@ def validate_static(b: BenchConfig) -> None:
     # last: a key nothing reads is refused only once the config is otherwise one that runs
     honoured.check(b)  # its warnings are the commands' to print (subcommands.warn_unhonoured)
     spec(b.engine).validate(b, "ignored")
+
+
+def check_tiled_mlp(value: Optional[str]) -> None:
+    """tiled_mlp: null, auto or a count of tiles >= 1."""
+    if value is None or value == "auto":
+        return
+    try:
+        tiles = int(value)
+    except ValueError:
+        tiles = 0
+    if tiles < 1 or str(tiles) != value.strip():
+        raise ConfigError(f"tiled_mlp={value}: must be an integer >= 1 (tiles over the sequence), auto, or null")
+
+
+def check_long_sequence(b: BenchConfig) -> None:
+    """What the tiled MLP and the checkpoint offload run with (models/sequence.py); recompute_offload
+    without full/block recompute is honoured.py's refusal."""
+    if b.tiled_mlp is not None:
+        if b.model.is_moe:
+            raise ConfigError(f"tiled_mlp={b.tiled_mlp}: tiles megatron's dense MLP; an MoE layer's experts see "
+                              "routed rows, not the sequence; allowed with model.num_experts: tiled_mlp=null")
+        if b.recompute == "op":
+            raise ConfigError(f"tiled_mlp={b.tiled_mlp}: recompute=op keeps fc1's output, which the tiled MLP "
+                              "never holds whole; allowed with tiled_mlp: recompute=none, selective, full or block")
+    ck = b.ds.get("activation_checkpointing") or {}
+    if b.recompute_offload and ck.get("cpu_checkpointing"):
+        raise ConfigError("recompute_offload=true: ds.activation_checkpointing.cpu_checkpointing=true already moves "
+                          "the checkpointed inputs to the host; give one of the two")
 
 
 def check_states(b: BenchConfig) -> None:

@@ -39,6 +39,8 @@ def _gpu(b: BenchConfig) -> bool:
 CONDITIONS: tuple[Condition, ...] = (
     Condition("recompute_layers", lambda b: b.recompute in (Recompute.full, Recompute.block),
               "recompute=full (layers per checkpoint) or recompute=block (layers recomputed)"),
+    Condition("recompute_offload", lambda b: b.recompute in (Recompute.full, Recompute.block),
+              "recompute=full or recompute=block (the checkpointed layer inputs it moves to the host)"),
     Condition("model.rope_base", lambda b: b.model.position_embedding == "rope", "model.position_embedding=rope",
               why="learned positions have no rotary base"),
     Condition("model.moe_router_topk", lambda b: b.model.is_moe, "model.num_experts (a mixture of experts)"),
@@ -75,6 +77,7 @@ EVERYWHERE = frozenset({
     "hardware.device", "hardware.memory_gb", "hardware.memory_mib", "hardware.hostfile", "hardware.num_nodes",
     "zeropp.qwz", "zeropp.hpz",
     "engine", "zero", "offload_param", "offload_device", "precision", "states", "loss", "recompute", "ds_preset", "compile",
+    "tiled_mlp",
     "batch.micro", "batch.grad_accum", "steps.warmup", "steps.timed", "steps.probe", "timeout_s", "seed", "ds",
 })
 """Keys every trial reads (or whose every value the checks in configure.py and engines/refusals.py

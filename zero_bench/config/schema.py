@@ -265,6 +265,16 @@ class BenchConfig:
     recompute_layers: int = 1
     """With recompute=full: layers per checkpoint (megatron's recompute_num_layers, method uniform);
     with recompute=block: how many layers, from the first, are recomputed (method block)."""
+    # -- long sequences (issue 45 items 3-4: models/sequence.py) --
+    tiled_mlp: Optional[str] = None
+    """The MLP run one sequence tile at a time and recomputed in backward (DeepSpeed's TiledMLP, ALST):
+    the number of tiles, or auto (DeepSpeed's ceil(seq_len / hidden_size)); one tile's MLP
+    intermediates are alive instead of the whole sequence's. null: untiled. Dense models, recompute
+    none / selective / full / block."""
+    recompute_offload: bool = False
+    """With recompute=full or block: each checkpointed layer input lives in host memory between the
+    forward and the backward (DeepSpeed's cpu_checkpointing, at megatron's checkpoint for both
+    engines); the device keeps none, the host RAM per node grows by them (the estimate's host term)."""
     ds_preset: str = "default"
     """The ds_configs/ template set: default (buckets scaled to the model on CPU) or
     megatron_deepspeed (the reference table's buckets, overlap_comm, fp16 loss scaling, activation
@@ -301,6 +311,8 @@ class BenchConfig:
         self.engine, self.states, self.loss = EngineName(self.engine), States(self.states), Loss(self.loss)
         if self.offload_device is not None:
             self.offload_device = OffloadDevice(self.offload_device)
+        if self.tiled_mlp is not None:
+            self.tiled_mlp = str(self.tiled_mlp)  # 4 from Python or YAML, "4" from the command line
 
     @property
     def rung(self) -> OffloadDevice:
@@ -362,6 +374,9 @@ class BenchConfig:
             d.pop("states")
         if d["loss"] == Loss.megatron:
             d.pop("loss")
+        for k in ("tiled_mlp", "recompute_offload"):  # long-sequence keys, off: the keys from before
+            if not d[k]:
+                d.pop(k)
         if d["fusions"] or d["hardware"]["device"] == Device.cpu:
             d.pop("fusions")  # CPU runs eager whatever the key says
         d["hardware"].pop("card", None)  # names the card for the estimate; the trial is the same
@@ -385,6 +400,8 @@ class BenchConfig:
                   f"loss={self.loss}" if self.loss != Loss.megatron else "", self.zeropp.tag(),
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",
                   f"recompute=block({self.recompute_layers})" if self.recompute == "block" else "",
+                  f"tiled_mlp={self.tiled_mlp}" if self.tiled_mlp is not None else "",
+                  "recompute_offload" if self.recompute_offload else "",
                   "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else "",
                   "fusions=false" if not self.fusions and self.hardware.device != Device.cpu else ""]
         return " ".join([make_label(self.model.name, self.parallel.tp, self.parallel.dp, self.zero,

@@ -42,7 +42,7 @@ from zero_bench.devices import calibration
 from zero_bench.devices.calibration import BUILT_IN_CPU, PUBLISHED, Calibration
 from zero_bench.devices.capacity import search_capacity
 from zero_bench.engines.specs import load, spec, tag
-from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
+from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes, sequence_args
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
 from zero_bench.estimate.nvme import nvme_split
 from zero_bench.records import ModelStates, Seed
@@ -205,10 +205,12 @@ class Estimate:
         return {"micro": micro, **figures, "capacity_bytes": self.capacity,
                 "fits": None if self.capacity is None else peak <= self.capacity}
 
-    def host_bytes(self) -> int:
-        """Host memory the offloaded states need on one node (all its ranks): with NVMe offload, what
-        is not in the swap files plus the swappers' pinned buffers."""
-        return (self.states.host - self.nvme_freed + self.swap_buffer_bytes) * self.local_ranks
+    def host_bytes(self, micro: int = 1) -> int:
+        """Host memory one node (all its ranks) needs: the offloaded states (with NVMe offload, what is
+        not in the swap files, plus the swappers' pinned buffers), and on GPU the activations kept on
+        the host (recompute_offload, DeepSpeed's cpu_checkpointing) at `micro`."""
+        acts = self.activations.get("host", 0) * micro if self.device != "cpu" else 0
+        return (self.states.host - self.nvme_freed + self.swap_buffer_bytes + acts) * self.local_ranks
 
     def disk_bytes(self) -> int:
         """NVMe bytes the swap files of one node's ranks hold (offload_device=nvme)."""
@@ -225,7 +227,7 @@ class Estimate:
             "device_states": s.device, "host_states": self.host_bytes() // self.local_ranks,
             "buffers": self.buffers_total, "act_per_sample": self.act_per_sample,
             "overhead": self.overhead, "peak_micro1": self.peak_bytes(1),
-            "host_needed": self.host_bytes(), "capacity": self.capacity,
+            "host_needed": self.host_bytes(m or 1), "capacity": self.capacity,
             "max_micro": m, "max_global_batch": None if m is None else m * self.dp,
             "max_micro_low_overhead": self.max_micro_range()[1] if self.overhead_low is not None else None,
             **({"nvme_states": self.nvme_bytes, "disk_needed": self.disk_bytes()} if self.swap_buffer_bytes else {}),
@@ -260,7 +262,7 @@ def deepspeed_parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
                                 expert_params=layout.tp_shard_expert_params)
     checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing, bench.hardware.device,
-                                      bench.recompute_layers, bench.loss, bench.fusions)
+                                      bench.recompute_layers, bench.loss, bench.fusions, **sequence_args(bench))
     factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
     per_sample = act["total"] + (act["host"] if on_cpu else 0)  # on CPU the host is the device
     b = BYTES[bench.precision]

@@ -57,6 +57,12 @@ f_e = moe_ffn):
                   3f_e and the weight B
   unpermute       scatter_add_ keeps only the indices above; the shared expert keeps its MLP (its
                   input is the router's)
+Long sequences (models/sequence.py): tiled_mlp (DeepSpeed's TiledMLP) keeps no MLP intermediates,
+only fc1's input; its backward holds one tile's intermediates and gradients (1/tiles of the
+sequence's) and the input's whole gradient B*h. recompute_offload: the checkpointed inputs B*h per
+layer are counted in `host`, not on the device (on CPU, where the host is the device, the estimate
+adds them back). Measured on CPU: tests/unit/test_sequence.py (the saved storages, to the byte) and
+tests/integration/test_long_sequence.py (the peak drop of tiling at 8192 tokens).
 Measured against live tensors on CPU (benchmarks/activation_memory.py, docs/verified.md,
 "Activations of llama-tiny" and "of moe-tiny"): the saved bytes to 0.1 %, the step's peak within
 5.1 %. The GPU-only terms (fused RMSNorm, 1-byte dropout masks, flash kernels) are read from the
@@ -212,15 +218,17 @@ def moe_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", fused: bool 
 
 
 def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu",
-                moe: bool = False, fusions: bool = False) -> dict:
+                moe: bool = False, fusions: bool = False, tiles: int = 0) -> dict:
     """Bytes per token one layer keeps for backward without recompute, by term (moe: an MoE layer;
-    fusions: megatron's jit fusions asked for, the BenchConfig key; False counts the eager ops)."""
+    fusions: megatron's jit fusions asked for, the BenchConfig key; False counts the eager ops;
+    tiles: tiled_mlp's tiles, 0 untiled: the tiled MLP keeps only its input, fc1_input)."""
     B, x = BYTES[precision], _dims(m, tp)
     h, f = x["h"], x["f"]
     mb = _mask_bytes(B, device) if m.dropout > 0 else 0
     core = core_attention_terms(m, tp, precision, device, fusions)
     fused = swiglu_fused(m, device, fusions)
-    mlp = moe_terms(m, tp, precision, fused) if moe else {"fc1_input": B * h, "mlp": mlp_bytes(m, f, B, fused)}
+    mlp = (moe_terms(m, tp, precision, fused) if moe else
+           {"fc1_input": B * h, "mlp": 0 if tiles else mlp_bytes(m, f, B, fused)})
     return {
         "input_norm": norm_bytes(m, precision, device),
         "qkv_input": B * h,
@@ -283,7 +291,8 @@ def loss_chunk_bytes(m: ModelConfig, precision: str) -> int:
     return CHUNK_TOKENS * m.padded_vocab(1) * (BYTES[precision] + 12)
 
 
-def backward_transients(m: ModelConfig, tp: int, precision: str, device: str, fusions: bool = False) -> dict:
+def backward_transients(m: ModelConfig, tp: int, precision: str, device: str, tiles: int = 0,
+                        fusions: bool = False) -> dict:
     """Bytes per token a layer's backward allocates beyond what it had saved, at its worst moment.
 
     mlp: SwiGLU's backward holds the gradients of both halves (2f; fc2's gradient replaces fc2's
@@ -293,10 +302,15 @@ def backward_transients(m: ModelConfig, tp: int, precision: str, device: str, fu
     on a view of the baddbmm output), by which time the layer's softmax / dropout tensors are freed.
     In 16-bit with the upcast softmax the mask is applied to an fp32 copy: the probabilities' 16-bit
     gradient and its fp32 cast; with the 16-bit softmax (GPU, fusions) the fp32 path's four tensors
-    in 16 bits. flash kernels: dq, dk, dv."""
+    in 16 bits. flash kernels: dq, dk, dv.
+    tiles (tiled_mlp, DeepSpeed's TiledMLP backward): one tile rebuilt at a time, its intermediates
+    and gradients 1/tiles of the sequence's, beside the whole input's gradient TiledMLP fills tile by
+    tile (zeros_like(x), B*h)."""
     B, x = BYTES[precision], _dims(m, tp)
     core = core_attention_terms(m, tp, precision, device, fusions)
     mlp = (2 if m.gated else 1) * x["f"] * B
+    if tiles:
+        mlp = (mlp + mlp_bytes(m, x["f"], B, swiglu_fused(m, device, fusions))) / tiles + B * x["h"]
     if m.is_moe and m.moe_layers[-1]:
         # the gradient of the k permuted rows, and one expert's two halves at a time (SequentialMLP
         # runs its experts one by one; balanced routing: k/E of the rows each)
@@ -333,7 +347,7 @@ def op_kept_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: 
 
 
 def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping, kinds: list,
-            device: str = "gpu") -> tuple:
+            device: str = "gpu", offload: bool = False) -> tuple:
     """(bytes the L layers keep, bytes one layer rebuilds in backward (the last layer), bytes on
     the host) per token. kinds: (number of layers, their terms, MoE or not) per kind of layer
     (dense, MoE); the last layer's kind is last."""
@@ -347,6 +361,8 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
         kept = B * h / (tp if ck.get("partition_activations") else 1)
         if ck.get("partition_activations") and ck.get("cpu_checkpointing"):
             return 0.0, last - kept, L * kept
+        if offload:  # recompute_offload (models/sequence.py): every input on the host, the last one's back
+            return 0.0, last, L * kept
         return L * kept, last - kept, 0.0
     if recompute == "selective":
         # the checkpoint's inputs (attention_inputs_bytes) hold the QKV output the key norm pins
@@ -357,17 +373,28 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
     return sum(n * sum(t.values()) for n, t, _ in kinds), 0.0, 0.0
 
 
-def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str, fusions: bool = False) -> list:
+def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str, fusions: bool = False, tiles: int = 0) -> list:
     """[(layers, terms, MoE)] per kind of layer, the last layer's kind last (dense models: one kind)."""
     flags = m.moe_layers
     order = [not flags[-1], flags[-1]]
-    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe, fusions), moe)
+    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe, fusions, tiles), moe)
             for moe in order if moe in flags]
+
+
+def sequence_args(bench) -> dict:
+    """activation_bytes_per_sample's tiles and offload for a BenchConfig's tiled_mlp and
+    recompute_offload (models/sequence.py reads the same keys in trials)."""
+    from zero_bench.models.sequence import mlp_tiles
+
+    m = bench.model
+    tokens = m.seq_len // getattr(bench.parallel, "sp", 1)  # what one rank's MLP sees of a sequence
+    return {"tiles": mlp_tiles(bench.tiled_mlp, tokens, m.hidden_size), "offload": bench.recompute_offload}
 
 
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
                                 checkpointing: Optional[Mapping] = None, device: str = "gpu",
-                                recompute_layers: int = 1, loss: str = "megatron", fusions: bool = False) -> dict:
+                                recompute_layers: int = 1, loss: str = "megatron", fusions: bool = False,
+                                tiles: int = 0, offload: bool = False) -> dict:
     """Activation bytes one sample (sequence) adds to a rank.
 
     saved: what the forward leaves for backward (layers + embedding + logits + scratch); measured
@@ -390,12 +417,16 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     device: "cpu" or "gpu" (torch keeps different tensors: RMSNorm, dropout masks, sdpa's kernel).
     fusions: BenchConfig.fusions, megatron's jit fusions asked for (on GPU a fused SwiGLU keeps 3f
     where the eager one keeps 5f: swiglu_fused); False, the default here, counts the eager ops.
+    tiles: tiled_mlp's tiles per sequence (models/sequence.py mlp_tiles; 0 untiled): the MLP keeps
+    nothing but its input, and its backward one tile's intermediates (backward_transients).
+    offload: recompute_offload with full/block: the checkpointed inputs counted in `host`, not on
+    the device; in backward the last layer's input is back on the device.
     Returns bytes: per_layer (one layer, no recompute), layers (L layers through the forward),
     recomputed (what one layer rebuilds in backward), embedding, logits, logits_transient, scratch
     (unfused attention's buffer), host (cpu_checkpointing), saved, the three moments and total.
     """
     m, s, B, h = model, model.seq_len, BYTES[precision], model.hidden_size
-    kinds = layer_kinds(m, tp, precision, device, fusions)
+    kinds = layer_kinds(m, tp, precision, device, fusions, tiles)
     terms = kinds[-1][1]  # the last layer's, whose backward the moments below are about
     ck, L = checkpointing or {}, m.num_layers
     if recompute == "block" and recompute_layers >= L:
@@ -403,11 +434,11 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     block = recompute == "block"
     if block:
         n = recompute_layers
-        kept_inputs, recomputed, host = _layers(m, tp, precision, "full", ck, kinds)
+        kept_inputs, recomputed, host = _layers(m, tp, precision, "full", ck, kinds, device, offload)
         kept_inputs, host = kept_inputs * n / L, host * n / L
         layers = kept_inputs + _layers(m, tp, precision, "none", ck, kinds)[0] * (L - n) / L
     else:
-        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds, device)
+        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds, device, offload)
     head = head_terms(m, tp, precision, device, loss)
     softmax = head.pop("logits_softmax_fp32")
     logits = softmax + head.pop("loss_bookkeeping")
@@ -417,7 +448,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     saved = layers + embedding + logits + scratch
     # The last layer's backward: the output side (logits, final norm, output-layer input) is gone.
     released = logits + head["final_norm"] + head["output_layer_input"]
-    grads = backward_transients(m, tp, precision, device, fusions)
+    grads = backward_transients(m, tp, precision, device, min(tiles, s), fusions)
     # linear_proj's input is freed after its backward, unless the flash kernel saved the same tensor.
     flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash"
     context = 0 if (flash and recompute != "selective") else terms["attention_context"]

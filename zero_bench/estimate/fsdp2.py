@@ -49,7 +49,7 @@ from typing import Mapping, Optional
 
 from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig
-from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes
+from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes, sequence_args
 from zero_bench.estimate.states import master_bytes, moment_bytes
 from zero_bench.models import ModelConfig
 from zero_bench.models.params import ROOT, Param
@@ -155,10 +155,13 @@ def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     grads_phase = {"backward_start": 0, **{n: (L - 1 - i) * layer_grads for n, i in layers.items()},
                    "step": dev_grads * states.grads}
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, device=bench.hardware.device,
-                                      recompute_layers=bench.recompute_layers, loss=bench.loss, fusions=bench.fusions)
-    kept = act["layers"] / L  # per layer, after recompute's savings
+                                      recompute_layers=bench.recompute_layers, loss=bench.loss, fusions=bench.fusions,
+                                      **sequence_args(bench))
+    # recompute_offload: the inputs on the host, which on CPU is the memory measured
+    layers_here = act["layers"] + (act["host"] if on_cpu else 0)
+    kept = layers_here / L  # per layer, after recompute's savings
     logits = m.seq_len * m.padded_vocab(tp) // tp * LOGITS_BYTES[bench.precision]
-    act_phase = {"backward_start": act["layers"] + act["embedding"] + logits,
+    act_phase = {"backward_start": layers_here + act["embedding"] + logits,
                  **{n: (i + 1) * kept + act["recomputed"] + act["embedding"] for n, i in layers.items()},
                  "step": 0}
     P = R + sum(p.numel for ps in g.values() for p in ps)

@@ -121,6 +121,13 @@ def refusal(bench: BenchConfig) -> Optional[str]:
     if bench.offload and bench.hardware.device != Device.cpu:
         return ("offload=true: traced=true traces CPU tensors, where host and device memory are one; on a GPU "
                 "the offloaded states would be counted on the device")
+    if bench.tiled_mlp is not None:
+        return (f"tiled_mlp={bench.tiled_mlp}: traced=true cannot trace it: torch's ModTracker hooks each module's "
+                "inputs for their gradients, and inside TiledMLP's autograd.Function forward the MLP's inputs have "
+                "no gradient function (torch 2.13 mod_tracker: 'Expected gradient function to be set')")
+    if bench.recompute_offload and bench.hardware.device != Device.cpu:
+        return ("recompute_offload=true: traced=true traces CPU tensors, where host and device memory are one; "
+                "on a GPU the offloaded layer inputs would be counted on the device")
     world = bench.parallel.tp * bench.parallel.dp
     if world > MAX_WORLD:
         return (f"parallel.dp={bench.parallel.dp}: traced=true traces worlds of up to {MAX_WORLD:,} ranks "

@@ -10,6 +10,14 @@ fp32       the logits upcast to fp32, then torch's cross entropy (Hugging Face's
 chunked    the output layer and the loss computed CHUNK_TOKENS tokens at a time, each chunk under a
            checkpoint (Liger's and torchtune's way): no logits kept for backward, one chunk's alive
 
+chunked stays torch's checkpoint per chunk rather than DeepSpeed 0.19.8's TiledFusedLogitsLoss
+(ulysses_sp.py, ALST's tiled logits + loss), which does not fit a training step here: it returns
+the mean over its shards, not the per-token losses GPTModel hands back; it runs the backward
+inside the forward and scales only the hidden states' gradient by the incoming one, so the output
+weight's gradient misses the engine's 1/grad_accum and fp16 loss scale (measured on CPU with the
+loss divided by 4: the weight's gradient 4.0x torch's, the hidden states' 1.0x); and that gradient
+is accumulated during the forward, where ZeRO's and FSDP2's reduce hooks do not expect it.
+
 Each is real in trials: the output layer's forward is replaced on the instance (its parameter and
 name stay, so ZeRO-3's and FSDP2's hooks still gather the weight around it) and computes the
 per-token loss itself from the labels GPTModel is called with; compute_language_model_loss then

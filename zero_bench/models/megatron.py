@@ -270,6 +270,9 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
         from zero_bench.models import op_recompute
 
         op_recompute.apply(gpt, cfg.model)
+    from zero_bench.models import sequence
+
+    sequence.install(gpt, cfg)  # tiled_mlp, recompute_offload
     return gpt if on_cpu or on_layer is not None else gpt.cuda()
 
 
