@@ -335,7 +335,8 @@ def make_label(model: str, tp: int, dp: int, zero: Any, offload: bool, precision
 
 @dataclass
 class SearchConfig:
-    """How `zero_bench maxbatch` searches (the `search:` section)."""
+    """How `zero_bench maxbatch` and `zero_bench maxseq` search (the `search:` section); min, max and
+    granularity are maxbatch's micro-batches, the seq_* keys maxseq's sequence lengths."""
     min: int = 1
     """Smallest micro-batch tried."""
     max: int = 4096
@@ -353,6 +354,13 @@ class SearchConfig:
     pool: bool = True
     """Start the ranks once per search and fork a fresh process per trial (zero_bench.trial.pool);
     false: a deepspeed launch per trial. Either way each trial's ranks are fresh processes."""
+    seq_min: Optional[int] = None
+    """maxseq: shortest model.seq_len tried; null: one step of the granularity."""
+    seq_max: int = 1048576
+    """maxseq: longest model.seq_len tried (1M tokens: the longest contexts fine-tuned in 2026)."""
+    seq_granularity: Optional[int] = None
+    """maxseq: the boundary is confirmed to this many tokens (s fits, s + this does not, both
+    fresh); must be a multiple of tp x sp. null: tp x sp rounded up to a multiple of 256."""
 
 
 @dataclass
