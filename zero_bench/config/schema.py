@@ -382,7 +382,7 @@ class ReportConfig:
 class Config(BenchConfig):
     """The whole composed config: a trial's keys, plus what the sub-command does with them."""
     command: str = "run"
-    """The sub-command (the console script sets it): run, maxbatch, report, estimate, doctor, status,
+    """The sub-command (the console script sets it): run, maxbatch, maxseq, report, estimate, doctor, status,
     calibrate."""
     search: SearchConfig = field(default_factory=SearchConfig)
     store: str = "results/zero_bench.sqlite"

@@ -18,7 +18,7 @@ from zero_bench.models import ModelConfig
 from zero_bench.models.description import from_stored
 from zero_bench.models.flops import model_flops_per_seq
 from zero_bench.models.params import active_params, num_params
-from zero_bench.records import DeviceMemStats, ModelStates, TrialResult
+from zero_bench.records import DeviceMemStats, Dimension, ModelStates, TrialResult
 from zero_bench.report.rows import Loaded, Row
 from zero_bench.units import MiB
 
@@ -36,8 +36,10 @@ TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
 # What identifies "the same configuration" across stores (the Compare and Scaling sheets).
 CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
               "expert parallel", "engine", "ZeRO Stage", "CPU Offload", "precision", "recompute", "ds preset",
-              "compile", "grad accum", "device"]
-COMPARED = ["Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)", "tokens/s per GPU", "MFU",
+              "compile", "grad accum", "device", "search"]  # "search": only where maxseq's rows are
+# maxseq's rows (shown where the store holds one): what was searched, and the longest sequence
+SEQ_COLUMNS = ["search", "Max seq len"]
+COMPARED = ["Max seq len", "Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)", "tokens/s per GPU", "MFU",
             "peak memory used"]
 
 # -- configuration fields (BenchConfig.to_dict(), or the raw Hydra dict of a skipped grid entry) ------
@@ -161,6 +163,9 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
         cols.insert(cols.index("num params") + 1, "active params")
     if (df["expert parallel"] > 1).any():  # shown where some row splits the experts (parallel.ep)
         cols.insert(cols.index("model parallel") + 1, "expert parallel")
+    if any(r.dimension == Dimension.SEQ for r in rows):
+        at = cols.index("Max Global BSZ")
+        cols[at:at] = SEQ_COLUMNS
     cols += REPEAT_COLUMNS if any(len(r.repeats) > 1 for r in rows) else []
     if df.get(ESTIMATE_COLUMNS[1]) is not None and df[ESTIMATE_COLUMNS[1]].notna().any():
         cols += ESTIMATE_COLUMNS
@@ -184,6 +189,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
            "precision": s.precision, "recompute": s.recompute, "ds preset": s.ds_preset,
            "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
+           "search": "maxseq" if r.dimension == Dimension.SEQ else "maxbatch", "Max seq len": r.max_seq_len,
            "num params": s.num_params, "active params": s.active_params, "Notes": r.note, "status": r.status,
            "device": s.device, "config": r.label, "search key": r.key, "source": r.source}
     if r.measure is not None and r.measure.samples_per_s:

@@ -69,6 +69,19 @@ def check_positions(cfg: BenchConfig, grid: SearchConfig) -> None:
                           f"(search.seq_max<={m.seq_len}) or a RoPE model")
 
 
+def past_positions(cfg: BenchConfig, grid: SearchConfig) -> Optional[str]:
+    """The one-line warning for a search whose range passes the positions a RoPE checkpoint
+    (model.hf_config) was trained for: it runs, as a single trial that long does (models/hf.py)."""
+    from zero_bench.models.hf import position_limit
+
+    path = cfg.model.hf_config
+    limit = position_limit(path) if path else None
+    if limit is None or grid.max <= limit:
+        return None
+    return (f"search.seq_max={grid.max}: longer than max_position_embeddings={limit} of model.hf_config={path}; "
+            "sequences past it are measured as asked")
+
+
 @dataclass(frozen=True)
 class Grow:
     """The dimension one search grows."""

@@ -195,6 +195,7 @@ class Search:
             return
         if self.grow.seq:
             res.max_seq_len, res.first_fail_seq_len = lo, hi
+            res.config = self.grow.config(self.cfg, lo).to_dict()  # the report's row: the answer's config
             res.max_micro, res.max_global_batch = self.cfg.batch.micro, self.cfg.global_batch
         else:
             res.max_micro, res.first_fail_micro = lo, hi
