@@ -165,10 +165,9 @@ def longest_seq(ok: pd.DataFrame, names: dict) -> Pick:
     order = ok.assign(_tps=speed.fillna(0.0)).sort_values([SEQ, "_tps"], ascending=False).index
     w = ok.loc[order[0]]
     unit = UNITS.get(str(w.get("device", "")), "devices")
-    n = w.get("# gpus")
-    where = f"At {int(n)} {unit}, " if isinstance(n, (int, float)) and not pd.isna(n) else ""
-    micro = w.get("micro batch")
-    at = f" (micro {int(micro)})" if isinstance(micro, (int, float)) and not pd.isna(micro) else ""
+    n, micro = w.get("# gpus"), w.get("micro batch")
+    where = f"At {int(n)} {unit}, " if n is not None and not pd.isna(n) else ""
+    at = f" (micro {int(micro)})" if micro is not None and not pd.isna(micro) else ""
     rate = f" at {fmt(w[TPS])} tokens/s" if TPS in ok.columns and not pd.isna(w[TPS]) else ""
     text = f"{where}{names[order[0]]} trains {w[SEQ]:,.0f} tokens per sequence{at}{rate}"
     others = [f"{w[SEQ] / ok.at[i, SEQ]:.2f}x {names[i]} ({ok.at[i, SEQ]:,.0f})"

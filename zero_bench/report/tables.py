@@ -39,6 +39,13 @@ CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data
               "compile", "grad accum", "device", "search"]  # "search": only where maxseq's rows are
 # maxseq's rows (shown where the store holds one): what was searched, and the longest sequence
 SEQ_COLUMNS = ["search", "Max seq len"]
+
+
+def batch_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of max-batch searches (and single runs): maxseq's rows measure another thing."""
+    return df[df["search"] != "maxseq"] if "search" in df.columns else df
+
+
 COMPARED = ["Max seq len", "Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)", "tokens/s per GPU", "MFU",
             "peak memory used"]
 
