@@ -186,6 +186,8 @@ def _search(cfg: DictConfig, inv: Invocation, grow: Grow) -> SearchResult:
         if inv.sweep is None:
             raise  # bad input alone: one line, nothing written
         res = skipped_search(OmegaConf.to_container(cfg, resolve=True), str(exc))
+        if grow.seq:  # apart from the same entry's maxbatch skip, and a maxseq row in the report
+            res.search_key, res.dimension = "seq-" + res.search_key, grow.kind
         Store(store_path(cfg, inv)).put_search(res)
         print(f"zero_bench {command}: skipped {res.label}: {exc}", file=sys.stderr)
         return res

@@ -222,7 +222,9 @@ class Search:
 def answer(res: SearchResult) -> str:
     """A search's answer in a few words, for the progress lines."""
     if res.dimension == Dimension.SEQ:
-        return f"max seq len {res.max_seq_len} (micro {res.max_micro})"
+        return f"max seq len {res.max_seq_len}" + (f" (micro {res.max_micro})" if res.max_micro else "")
+    if res.max_micro is None:
+        return f"max global batch {res.max_global_batch}"
     dp = res.config.get("parallel", {}).get("dp", "?")
     return f"max global batch {res.max_global_batch} (micro {res.max_micro} x dp {dp})"
 
