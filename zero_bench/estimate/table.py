@@ -89,7 +89,7 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     first = ests[0][1] if ests else None
     traces = traced_variants(bench, ests) if cfg.get("traced", False) else None
     if cfg.get("json", False):
-        doc = as_json(bench, first, rows, [e for _, e in ests], at)
+        doc = as_json(bench, first, rows, [e for _, e in ests], at, {"micro": seq_micro, **grid_of(bench, grid)})
         return doc if traces is None else with_traces(doc, rows, ests, traces)
     m, tp, layout = bench.model, bench.parallel.tp, bench.layout
     ep = layout.ep
@@ -209,7 +209,8 @@ def fixed_line(e: Optional[Estimate]) -> str:
 
 
 def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], ests: list[Estimate],
-            at: list[dict]) -> str:
+            at: list[dict], seq: Optional[dict] = None) -> str:
+    """seq: what each config's max_seq_len was predicted at (micro, the grid's step and range)."""
     return json.dumps({"model": bench.model.name, "description": bench.to_dict()["model"],
                        "micro": bench.batch.micro, "grad_accum": bench.batch.grad_accum,
                        "num_params": num_params(bench.model), "active_params": active_params(bench.model),
@@ -221,6 +222,7 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
                        "precision": bench.precision, "capacity_bytes": first.capacity if first else None,
                        "overhead_bytes": first.overhead if first else None,
                        "calibration": first.calibration if first else None, "terms": first.terms if first else {},
+                       **({"max_seq_len_at": seq} if seq else {}),
                        "configs": [{**r, "at_micro": {k: v for k, v in a.items() if k != "config"},
                                     "buffers_detail": e.buffers, "activations": e.activations}
                                    for r, e, a in zip(rows, ests, at)]}, indent=2)
@@ -267,6 +269,10 @@ def seq_micro_of(bench: BenchConfig, explicit: frozenset) -> int:
     """The micro-batch maxseq runs at: batch.micro where the user gave it, else 1 (long context
     trains one sequence per rank)."""
     return bench.batch.micro if "batch.micro" in explicit else 1
+
+
+def grid_of(bench: BenchConfig, grid) -> dict:
+    return {"granularity": grid.granularity, "min": grid.min, "max": seq_top(bench, grid)}
 
 
 def seq_line(bench: BenchConfig, rows: list[dict], micro: int, grid) -> str:

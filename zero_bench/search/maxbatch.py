@@ -56,6 +56,7 @@ class Search:
         self.cap = search_capacity(self.cfg)
         self.trials: list[TrialResult] = []
         self.new_trials = self.launches = self.fit_launches = 0
+        self.running = 0  # the size the current launch runs first (maxseq: its sequence length)
         self.error: Optional[TrialResult] = None
         # the ranks are started once for this search (or once for the sweep that passes its own)
         self.pools = (self.opts.pools or PoolSlot(run_dir / "pool")) if spec.pool else None
@@ -114,7 +115,7 @@ class Search:
         name = f"launch{self.launches:02d}"
         if len(plan) == 1:
             self.say(f"launch {self.launches}: {self.grow.name}={plan[0].micro} fresh ({plan[0].mode})")
-        cfg = self.grow.config(self.cfg, plan[0].micro)
+        cfg, self.running = self.grow.config(self.cfg, plan[0].micro), plan[0].micro
         results = run_launch(cfg, self.grow.entries(cfg, plan), self.run_dir / name,
                              LaunchOptions(on_result=self.record, on_event=self.live, pools=self.pools,
                                            fault=self.opts.fault, pace=self.grow.pace(self.trials, cfg)))
@@ -146,7 +147,8 @@ class Search:
 
     def live(self, rec: RankRecord) -> None:
         if rec.event == Event.BEGIN:
-            self.say(f"  launch {self.launches}: running micro={rec.micro} ({rec.mode}) "
+            what = f"seq_len={self.running} at micro={rec.micro}" if self.grow.seq else f"micro={rec.micro}"
+            self.say(f"  launch {self.launches}: running {what} ({rec.mode}) "
                      f"| elapsed {time.time() - self.t0:.0f}s")
 
     # -- the answer ---------------------------------------------------------------------------------
