@@ -18,6 +18,7 @@ One module each: states.py, activations.py, buffers.py; this one adds them up (E
 engine=fsdp2 has its own states and phases (fsdp2.py: PyTorch FSDP2's memory model); it fills the
 same Estimate, whose peak is the largest phase either way. gpu.py adds what a GPU rank holds beyond
 its tensors (CUDA context, NCCL, allocator rounding); table.py is `zero_bench estimate`'s output.
+seq.py is the predicted longest sequence at a micro-batch (the same estimate at each length; maxseq's seed).
 traced.py is the traced prediction beside the formula (`traced=true`): the real engine's step
 traced under FakeTensorMode on a fake world, with torch's FSDPMemTracker.
 
