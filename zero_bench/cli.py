@@ -1,4 +1,4 @@
-"""Entry point: `zero_bench [run|maxbatch|report|estimate|doctor|status|calibrate] [hydra overrides]`.
+"""Entry point: `zero_bench [run|maxbatch|maxseq|report|estimate|doctor|status|calibrate] [hydra overrides]`.
 
 One Hydra app serves every sub-command (the `command` key), so `python -m zero_bench ...`,
 `zero_bench run ...` and Hydra's multirun (`-m zero=0,1,2,3`) compose the same config. Before Hydra
@@ -22,13 +22,14 @@ from zero_bench.trial.pool import PoolSlot
 
 GROUPS = ("model", "parallel", "hardware", "sweep")
 BAD_INPUT, BUSY = 2, 5
-HEADER = """zero_bench [run|maxbatch|report|estimate|doctor|status|calibrate] [key=value ...] [-m for a sweep]
+HEADER = """zero_bench [run|maxbatch|maxseq|report|estimate|doctor|status|calibrate] [key=value ...] [-m for a sweep]
   run       one trial at batch.micro          maxbatch  the largest global batch that fits
+  maxseq    the longest model.seq_len that fits at batch.micro (1 unless given)
   report    store -> .xlsx / .csv / .md       estimate  predicted memory per rank, no launch
   doctor    what this machine can run         status    zero_bench status <sweep dir>: each job's state
   calibrate this machine's fixed terms, measured in one short launch (model=gpt-tiny unless given)
             and stored for the estimate"""
-FOOTER = """Exit codes: 0 answered (maxbatch: a boundary, or "does not fit" / "cannot initialize");
+FOOTER = """Exit codes: 0 answered (maxbatch, maxseq: a boundary, or "does not fit" / "cannot initialize");
 2 bad input (one line names the key and what is allowed); 3 run: the trial did not fit;
 4 a trial or search ended in error, timeout, flaky or incomplete; 5 another zero_bench holds
 this machine's trial lock (DeepSpeed's cleanup would kill each other's trials).
@@ -114,7 +115,7 @@ class Session:
             self.pools.close()
 
 
-COMMAND_NAMES = ("run", "maxbatch", "report", "estimate", "doctor", "status", "calibrate")
+COMMAND_NAMES = ("run", "maxbatch", "maxseq", "report", "estimate", "doctor", "status", "calibrate")
 
 
 def parse(argv: list[str]) -> tuple[str, list[str]]:

@@ -29,6 +29,12 @@ class Mode(StrEnum):
     MEASURE = "measure"  # warm-up + timed steps (time/it), then the profiled step
 
 
+class Dimension(StrEnum):
+    """What a search grows until it no longer fits."""
+    BATCH = "batch"  # maxbatch: the micro-batch per rank, at model.seq_len
+    SEQ = "seq"  # maxseq: model.seq_len, at batch.micro
+
+
 class Event(StrEnum):
     """What a RankRecord reports."""
     START = "start"  # the rank's identity (host, pid, GPU)
@@ -426,6 +432,9 @@ class SearchResult:
     measure: Optional[TrialResult] = None  # the fresh full-step trial at max_micro (median of repeats)
     repeats: list = field(default_factory=list)  # time/step of each repeat at max_micro
     created: float = field(default_factory=time.time)
+    dimension: Dimension = Dimension.BATCH  # what grew; SEQ: max_micro is batch.micro, held fixed
+    max_seq_len: Optional[int] = None  # SEQ: the longest model.seq_len that fitted fresh
+    first_fail_seq_len: Optional[int] = None  # SEQ: the next one on the grid, failed fresh
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -436,6 +445,7 @@ class SearchResult:
     def from_json(cls, text: str) -> "SearchResult":
         d = _fields(cls, json.loads(text))
         d["status"] = SearchStatus(d["status"])
+        d["dimension"] = Dimension(d.get("dimension", Dimension.BATCH))
         d["measure"] = TrialResult.from_dict(d["measure"]) if d.get("measure") else None
         return cls(**d)
 

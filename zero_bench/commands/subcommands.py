@@ -1,7 +1,7 @@
 """The sub-commands: each takes the composed config and its `Invocation`, does its work, prints
 its result and returns an exit code. `COMMANDS` is the table cli.py dispatches on.
 
-Exit codes (also in `zero_bench --help`): 0 the command answered (for maxbatch: a boundary, or
+Exit codes (also in `zero_bench --help`): 0 the command answered (for maxbatch and maxseq: a boundary, or
 "does not fit" / "cannot initialize", which are answers); 2 bad input (one line names the key);
 3 `run`: the trial did not fit (oom, or refused by the estimate); 4 a trial or search ended in
 error, timeout, flaky or incomplete; 5 another zero_bench holds this machine's trial lock.
@@ -22,15 +22,17 @@ from zero_bench.commands.doctor import doctor_checks, prebuild_ops
 from zero_bench.config import honoured
 from zero_bench.config.configure import from_cfg, report_from_cfg, search_from_cfg
 from zero_bench.config.hosts import with_slurm_hostfile
-from zero_bench.config.schema import BenchConfig, ConfigError, Precision
+from zero_bench.config.schema import BenchConfig, ConfigError, Precision, SearchConfig
 from zero_bench.devices import cpu_features
 from zero_bench.devices.capacity import marketed_gb_warning, with_cpu_budget
 from zero_bench.devices.metrics import cpu_peak_flops
 from zero_bench.estimate import seed_micro
+from zero_bench.estimate.seq import seed_seq
 from zero_bench.estimate.table import estimate_report
-from zero_bench.records import Entry, Mode, SearchResult, SearchStatus, Status, TrialResult
+from zero_bench.records import Dimension, Entry, Mode, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.report import write_reports
-from zero_bench.search.maxbatch import SearchOptions, run_search
+from zero_bench.search.dimension import Grow, check_positions, past_positions, seq_grid
+from zero_bench.search.maxbatch import SearchOptions, answer, run_search
 from zero_bench.search.preflight import preflight, skipped_search, validate_machine
 from zero_bench.search.sweeps import JOB_STORE, Sweep, finished_elsewhere, format_status, sweep_status, under_submitit
 from zero_bench.store import Store
@@ -128,14 +130,23 @@ def run(cfg: DictConfig, inv: Invocation) -> int:
 
 def maxbatch(cfg: DictConfig, inv: Invocation) -> int:
     """The largest global batch that fits, decided in fresh processes."""
+    return searched(cfg, inv, Grow(Dimension.BATCH))
+
+
+def maxseq(cfg: DictConfig, inv: Invocation) -> int:
+    """The longest model.seq_len that fits at batch.micro (1 unless given), decided in fresh processes."""
+    return searched(cfg, inv, Grow(Dimension.SEQ))
+
+
+def searched(cfg: DictConfig, inv: Invocation, grow: Grow) -> int:
+    """maxbatch or maxseq (`grow`): the search, its sweep progress lines and its exit code."""
     if inv.sweep:
         print(inv.sweep.progress(f"model={cfg.model.name} {OmegaConf.to_container(cfg.parallel)} engine={cfg.engine} "
                                  f"zero={cfg.zero} offload={cfg.offload} precision={shown_precision(cfg)}",
                                  finished=False), flush=True)
-    res = _maxbatch(cfg, inv)
+    res = _search(cfg, inv, grow)
     if inv.sweep:
-        print(inv.sweep.progress(f"{res.label}: {res.status} max global batch {res.max_global_batch}",
-                                 finished=True), flush=True)
+        print(inv.sweep.progress(f"{res.label}: {res.status} {answer(res)}", finished=True), flush=True)
     if res.status in (SearchStatus.ERROR, SearchStatus.TIMEOUT, SearchStatus.FLAKY, SearchStatus.INCOMPLETE):
         return FAILED
     return OK
@@ -150,39 +161,65 @@ def shown_precision(cfg: DictConfig) -> str:
         return str(cfg.precision)
 
 
-def _maxbatch(cfg: DictConfig, inv: Invocation) -> SearchResult:
+def _configured(cfg: DictConfig, inv: Invocation, grow: Grow) -> tuple[BenchConfig, SearchConfig]:
+    """The trial config and the grid the search runs on; ConfigError for bad input (maxseq: the
+    grid against tp x sp, learned positions against the range), before any launch."""
     spec = search_from_cfg(cfg)
+    bench = with_cpu_budget(bench_here(cfg, inv.out), spec.cpu_budget_gb)
+    if not grow.seq:
+        return bench, spec
+    if "batch.micro" not in inv.explicit:
+        bench = bench.with_micro(1)  # long context: one sequence per rank unless batch.micro says otherwise
+    grid = seq_grid(spec, bench.layout)
+    check_positions(bench, grid)
+    line = past_positions(bench, grid)
+    if line:
+        warn_once(line, inv)
+    return bench, grid
+
+
+def _search(cfg: DictConfig, inv: Invocation, grow: Grow) -> SearchResult:
+    command = "maxseq" if grow.seq else "maxbatch"
     try:
-        bench = with_cpu_budget(bench_here(cfg, inv.out), spec.cpu_budget_gb)
+        bench, spec = _configured(cfg, inv, grow)
     except ConfigError as exc:  # inside a grid, a bad combination is recorded, never fatal
         if inv.sweep is None:
             raise  # bad input alone: one line, nothing written
         res = skipped_search(OmegaConf.to_container(cfg, resolve=True), str(exc))
+        if grow.seq:  # apart from the same entry's maxbatch skip, and a maxseq row in the report
+            res.search_key, res.dimension = "seq-" + res.search_key, grow.kind
         Store(store_path(cfg, inv)).put_search(res)
-        print(f"zero_bench maxbatch: skipped {res.label}: {exc}", file=sys.stderr)
+        print(f"zero_bench {command}: skipped {res.label}: {exc}", file=sys.stderr)
         return res
     warn_slow_bf16(bench, inv)
     warn_unhonoured(bench, inv)
     warn_marketed_gb(bench.hardware.device, bench.hardware.memory_gb, inv)
     store = Store(store_path(cfg, inv))
-    refused = preflight(bench, force=cfg.force, micro=spec.min)
+    key = grow.key(bench)
+    # the smallest size the search tries: if the estimate says even that cannot fit this host, nothing will
+    refused = (preflight(grow.config(bench, spec.min), force=cfg.force) if grow.seq
+               else preflight(bench, force=cfg.force, micro=spec.min))
     if refused:
-        res = SearchResult(search_key=bench.search_key(), label=bench.label(), status=SearchStatus.ESTIMATED_OOM,
-                           note=refused.reason, config=bench.to_dict())
+        res = SearchResult(search_key=key, label=bench.label(), status=SearchStatus.ESTIMATED_OOM,
+                           note=refused.reason, config=bench.to_dict(), dimension=grow.kind)
         store.put_search(res)
         print(refused.reason)
         return res
     prebuild_ops(bench)
-    print(f"zero_bench maxbatch: {bench.label()} strategy={spec.strategy} -> {inv.out}", flush=True)
-    done = (finished_elsewhere(bench.search_key(), inv.sweep.dir, store.path)
+    what = f"micro={bench.batch.micro} seq_len {spec.min}..{spec.max} step {spec.granularity}" if grow.seq else ""
+    print(f"zero_bench {command}: {bench.label()} {what + ' ' if what else ''}strategy={spec.strategy} -> {inv.out}",
+          flush=True)
+    done = (finished_elsewhere(key, inv.sweep.dir, store.path)
             if inv.sweep and not cfg.force else None)
     if done is not None:
-        print(f"zero_bench maxbatch: {done.label} finished in another store of this sweep: {done.status}, "
-              f"max global batch {done.max_global_batch} (force=true re-measures)", flush=True)
+        print(f"zero_bench {command}: {done.label} finished in another store of this sweep: {done.status}, "
+              f"{answer(done)} (force=true re-measures)", flush=True)
         return done
-    opts = SearchOptions(seed=seed_micro(bench) if cfg.estimate_first else None, repeats=cfg.repeats,
-                         force=cfg.force, progress=lambda s: print(s, flush=True),
-                         pools=inv.sweep.pools if inv.sweep else None)
+    seed = None
+    if cfg.estimate_first:
+        seed = seed_seq(bench, bench.batch.micro, spec) if grow.seq else seed_micro(bench)
+    opts = SearchOptions(seed=seed, repeats=cfg.repeats, force=cfg.force, progress=lambda s: print(s, flush=True),
+                         pools=inv.sweep.pools if inv.sweep else None, grow=grow)
     # the whole search: no other zero_bench may launch between its launches; jobs of one sweep on
     # one machine (submitit_local) wait for each other
     with machine_lock(wait=under_submitit()):
@@ -243,5 +280,5 @@ def calibrate(cfg: DictConfig, inv: Invocation) -> int:
 
 
 COMMANDS: dict[str, Callable[[DictConfig, Invocation], int]] = {
-    "run": run, "maxbatch": maxbatch, "report": report, "estimate": estimate, "doctor": doctor, "status": status,
+    "run": run, "maxbatch": maxbatch, "maxseq": maxseq, "report": report, "estimate": estimate, "doctor": doctor, "status": status,
     "calibrate": calibrate}

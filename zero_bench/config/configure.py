@@ -222,6 +222,12 @@ def check_search(s: SearchConfig) -> None:
     integer("search.granularity", s.granularity)
     integer("search.max_trials", s.max_trials, lo=2)
     number("search.cpu_budget_gb", s.cpu_budget_gb)
+    for key in ("seq_min", "seq_granularity"):
+        if getattr(s, key) is not None:
+            integer(f"search.{key}", getattr(s, key))
+    integer("search.seq_max", s.seq_max)
+    if s.seq_min is not None and s.seq_max < s.seq_min:
+        raise ConfigError(f"search.seq_max={s.seq_max}: must be >= search.seq_min={s.seq_min}")
 
 
 def check_report(r: ReportConfig) -> None:

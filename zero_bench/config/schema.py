@@ -419,7 +419,8 @@ def make_label(model: str, tp: int, dp: int, zero: Any, offload: Any, precision:
 
 @dataclass
 class SearchConfig:
-    """How `zero_bench maxbatch` searches (the `search:` section)."""
+    """How `zero_bench maxbatch` and `zero_bench maxseq` search (the `search:` section); min, max and
+    granularity are maxbatch's micro-batches, the seq_* keys maxseq's sequence lengths."""
     min: int = 1
     """Smallest micro-batch tried."""
     max: int = 4096
@@ -437,6 +438,13 @@ class SearchConfig:
     pool: bool = True
     """Start the ranks once per search and fork a fresh process per trial (zero_bench.trial.pool);
     false: a deepspeed launch per trial. Either way each trial's ranks are fresh processes."""
+    seq_min: Optional[int] = None
+    """maxseq: shortest model.seq_len tried; null: one step of the granularity."""
+    seq_max: int = 1048576
+    """maxseq: longest model.seq_len tried (1M tokens: the longest contexts fine-tuned in 2026)."""
+    seq_granularity: Optional[int] = None
+    """maxseq: the boundary is confirmed to this many tokens (s fits, s + this does not, both
+    fresh); must be a multiple of tp x sp. null: tp x sp rounded up to a multiple of 256."""
 
 
 @dataclass
@@ -458,7 +466,7 @@ class ReportConfig:
 class Config(BenchConfig):
     """The whole composed config: a trial's keys, plus what the sub-command does with them."""
     command: str = "run"
-    """The sub-command (the console script sets it): run, maxbatch, report, estimate, doctor, status,
+    """The sub-command (the console script sets it): run, maxbatch, maxseq, report, estimate, doctor, status,
     calibrate."""
     search: SearchConfig = field(default_factory=SearchConfig)
     store: str = "results/zero_bench.sqlite"

@@ -11,13 +11,15 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from zero_bench.config.configure import from_cfg, validate_static
+from zero_bench.config.configure import from_cfg, search_from_cfg, validate_static
 from zero_bench.config.schema import BenchConfig, ConfigError, OffloadDevice
 from zero_bench.engines.specs import spec
 from zero_bench.estimate import Estimate, estimate, zeropp
+from zero_bench.estimate.seq import longest_seq, seq_top
 from zero_bench.models.description import summary
 from zero_bench.models.params import active_params, num_params
 from zero_bench.records import SearchStatus
+from zero_bench.search.dimension import seq_grid
 from zero_bench.store import Store
 from zero_bench.units import GiB, MiB
 
@@ -82,13 +84,16 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     """The table (or, with json=true, the JSON document) for the configured model."""
     bench = from_cfg(cfg, here=False)
     ests = [(v, estimate(v)) for v in variants(bench, explicit)]
-    rows = [{**e.row(), "measured_max_micro": measured_max_micro(cfg.get("store"), v)} for v, e in ests]
+    seq_micro = seq_micro_of(bench, explicit)
+    grid = seq_grid(search_from_cfg(cfg), bench.layout)
+    rows = [{**e.row(), "measured_max_micro": measured_max_micro(cfg.get("store"), v),
+             "max_seq_len": longest_seq(v, seq_micro, grid)} for v, e in ests]
     micro = bench.batch.micro
     at = [{"config": r["config"], **e.at_micro(micro)} for r, (_, e) in zip(rows, ests)]
     first = ests[0][1] if ests else None
     traces = traced_variants(bench, ests) if cfg.get("traced", False) else None
     if cfg.get("json", False):
-        doc = as_json(bench, first, rows, [e for _, e in ests], at)
+        doc = as_json(bench, first, rows, [e for _, e in ests], at, {"micro": seq_micro, **grid_of(bench, grid)})
         return doc if traces is None else with_traces(doc, rows, ests, traces)
     m, tp, layout = bench.model, bench.parallel.tp, bench.layout
     ep = layout.ep
@@ -103,7 +108,8 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
             + (f"; fixed terms: {first.calibration}" if first else ""))
     zpp = [zeropp.line(v, e.buffers) for v, e in ests if v.zeropp.active][:1]  # ZeRO-3 only: one at most
     return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first), *zpp,
-                      format_table(rows), LEGEND, "", at_micro_table(at, bench),
+                      format_table(rows), seq_line(bench, rows, seq_micro, grid), LEGEND, "",
+                      at_micro_table(at, bench),
                       AT_MICRO_LEGEND[_kind(bench)] + AT_MICRO_TAIL]
                      + ([] if traces is None else ["", traced_table(bench, rows, ests, traces)]))
 
@@ -208,7 +214,8 @@ def fixed_line(e: Optional[Estimate]) -> str:
 
 
 def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], ests: list[Estimate],
-            at: list[dict]) -> str:
+            at: list[dict], seq: Optional[dict] = None) -> str:
+    """seq: what each config's max_seq_len was predicted at (micro, the grid's step and range)."""
     return json.dumps({"model": bench.model.name, "description": bench.to_dict()["model"],
                        "micro": bench.batch.micro, "grad_accum": bench.batch.grad_accum,
                        "num_params": num_params(bench.model), "active_params": active_params(bench.model),
@@ -220,6 +227,7 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
                        "precision": bench.precision, "capacity_bytes": first.capacity if first else None,
                        "overhead_bytes": first.overhead if first else None,
                        "calibration": first.calibration if first else None, "terms": first.terms if first else {},
+                       **({"max_seq_len_at": seq} if seq else {}),
                        "configs": [{**r, "at_micro": {k: v for k, v in a.items() if k != "config"},
                                     "buffers_detail": e.buffers, "activations": e.activations,
                                     **({"zeropp_communication": zeropp.communication(bench)} if e.zeropp else {})}
@@ -262,6 +270,27 @@ def at_micro_table(at: list[dict], bench: BenchConfig) -> str:
     import pandas as pd
 
     return title + "\n" + pd.DataFrame(lines).to_string(index=False)
+
+
+def seq_micro_of(bench: BenchConfig, explicit: frozenset) -> int:
+    """The micro-batch maxseq runs at: batch.micro where the user gave it, else 1 (long context
+    trains one sequence per rank)."""
+    return bench.batch.micro if "batch.micro" in explicit else 1
+
+
+def grid_of(bench: BenchConfig, grid) -> dict:
+    return {"granularity": grid.granularity, "min": grid.min, "max": seq_top(bench, grid)}
+
+
+def seq_line(bench: BenchConfig, rows: list[dict], micro: int, grid) -> str:
+    """The predicted longest sequence of each configuration shown, on maxseq's grid."""
+    top = seq_top(bench, grid)
+    learned = (f"; learned positions: up to their table, model.seq_len={bench.model.seq_len:,}"
+               if top < grid.max else "")
+    each = " | ".join(f"{r['config']} {_count(r['max_seq_len']) if not r['max_seq_len'] else format(r['max_seq_len'], ',')}"
+                      for r in rows)
+    return (f"max seq len at micro {micro} (predicted, multiples of {grid.granularity} from {grid.min:,} to "
+            f"{top:,}{learned}): {each}")
 
 
 def _kind(bench: BenchConfig) -> str:

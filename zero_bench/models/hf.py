@@ -174,6 +174,12 @@ def _dense_layers(cfg: HFConfig) -> Optional[list[int]]:
     return dense or None
 
 
+def position_limit(path: str) -> Optional[int]:
+    """The max_position_embeddings config.json gives (the positions the checkpoint was trained for)."""
+    limit = _load(path).get("max_position_embeddings")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
 def _load(path: str) -> dict:
     p = config_path(path)
     try:

@@ -11,6 +11,7 @@ import pandas as pd
 
 from zero_bench.report.costs import COST_PER_MTOK
 from zero_bench.report.files import replacing
+from zero_bench.report.tables import batch_rows
 from zero_bench.report.views import PARTS
 
 COLOURS = ("#4472C4", "#ED7D31", "#A5A5A5", "#FFC000")
@@ -28,7 +29,8 @@ def write_charts(md_path: Path, summary: pd.DataFrame, breakdown: Optional[pd.Da
     import matplotlib
 
     matplotlib.use("Agg")
-    measured = summary[summary["Max Global BSZ"].notna()]
+    measured = batch_rows(summary)
+    measured = measured[measured["Max Global BSZ"].notna()]
     if measured.empty:
         return []
     base = Path(md_path).with_suffix("")

@@ -6,7 +6,8 @@ their max batch,
   ZeRO stage, no offload, ...; the runner-up when the winner is the baseline);
 - fastest: the most samples/s at its own max batch (ties: the larger batch), compared with the others;
 - cheapest (with a price): the lowest cost per 1M tokens (ties: the faster), compared with the others.
-Each is one sentence with its numbers.
+Each is one sentence with its numbers. maxseq's rows (`search` = maxseq) are judged apart, by one rule:
+- longest sequence: the highest Max seq len (ties: the more tokens/s), compared with the others.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from zero_bench.report.costs import COST_PER_HOUR, COST_PER_MTOK, COST_TO_TRAIN,
 from zero_bench.report.views import baseline_index
 
 GROUP = ["Model", "num_layers", "hidden_size", "num_heads", "device"]
-SPS, BSZ = "Throughput (samples/sec)", "Max Global BSZ"
+SPS, BSZ, SEQ, TPS = "Throughput (samples/sec)", "Max Global BSZ", "Max seq len", "tokens/s"
 # Keys that tell configurations of one group apart, and how a name shows each (ZeRO stage always).
 NAMED = {"engine": lambda v: f"on {SPECS.get(v, SPECS[DEFAULT_ENGINE]).title}",
          "data parallel": lambda v: f"dp{v:g}", "model parallel": lambda v: f"tp{v:g}",
@@ -55,7 +56,26 @@ def recommend(details: pd.DataFrame, train_tokens: Optional[float] = None) -> li
     if details.empty:
         return []
     groups = details.groupby([c for c in GROUP if c in details.columns], dropna=False, sort=False)
-    return [_advice(g, train_tokens) for _, g in groups]
+    out = []
+    for _, g in groups:
+        seq = g["search"] == "maxseq" if "search" in g.columns else pd.Series(False, index=g.index)
+        if not seq.all():
+            out.append(_advice(g[~seq], train_tokens))
+        if seq.any():
+            out.append(_seq_advice(g[seq]))
+    return out
+
+
+def _seq_advice(g: pd.DataFrame) -> Advice:
+    """maxseq's rows of one group: the longest sequence, in one sentence."""
+    ok = g[g[SEQ].notna()]
+    names = config_names(g, unique_among=ok.index)
+    failed = ", ".join(f"{names[i]} ({_why(g.at[i, 'status'])})" for i in g.index.difference(ok.index, sort=False))
+    heading = _heading(g) + ", longest sequence"
+    if ok.empty:
+        return Advice(heading=heading, picks=(Pick("none", "", f"No configuration fitted a sequence: {failed}."),))
+    return Advice(heading=heading, picks=(longest_seq(ok, names),),
+                  unmeasured=f"Without a measured longest sequence: {failed}." if failed else "")
 
 
 def _advice(g: pd.DataFrame, train_tokens: Optional[float]) -> Advice:
@@ -172,6 +192,22 @@ def ladder(ok: pd.DataFrame, names: dict) -> Optional[Pick]:
         else:
             parts.append(f"{names[i]} fits no more ({bsz:,.0f})")
     return Pick("ladder", "", "Offload ladder: " + "; ".join(parts) + ".")
+
+
+def longest_seq(ok: pd.DataFrame, names: dict) -> Pick:
+    """ "At 8 GPUs, ZeRO-3 trains 65,536 tokens per sequence (micro 1), 2.00x ZeRO-1 (32,768)." """
+    speed = ok[TPS] if TPS in ok.columns else pd.Series(0.0, index=ok.index)
+    order = ok.assign(_tps=speed.fillna(0.0)).sort_values([SEQ, "_tps"], ascending=False).index
+    w = ok.loc[order[0]]
+    unit = UNITS.get(str(w.get("device", "")), "devices")
+    n, micro = w.get("# gpus"), w.get("micro batch")
+    where = f"At {int(n)} {unit}, " if n is not None and not pd.isna(n) else ""
+    at = f" (micro {int(micro)})" if micro is not None and not pd.isna(micro) else ""
+    rate = f" at {fmt(w[TPS])} tokens/s" if TPS in ok.columns and not pd.isna(w[TPS]) else ""
+    text = f"{where}{names[order[0]]} trains {w[SEQ]:,.0f} tokens per sequence{at}{rate}"
+    others = [f"{w[SEQ] / ok.at[i, SEQ]:.2f}x {names[i]} ({ok.at[i, SEQ]:,.0f})"
+              for i in order[1:1 + MOST_COMPARED]]
+    return Pick("longest sequence", str(w["config"]), text + (", " + ", ".join(others) if others else "") + ".")
 
 
 def _only(row: pd.Series, name: str) -> Pick:

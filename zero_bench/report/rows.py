@@ -8,7 +8,7 @@ from typing import Optional
 
 from zero_bench.config.schema import BenchConfig
 from zero_bench.estimate import Estimate, estimate
-from zero_bench.records import Mode, SearchResult, SearchStatus, Status, TrialResult
+from zero_bench.records import Dimension, Mode, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.store import Store
 
 
@@ -52,6 +52,8 @@ class Row:
     repeats: list = field(default_factory=list)  # its time/step per repeat
     max_global_batch: Optional[int] = None
     max_micro: Optional[int] = None
+    dimension: Dimension = Dimension.BATCH  # what the search grew (SEQ: max_micro is the batch.micro it ran)
+    max_seq_len: Optional[int] = None  # SEQ: the longest sequence that fitted
 
     def estimate(self) -> Optional[Estimate]:
         """The estimate for this configuration, or None for a config an old store holds only in part."""
@@ -86,7 +88,8 @@ def _search_row(s: SearchResult, source: str) -> Row:
     measure = s.measure
     return Row(config=s.config, label=s.label, key=s.search_key, status=s.status, source=source,
                note=_note(s.status, s.note), measure=measure, max_global_batch=s.max_global_batch,
-               max_micro=s.max_micro, repeats=list(s.repeats or []))
+               max_micro=s.max_micro, repeats=list(s.repeats or []), dimension=s.dimension,
+               max_seq_len=s.max_seq_len)
 
 
 def _note(status: str, note: str) -> str:

@@ -18,7 +18,7 @@ from zero_bench.models import ModelConfig
 from zero_bench.models.description import from_stored
 from zero_bench.models.flops import model_flops_per_seq
 from zero_bench.models.params import active_params, num_params
-from zero_bench.records import DeviceMemStats, ModelStates, TrialResult
+from zero_bench.records import DeviceMemStats, Dimension, ModelStates, TrialResult
 from zero_bench.report.rows import Loaded, Row
 from zero_bench.units import MiB
 
@@ -36,8 +36,17 @@ TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
 # What identifies "the same configuration" across stores (the Compare and Scaling sheets).
 CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
               "expert parallel", "engine", "ZeRO Stage", "ZeRO++", "CPU Offload", "precision", "recompute", "ds preset",
-              "compile", "grad accum", "device"]
-COMPARED = ["Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)", "tokens/s per GPU", "MFU",
+              "compile", "grad accum", "device", "search"]  # "search": only where maxseq's rows are
+# maxseq's rows (shown where the store holds one): what was searched, and the longest sequence
+SEQ_COLUMNS = ["search", "Max seq len"]
+
+
+def batch_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of max-batch searches (and single runs): maxseq's rows measure another thing."""
+    return df[df["search"] != "maxseq"] if "search" in df.columns else df
+
+
+COMPARED = ["Max seq len", "Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)", "tokens/s per GPU", "MFU",
             "peak memory used"]
 
 # -- configuration fields (BenchConfig.to_dict(), or the raw Hydra dict of a skipped grid entry) ------
@@ -184,6 +193,9 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
         cols.insert(cols.index("model parallel") + 1, "expert parallel")
     if (df["ZeRO++"] != "none").any():  # shown where some row runs ZeRO++ (zeropp.*)
         cols.insert(cols.index("ZeRO Stage") + 1, "ZeRO++")
+    if any(r.dimension == Dimension.SEQ for r in rows):
+        at = cols.index("Max Global BSZ")
+        cols[at:at] = SEQ_COLUMNS
     cols += REPEAT_COLUMNS if any(len(r.repeats) > 1 for r in rows) else []
     if df.get(ESTIMATE_COLUMNS[1]) is not None and df[ESTIMATE_COLUMNS[1]].notna().any():
         cols += ESTIMATE_COLUMNS
@@ -208,6 +220,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
            "precision": s.precision, "recompute": s.recompute, "ds preset": s.ds_preset,
            "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
+           "search": "maxseq" if r.dimension == Dimension.SEQ else "maxbatch", "Max seq len": r.max_seq_len,
            "num params": s.num_params, "active params": s.active_params, "Notes": r.note, "status": r.status,
            "device": s.device, "config": r.label, "search key": r.key, "source": r.source}
     if r.measure is not None and r.measure.samples_per_s:

@@ -15,7 +15,7 @@ from zero_bench.engines.specs import SPECS
 from zero_bench.records import TrialResult
 from zero_bench.report.costs import COST_PER_MTOK, present
 from zero_bench.report.rows import Row
-from zero_bench.report.tables import device_memory, measured_model_states
+from zero_bench.report.tables import SEQ_COLUMNS, batch_rows, device_memory, measured_model_states
 from zero_bench.units import MiB
 
 
@@ -43,6 +43,9 @@ def summary_view(details: pd.DataFrame) -> pd.DataFrame:
     engines = details.get("engine", pd.Series(dtype=object)).dropna()
     if (engines != DEFAULT_ENGINE).any():  # only then: a ZeRO-only report keeps the reference table's layout
         out.insert(LEAD.index("ZeRO Stage"), "engine", engines)
+    if "search" in details.columns:  # maxseq's rows are in the store: what each row searched, and its answer
+        for col in SEQ_COLUMNS:
+            out.insert(out.columns.get_loc("Max Global BSZ"), col, details[col])
     out["Throughput (samples/sec)"] = details.get("Throughput (samples/sec)")
     kinds = set(details.get("memory of", pd.Series(dtype=object)).dropna())
     prefix = {frozenset({"GPU (NVML used)"}): "GPU", frozenset({"rank RSS"}): "Rank"}.get(frozenset(kinds), "Device")
@@ -128,7 +131,8 @@ def buys_frame(details: pd.DataFrame) -> pd.DataFrame:
     configurations share model and hardware and at least one changes a single key."""
     cols = ["change", "config", "Throughput (samples/sec)", "throughput Δ %", "Max Global BSZ", "max batch Δ %",
             "max memory MiB", "max memory Δ %"] + _cost_columns(details)
-    df = details[details["Max Global BSZ"].notna()].copy()
+    df = batch_rows(details)
+    df = df[df["Max Global BSZ"].notna()].copy()
     if len(df) < 2 or any(df[c].nunique(dropna=False) > 1 for c in SAME if c in df):
         return pd.DataFrame(columns=cols)
     df["max memory MiB"] = df[[c for c in df.columns if c.startswith("Dev") and c.endswith("used MiB")]].max(axis=1)

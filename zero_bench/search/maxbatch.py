@@ -1,28 +1,10 @@
-"""`zero_bench maxbatch`: the largest micro-batch per rank that fits, decided in fresh processes.
-
-Two kinds of evidence. A *probe* is any entry of a launch; a launch may run several ascending
-sizes in one engine (`search.multi`), which finds the bracket quickly but lets memory left by
-earlier sizes inflate later peaks. A *fresh* trial is the first entry of its launch: nothing ran
-in its processes before it. The answer b is final only when b fitted fresh (with full timed
-steps: it is also the measurement) and b + granularity failed fresh; if b + g fits fresh, the
-search goes on upward. Where fresh and probe evidence disagree on a size, the latest fresh one
-wins, so the answer is the same whether the search ran in one go, was resumed, or ran with
-`search.multi=false`.
-
-The arithmetic is pure: `Known` reads the trials, `next_plan` returns the next launch's sizes
-and `verdict` says when the search has an answer. `Search` drives launches and the store.
-
-Strategies for the bracket:
-- doubling: grow x2 until a failure, then bisect.
-- fit: start at SEED_HEDGE of the analytic estimate's guess, measured fresh, with the size above as
-  a probe; from the largest fresh peak predict the boundary from the capacity (the slope from two
-  measurements far apart, else the estimate's bytes per sample) and try it with the size above.
-  Without an estimate, grow x2 until a prediction is possible. FIT_LAUNCHES predicted launches,
-  then bisection.
+"""`zero_bench maxbatch` and `maxseq`: the largest micro-batch per rank, or the longest sequence at
+batch.micro, that fits, decided in fresh processes. `Search` drives launches and the store; the
+boundary procedure is search/boundary.py's, one for both dimensions (search/dimension.py says
+what a size means to a trial).
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,266 +12,29 @@ from typing import Callable, Optional
 
 from zero_bench.config.configure import resolve
 from zero_bench.config.schema import BenchConfig, SearchConfig
-from zero_bench.devices.capacity import search_capacity, trial_growing_peak, trial_peak
+from zero_bench.devices.capacity import search_capacity, trial_peak
+from zero_bench.records import (Dimension, Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Seed,
+                                Status, TrialResult)
+# the procedure's names stay importable from here, where the search has always been
+from zero_bench.search.boundary import (FIT_LAUNCHES, SEED_HEDGE, Known, bracketed, next_plan, predict,  # noqa: F401
+                                        snap, verdict)
+from zero_bench.search.dimension import Grow
+from zero_bench.store import Store
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot
-from zero_bench.records import (Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Seed, Status,
-                                TrialResult)
-from zero_bench.store import Store
-from zero_bench.trial.time_limits import measured_pace
 from zero_bench.units import MiB
-
-
-@dataclass
-class Known:
-    """What the trials of this search have shown so far."""
-    fits: dict[int, bool] = field(default_factory=dict)  # latest fresh outcome, else any probe's
-    fresh: dict[int, list[bool]] = field(default_factory=dict)  # fresh outcomes per size, in order
-    measured: set[int] = field(default_factory=set)  # sizes with a fresh, fitting, full-step trial
-    peak: dict[int, int] = field(default_factory=dict)  # micro -> per-rank peak of the phases that grow
-    # with the batch (fresh preferred; capacity.growing_peak): what predictions extrapolate
-    timeouts: dict[int, int] = field(default_factory=dict)
-
-    @classmethod
-    def from_trials(cls, trials: list[TrialResult], device: str = "cpu") -> "Known":
-        k = cls()
-        for t in trials:
-            if t.status == Status.TIMEOUT:
-                k.timeouts[t.micro] = k.timeouts.get(t.micro, 0) + 1
-            if not t.status.decides_fit:
-                continue
-            k.add(t.micro, t.status == Status.OK, t.fresh, trial_growing_peak(t.ranks, device))
-            if t.fresh and t.status == Status.OK and t.mode == Mode.MEASURE:
-                k.measured.add(t.micro)
-        return k
-
-    def add(self, micro: int, ok: bool, fresh: bool, peak: Optional[int] = None) -> None:
-        if fresh:
-            self.fresh.setdefault(micro, []).append(ok)
-        if fresh or micro not in self.fresh:
-            self.fits[micro] = ok
-            if peak:
-                self.peak[micro] = peak
-        if fresh and not ok:
-            self.measured.discard(micro)
-
-    @property
-    def lo(self) -> Optional[int]:
-        ok = [m for m, f in self.fits.items() if f]
-        return max(ok) if ok else None
-
-    @property
-    def hi(self) -> Optional[int]:
-        lo = self.lo or 0
-        bad = [m for m, f in self.fits.items() if not f and m > lo]
-        return min(bad) if bad else None
-
-    @property
-    def fresh_hi(self) -> Optional[int]:
-        """The smallest size above lo that failed in fresh processes (probes' failures aside)."""
-        lo = self.lo or 0
-        bad = [m for m, runs in self.fresh.items() if not runs[-1] and m > lo]
-        return min(bad) if bad else None
-
-    @property
-    def contradiction(self) -> Optional[int]:
-        """The smallest size that failed fresh below one that fitted. (A probe that failed below a
-        fresh fit is no contradiction: sizes earlier in its process left memory behind.)"""
-        lo = self.lo or 0
-        bad = [m for m, f in self.fits.items() if not f and m < lo and m in self.fresh]
-        return min(bad) if bad else None
-
-
-def snap(m: float, spec: SearchConfig) -> int:
-    """Round down onto the grid min, min+g, min+2g, ... within [min, max]."""
-    g = spec.granularity
-    k = max(0, math.floor((m - spec.min) / g))
-    return min(spec.min + k * g, spec.max)
-
-
-def bracketed(known: Known, spec: SearchConfig) -> bool:
-    """The probes (and fresh trials) put the boundary within one granularity step."""
-    lo, hi = known.lo, known.hi
-    if lo is None:
-        return known.fits.get(spec.min) is False
-    return (hi is not None and hi - lo <= spec.granularity) or lo >= spec.max
-
-
-def verdict(known: Known, spec: SearchConfig) -> Optional[SearchStatus]:
-    """The search's answer once the evidence decides it, else None."""
-    if any(n >= 2 and m not in known.fresh for m, n in known.timeouts.items()):
-        return SearchStatus.TIMEOUT
-    c, lo = known.contradiction, known.lo
-    if c is not None:
-        return SearchStatus.FLAKY if len(known.fresh.get(c, [])) >= 2 and len(known.fresh.get(lo, [])) >= 2 else None
-    if not bracketed(known, spec):
-        return None
-    hi = known.hi
-    if lo is None:
-        return SearchStatus.DOES_NOT_FIT if spec.min in known.fresh else None
-    if hi is not None and hi not in known.fresh:
-        return None
-    return SearchStatus.DONE if lo in known.measured else None
-
-
-def predict(known: Known, cap: Optional[int], spec: SearchConfig, per_sample: Optional[int] = None) -> Optional[int]:
-    """Last fitting batch, extrapolated linearly from the largest fitting measurement.
-
-    It starts from the largest size that fitted fresh where there is one (a probe after other sizes
-    in the same process peaks higher: leftovers). The slope is measured between it and the largest
-    fitting size a quarter of it (at least 4 steps) below (neighbouring sizes differ by less than
-    RSS's own noise); where no such pair exists, `per_sample` (the estimate's bytes per sample near
-    its guess), else the nearest pair there is.
-    """
-    pts = sorted((m, p) for m, p in known.peak.items() if known.fits.get(m))
-    if cap is None or not pts:
-        return None
-    fresh = [pt for pt in pts if known.fresh.get(pt[0], [False])[-1]]
-    m2, p2 = (fresh or pts)[-1]
-    far = [pt for pt in pts if pt[0] <= m2 - max(4 * spec.granularity, m2 / 4)]
-    if far:
-        m1, p1 = far[-1]
-        slope = (p2 - p1) / (m2 - m1)
-    elif per_sample:
-        slope = per_sample
-    elif len(pts) >= 2:
-        m1, p1 = next(pt for pt in reversed(pts) if pt[0] != m2)
-        slope = (p2 - p1) / (m2 - m1)
-    else:
-        return None
-    if slope <= 0:
-        return None
-    return snap(m2 + (cap - p2) / slope, spec)
-
-
-def next_plan(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[Seed] = None,
-              allow_fit: bool = True) -> list[Entry]:
-    """The next launch: ascending micro sizes; empty when `verdict` has the answer.
-
-    The first size of every launch runs fresh, so it runs full steps: if it turns out to be the
-    boundary, its measurement is already there. With a pool (`search.pool`) a fresh start costs
-    about a second, not a launch: a first launch that only explores (doubling's ascending sizes,
-    without a seed) then probes its first size too. `allow_fit` is cleared by the
-    caller after a prediction that did not close the bracket: from then on plain bisection
-    guarantees the end.
-    """
-    plan = _next(known, spec, cap, seed, allow_fit)
-    if not plan or (spec.pool and _exploring(known, plan, seed)):
-        return plan
-    return [Entry(plan[0].micro, Mode.MEASURE)] + plan[1:]
-
-
-def _exploring(known: Known, plan: list[Entry], seed: Optional[Seed]) -> bool:
-    """The first launch of a search without a seed: doubling before anything is known."""
-    return len(plan) > 1 and not known.fits and seed is None
-
-
-def _next(known: Known, spec: SearchConfig, cap: Optional[int], seed: Optional[Seed], allow_fit: bool) -> list[Entry]:
-    if verdict(known, spec) is not None:
-        return []
-    retry = [m for m, n in known.timeouts.items() if n == 1 and m not in known.fresh]
-    if retry:  # a timeout is retried once, fresh
-        return [Entry(min(retry), Mode.MEASURE)]
-    if known.contradiction is not None:
-        return _retest(known)
-    fit = spec.strategy == "fit" and allow_fit
-    guess = predict(known, cap, spec, seed.per_sample if seed else None) if fit else None
-    lo, failed = known.lo, known.fresh_hi
-    if guess is not None and lo is not None and failed is not None and guess >= failed:
-        # fresh processes refuted this prediction already (its slope is too low): hedge below the failure
-        guess = snap(lo + SEED_HEDGE * (failed - lo), spec)
-    if guess is not None and _past_a_probe(known, guess):
-        return _around(guess, known, spec, ignore_probes=True)
-    if bracketed(known, spec):
-        return _confirm(known)
-    if guess is None and fit and seed and known.lo is None:
-        guess = _from_seed(known, spec, seed)
-    if guess is not None:
-        return _around(guess, known, spec)
-    return _grow_or_bisect(known, spec)
-
-
-def _retest(known: Known) -> list[Entry]:
-    """A smaller size failed where a larger one fitted: test each once more, fresh."""
-    c, lo = known.contradiction, known.lo
-    if len(known.fresh.get(c, [])) < 2:
-        return [Entry(c, Mode.PROBE)]
-    return [Entry(lo, Mode.MEASURE)]
-
-
-def _confirm(known: Known) -> list[Entry]:
-    """The bracket is closed: decide it fresh. The size above first (full steps: if it fits after
-    all, it is the next candidate and already measured), then the candidate itself."""
-    lo, hi = known.lo, known.hi
-    if hi is not None and hi not in known.fresh:
-        return [Entry(hi, Mode.MEASURE)]
-    return [Entry(lo, Mode.MEASURE)]
-
-
-def _from_seed(known: Known, spec: SearchConfig, seed: Seed) -> Optional[int]:
-    """Nothing fitted yet: SEED_HEDGE of the estimate's guess, measured fresh; where that failed, a
-    fifth below it. From the first fresh peak, the slope places the next trial."""
-    hi = known.hi
-    if hi is None:
-        return max(snap(SEED_HEDGE * seed.micro, spec), spec.min)
-    below = snap(hi - max(spec.granularity, 0.2 * hi), spec)
-    return below if below >= spec.min and known.fits.get(below) is None else None
-
-
-def _past_a_probe(known: Known, guess: int) -> bool:
-    """The largest fit is fresh and its peak leaves room up to `guess`, at or past a size that
-    failed only as a probe (after other sizes in its process: leftovers inflate such peaks)."""
-    lo, hi = known.lo, known.hi
-    return (lo is not None and hi is not None and hi not in known.fresh and known.fresh.get(lo, [False])[-1]
-            and guess >= hi)
-
-
-def _around(guess: int, known: Known, spec: SearchConfig, ignore_probes: bool = False) -> list[Entry]:
-    """The predicted boundary and the size above it (to see it fail), below the smallest size
-    known to fail (ignore_probes: known to fail fresh)."""
-    g, lo, hi = spec.granularity, known.lo, known.fresh_hi if ignore_probes else known.hi
-    guess = max(lo + g if lo is not None else spec.min, min(guess, hi - g if hi is not None else spec.max))
-    plan = [Entry(guess)]
-    if spec.multi and guess + g < (hi if hi is not None else spec.max + 1):
-        plan.append(Entry(guess + g))
-    return plan
-
-
-def _grow_or_bisect(known: Known, spec: SearchConfig) -> list[Entry]:
-    """Doubling until a failure (all in one launch when `multi`), then bisection."""
-    g, lo, hi = spec.granularity, known.lo, known.hi
-    if hi is not None:
-        base = lo if lo is not None else spec.min - g
-        return [Entry(max(snap((base + hi) / 2, spec), base + g))]
-    start = spec.min if lo is None else max(min(snap(lo * 2, spec), spec.max), lo + g)
-    if not spec.multi:
-        return [Entry(start)]
-    plan, m = [], start
-    while m <= spec.max and len(plan) < spec.max_trials:
-        plan.append(Entry(m))
-        m = max(snap(m * 2, spec), m + g)
-    return plan
-
-
-# The first trial of a seeded search, as a fraction of the estimate's guess: the estimate ran 24-31 %
-# high on the CPU demo's models and within a few % on others (docs/estimate.md); a trial below the
-# boundary still gives the fresh peak the next prediction needs, one above it only a failure.
-SEED_HEDGE = 0.85
-# Launches placed by prediction before the search bisects: the estimate's guess, then from the
-# measured peaks (the estimate's slope, then the measured one); peaks grow faster than linearly past
-# small batches, so straight-line guesses beyond that tend to overshoot again.
-FIT_LAUNCHES = 3
 
 
 @dataclass
 class SearchOptions:
     """How one invocation runs a search (beyond the config and the search keys)."""
-    seed: Optional[Seed] = None  # first guess of the micro-batch and its bytes per sample (the analytic estimate)
+    seed: Optional[Seed] = None  # first guess of the size and its bytes per unit of it (the analytic estimate)
     repeats: int = 1  # fresh full-step measurements at the answer (median reported)
     force: bool = False  # forget stored trials and measure again
     progress: Callable[[str], None] = print
     pools: Optional[PoolSlot] = None  # a pool shared with other searches (a sweep's); None: its own
     fault: Optional[Fault] = None  # tests only: injected into every trial (zero_bench.trial.faults)
+    grow: Grow = field(default_factory=Grow)  # what the search grows: the micro-batch, or model.seq_len
 
 
 def _mib(b: Optional[int]) -> str:
@@ -297,18 +42,21 @@ def _mib(b: Optional[int]) -> str:
 
 
 class Search:
-    """One max-batch search: its trials (stored and new), launches, and the store it writes."""
+    """One search (max batch or max sequence): its trials (stored and new), launches, and the store
+    it writes. `spec` is the grid the procedure runs on (for maxseq: dimension.seq_grid's)."""
 
     def __init__(self, cfg: BenchConfig, spec: SearchConfig, store: Store, run_dir: Path,
                  opts: Optional[SearchOptions] = None):
         # a config built by hand (not by configure.from_cfg) has its "auto" values resolved here
         self.cfg, self.spec, self.store, self.run_dir = resolve(cfg, here=False), spec, store, run_dir
         self.opts = opts or SearchOptions()
-        self.key, self.label = self.cfg.search_key(), self.cfg.label()
+        self.grow = self.opts.grow
+        self.key, self.label = self.grow.key(self.cfg), self.cfg.label()
         # what peaks are compared with, here and in the estimate (a bare GPU: its CUDA total)
         self.cap = search_capacity(self.cfg)
         self.trials: list[TrialResult] = []
         self.new_trials = self.launches = self.fit_launches = 0
+        self.running = 0  # the size the current launch runs first (maxseq: its sequence length)
         self.error: Optional[TrialResult] = None
         # the ranks are started once for this search (or once for the sweep that passes its own)
         self.pools = (self.opts.pools or PoolSlot(run_dir / "pool")) if spec.pool else None
@@ -318,7 +66,7 @@ class Search:
         self.opts.progress(f"[{self.label}] {text}")
 
     def known(self) -> Known:
-        return Known.from_trials(self.trials, self.cfg.hardware.device)
+        return Known.from_trials(self.trials, self.cfg.hardware.device, self.grow.size)
 
     # -- driving launches -------------------------------------------------------------------------
     def run(self) -> SearchResult:
@@ -326,8 +74,7 @@ class Search:
             self.store.forget(self.key)
         prev = self.store.search(self.key)
         if prev and prev.status.finished:
-            self.say(f"already measured: {prev.status}, max global batch {prev.max_global_batch} "
-                     "(force=true re-measures)")
+            self.say(f"already measured: {prev.status}, {answer(prev)} (force=true re-measures)")
             return prev
         self.store.claim(self.key, self.label)
         try:
@@ -350,8 +97,8 @@ class Search:
         known = self.known()
         plan = next_plan(known, self.spec, self.cap, self.opts.seed, allow_fit=self.fit_launches < FIT_LAUNCHES)
         if not plan and verdict(known, self.spec) == SearchStatus.DONE:
-            done = sum(1 for t in self.trials if t.micro == known.lo and t.fresh and t.mode == Mode.MEASURE
-                       and t.status == Status.OK)
+            done = sum(1 for t in self.trials if self.grow.size(t) == known.lo and t.fresh
+                       and t.mode == Mode.MEASURE and t.status == Status.OK)
             if done < self.opts.repeats:
                 plan = [Entry(known.lo, Mode.MEASURE)]
         return plan
@@ -367,11 +114,11 @@ class Search:
                                                                            per_sample) is not None
         name = f"launch{self.launches:02d}"
         if len(plan) == 1:
-            self.say(f"launch {self.launches}: micro={plan[0].micro} fresh ({plan[0].mode})")
-        results = run_launch(self.cfg.with_micro(plan[0].micro), plan, self.run_dir / name,
+            self.say(f"launch {self.launches}: {self.grow.name}={plan[0].micro} fresh ({plan[0].mode})")
+        cfg, self.running = self.grow.config(self.cfg, plan[0].micro), plan[0].micro
+        results = run_launch(cfg, self.grow.entries(cfg, plan), self.run_dir / name,
                              LaunchOptions(on_result=self.record, on_event=self.live, pools=self.pools,
-                                           fault=self.opts.fault,
-                                           pace=measured_pace(self.trials, self.cfg.batch.grad_accum)))
+                                           fault=self.opts.fault, pace=self.grow.pace(self.trials, cfg)))
         errs = [r for r in results if r.status == Status.ERROR]
         if errs:  # a bigger batch will not fix it
             self.error = errs[0]
@@ -382,6 +129,7 @@ class Search:
             self.cap = search_capacity(self.cfg, [r for t in self.trials for r in t.ranks])
 
     def record(self, t: TrialResult) -> None:
+        t.search_key = self.key  # maxseq's trials each ran a config of their own sequence length
         self.store.add_trial(t)
         self.trials.append(t)
         if t.status == Status.NOT_RUN:
@@ -391,25 +139,28 @@ class Search:
         known = self.known()
         why = f" ({t.reason})" if t.status != Status.OK and t.reason else ""
         # a launch stopped over budget has no rank record: its sampled peak says how far it got
-        sampled = (d.peak_bytes for d in t.devices if d.kind != "disk")  # disk: swap files, not memory
-        peak = trial_peak(t.ranks, self.cfg.hardware.device) or max(sampled, default=None)
-        self.say(f"trial {self.new_trials}: micro={t.micro} (global {t.global_batch}){' fresh' if t.fresh else ''}"
+        peak = trial_peak(t.ranks, self.cfg.hardware.device) or max((d.peak_bytes for d in t.devices), default=None)
+        what = f"seq_len={self.grow.size(t)}" if self.grow.seq else f"micro={t.micro} (global {t.global_batch})"
+        self.say(f"trial {self.new_trials}: {what}{' fresh' if t.fresh else ''}"
                  f" -> {t.status}{why} | peak {_mib(peak)}/{_mib(self.cap)} MiB | elapsed "
                  f"{time.time() - self.t0:.0f}s | best so far {known.lo or '-'}")
 
     def live(self, rec: RankRecord) -> None:
         if rec.event == Event.BEGIN:
-            self.say(f"  launch {self.launches}: running micro={rec.micro} ({rec.mode}) "
+            what = f"seq_len={self.running} at micro={rec.micro}" if self.grow.seq else f"micro={rec.micro}"
+            self.say(f"  launch {self.launches}: running {what} ({rec.mode}) "
                      f"| elapsed {time.time() - self.t0:.0f}s")
 
     # -- the answer ---------------------------------------------------------------------------------
     def finish(self) -> SearchResult:
         known = self.known()
         res = SearchResult(search_key=self.key, label=self.label, status=SearchStatus.INCOMPLETE,
-                           strategy=self.spec.strategy, config=self.cfg.to_dict(), launches=self.launches)
+                           strategy=self.spec.strategy, config=self.cfg.to_dict(), launches=self.launches,
+                           dimension=self.grow.kind)
         status = verdict(known, self.spec)
+        name = self.grow.name
         if self.error is not None:
-            res.status, res.note = SearchStatus.ERROR, f"error at micro={self.error.micro}: {self.error.reason}"
+            res.status, res.note = SearchStatus.ERROR, f"error at {name}={self.grow.size(self.error)}: {self.error.reason}"
         elif status is not None:
             res.status = status
         else:
@@ -418,42 +169,66 @@ class Search:
         res.trials = sum(t.status != Status.NOT_RUN for t in self.trials)
         res.wall_s = round(time.time() - self.t0, 1)
         self.store.put_search(res)
-        self.say(f"{res.status}: max global batch {res.max_global_batch} (micro {res.max_micro} x dp "
-                 f"{self.cfg.parallel.dp}) | {res.note} | {res.trials} trials, {self.launches} launches, "
+        self.say(f"{res.status}: {answer(res)} | {res.note} | {res.trials} trials, {self.launches} launches, "
                  f"{res.wall_s:.0f}s")
         return res
 
     def _fill(self, res: SearchResult, known: Known) -> None:
-        lo, hi, dp = known.lo, known.hi, self.cfg.batch.grad_accum * self.cfg.parallel.dp
+        lo, hi, name, size = known.lo, known.hi, self.grow.name, self.grow.size
         if res.status == SearchStatus.TIMEOUT:
             m = min(m for m, n in known.timeouts.items() if n >= 2 and m not in known.fresh)
-            last = next(t for t in reversed(self.trials) if t.micro == m and t.status == Status.TIMEOUT)
-            res.note = f"micro={m} timed out twice: {last.reason}"
+            last = next(t for t in reversed(self.trials) if size(t) == m and t.status == Status.TIMEOUT)
+            res.note = f"{name}={m} timed out twice: {last.reason}"
         if res.status == SearchStatus.FLAKY:
-            res.note = (f"micro={known.contradiction} failed twice while micro={lo} fitted twice, "
+            res.note = (f"{name}={known.contradiction} failed twice while {name}={lo} fitted twice, "
                         "each in fresh processes: memory use is not repeatable here")
         if res.status == SearchStatus.DOES_NOT_FIT:
-            first = next(t for t in reversed(self.trials) if t.micro == self.spec.min and t.fresh
+            first = next(t for t in reversed(self.trials) if size(t) == self.spec.min and t.fresh
                          and t.status == Status.OOM)
             init = first.failed_initializing
             res.status = SearchStatus.CANNOT_INITIALIZE if init else SearchStatus.DOES_NOT_FIT
-            res.note = ("cannot even initialize model" if init else f"batch {self.spec.min * dp} does not fit") + \
+            res.note = ("cannot even initialize model" if init else f"{self._said(self.spec.min)} does not fit") + \
                 f" ({first.reason})"
-            res.first_fail_micro = self.spec.min
+            if not self.grow.seq:
+                res.first_fail_micro = self.spec.min
+            else:
+                res.first_fail_seq_len = self.spec.min
         if lo is None or res.status in (SearchStatus.CANNOT_INITIALIZE, SearchStatus.DOES_NOT_FIT):
             return
-        res.max_micro, res.first_fail_micro, res.max_global_batch = lo, hi, lo * dp
+        if self.grow.seq:
+            res.max_seq_len, res.first_fail_seq_len = lo, hi
+            res.config = self.grow.config(self.cfg, lo).to_dict()  # the report's row: the answer's config
+            res.max_micro, res.max_global_batch = self.cfg.batch.micro, self.cfg.global_batch
+        else:
+            res.max_micro, res.first_fail_micro = lo, hi
+            res.max_global_batch = lo * self.cfg.batch.grad_accum * self.cfg.parallel.dp
         if res.status == SearchStatus.DONE:
-            res.note = (f"OOM at global batch {hi * dp} (fresh)" if hi is not None
-                        else f"search.max={self.spec.max} reached")
+            res.note = (f"OOM at {self._said(hi)} (fresh)" if hi is not None
+                        else f"search.{'seq_max' if self.grow.seq else 'max'}={self.spec.max} reached")
         elif res.status == SearchStatus.ERROR:
-            res.note += f"; before it, micro {lo} fitted{'' if lo in known.measured else ' (not confirmed fresh)'}"
-        got = [t for t in self.trials if t.micro == lo and t.fresh and t.mode == Mode.MEASURE and t.status == Status.OK]
+            res.note += f"; before it, {name} {lo} fitted{'' if lo in known.measured else ' (not confirmed fresh)'}"
+        got = [t for t in self.trials if size(t) == lo and t.fresh and t.mode == Mode.MEASURE and t.status == Status.OK]
         if got:
             # a repeat without time/it (fp16: every timed step overflowed) sorts last
             got.sort(key=lambda t: (t.time_per_step_s is None, t.time_per_step_s or 0.0))
             res.measure = got[len(got) // 2]  # the median run
             res.repeats = [t.time_per_step_s for t in got]
+
+    def _said(self, size: int) -> str:
+        """A size as the notes name it: a global batch, or a sequence length."""
+        if self.grow.seq:
+            return f"seq_len {size}"
+        return f"global batch {size * self.cfg.batch.grad_accum * self.cfg.parallel.dp}"
+
+
+def answer(res: SearchResult) -> str:
+    """A search's answer in a few words, for the progress lines."""
+    if res.dimension == Dimension.SEQ:
+        return f"max seq len {res.max_seq_len}" + (f" (micro {res.max_micro})" if res.max_micro else "")
+    if res.max_micro is None:
+        return f"max global batch {res.max_global_batch}"
+    dp = res.config.get("parallel", {}).get("dp", "?")
+    return f"max global batch {res.max_global_batch} (micro {res.max_micro} x dp {dp})"
 
 
 def run_search(cfg: BenchConfig, spec: SearchConfig, store: Store, run_dir: Path,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 import yaml
 
 from zero_bench.config.schema import CONF_DIR
-from zero_bench.records import SearchResult
+from zero_bench.records import Dimension, SearchResult
 from zero_bench.store import Store
 
 if TYPE_CHECKING:
@@ -156,7 +156,8 @@ def job_status(sweep_dir: Path, num: int) -> JobStatus:
     searches = Store(job_dir / JOB_STORE).searches() if (job_dir / JOB_STORE).exists() else []
     if searches and searches[-1].status.finished:
         s = searches[-1]
-        return JobStatus(num, overrides, "done", job_id, f"{s.status}: max global batch {s.max_global_batch}")
+        found = f"max seq len {s.max_seq_len}" if s.dimension == Dimension.SEQ else f"max global batch {s.max_global_batch}"
+        return JobStatus(num, overrides, "done", job_id, f"{s.status}: {found}")
     error = _failed(folder, job_id) if job_id else None
     if error:
         return JobStatus(num, overrides, "failed", job_id, error)
