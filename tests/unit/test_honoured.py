@@ -38,6 +38,7 @@ EXAMPLES = {
     "hardware.card": (["hardware.card=H100"], ["hardware.device=gpu", "precision=bf16"]),
     "fusions": (["fusions=false"], ["hardware.device=gpu", "precision=bf16"]),
     "offload": (["offload=true"], ["hardware.device=gpu", "precision=bf16"]),
+    "parallel.sequence_parallel": (["parallel.sequence_parallel=false"], ["parallel=tp2"]),
 }
 
 

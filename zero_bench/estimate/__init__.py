@@ -248,7 +248,7 @@ def deepspeed_parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
                                 expert_params=layout.tp_shard_expert_params)
     checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing, bench.hardware.device,
-                                      bench.recompute_layers, bench.loss, bench.fusions)
+                                      bench.recompute_layers, bench.loss, bench.fusions, layout.sequence_parallel)
     factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
     per_sample = act["total"] + (act["host"] if on_cpu else 0)  # on CPU the host is the device
     b = BYTES[bench.precision]

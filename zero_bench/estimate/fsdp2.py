@@ -155,7 +155,8 @@ def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     grads_phase = {"backward_start": 0, **{n: (L - 1 - i) * layer_grads for n, i in layers.items()},
                    "step": dev_grads * states.grads}
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, device=bench.hardware.device,
-                                      recompute_layers=bench.recompute_layers, loss=bench.loss, fusions=bench.fusions)
+                                      recompute_layers=bench.recompute_layers, loss=bench.loss, fusions=bench.fusions,
+                                      sequence_parallel=bench.layout.sequence_parallel)
     kept = act["layers"] / L  # per layer, after recompute's savings
     logits = m.seq_len * m.padded_vocab(tp) // tp * LOGITS_BYTES[bench.precision]
     act_phase = {"backward_start": act["layers"] + act["embedding"] + logits,
