@@ -61,6 +61,7 @@ class Setup:
     recompute_layers: int = 1
     dp_shard: Optional[int] = None
     ep: int = 1  # expert parallelism (parallel.ep); 1 for records stored before it
+    sequence_parallel: bool = False  # parallel.sequence_parallel; false for tp > 1 stored before it
 
     @property
     def world(self) -> int:
@@ -98,7 +99,8 @@ def setup_of(c: dict) -> Setup:
                  offload_param=bool(b.offload_param), precision=str(b.precision), device=str(b.hardware.device),
                  grad_accum=b.batch.grad_accum, recompute=str(b.recompute), ds_preset=b.ds_preset,
                  compile=b.compile, engine=str(b.engine), states=str(b.states),
-                 recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep)
+                 recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep,
+                 sequence_parallel=par.sequence_parallel)
 
 
 @functools.lru_cache(maxsize=4096)
