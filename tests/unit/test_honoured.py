@@ -41,6 +41,7 @@ EXAMPLES = {
     "offload": (["offload=true"], ["hardware.device=gpu", "precision=bf16"]),
     "zeropp.qgz": (["zero=3", "zeropp.qgz=true"], ["hardware.num_nodes=2"]),
     "nvme_path": (["nvme_path=/tmp"], ["zero=3", "offload_device=nvme"]),
+    "parallel.sequence_parallel": (["parallel.sequence_parallel=false"], ["parallel=tp2"]),
 }
 
 

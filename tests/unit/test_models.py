@@ -433,8 +433,8 @@ def test_flops_count_active_parameters():
     (["model.moe_router_topk=9"], "model.moe_router_topk=9: must be an integer in [1, 8]"),
     (["model.num_experts=0"], "model.num_experts=0: must be an integer >= 1"),
     (["model.moe_dense_layers=[4]"], "model.moe_dense_layers=[4]: must be distinct layer indices in [0, 3]"),
-    (["parallel.tp=2", "parallel.dp=1"], "parallel.tp=2: megatron-core's MoE layer trains with tp > 1 only with "
-                                         "sequence parallelism, which is not modelled; allowed with "
+    (["parallel.tp=2", "parallel.dp=1"], "parallel.tp=2: megatron-core's MoE layer at tp > 1 (with sequence "
+                                         "parallelism, expert tensor parallelism) is not modelled; allowed with "
                                          "model.num_experts: parallel.tp=1"),
 ])
 def test_bad_moe_keys_are_one_line(overrides, message):

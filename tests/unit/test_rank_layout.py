@@ -154,7 +154,7 @@ def test_counts_follow_the_experts_a_rank_holds():
     (dict(dp=4, ep=2, dp_shard=2, name="moe-tiny"), "parallel.ep=2: hybrid sharding with expert parallelism"),
     (dict(tp=3, name="gpt-mini"), "parallel.tp=3: must divide model.num_heads=4"),
     (dict(tp=4, name="llama-tiny"), "parallel.tp=4: must divide the query groups (model.num_query_groups=2)"),
-    (dict(tp=2, name="moe-tiny"), "parallel.tp=2: megatron-core's MoE layer trains with tp > 1 only with"),
+    (dict(tp=2, name="moe-tiny"), "parallel.tp=2: megatron-core's MoE layer at tp > 1"),
     (dict(dp=0), "parallel.dp=0: must be an integer >= 1"),
     (dict(sp=2), "sp=2: not modelled yet"),
     (dict(pp=4), "pp=4: not modelled yet"),

@@ -53,6 +53,8 @@ CONDITIONS: tuple[Condition, ...] = (
               why="no CUDA context on CPU"),
     Condition("hardware.card", _gpu, "hardware.device=gpu", harmless=True,
               why="it names the GPU whose calibration the estimate uses"),
+    Condition("parallel.sequence_parallel", lambda b: b.parallel.tp > 1, "parallel.tp > 1", harmless=True,
+              why="at tp 1 every rank holds the whole sequence: there is nothing to shard it over"),
     Condition("fusions", _gpu, "hardware.device=gpu", harmless=True,
               why="megatron's jit fusions are always off on CPU"),
     Condition("zeropp.qgz", lambda b: b.hardware.num_nodes > 1, "hardware.num_nodes > 1", harmless=True,

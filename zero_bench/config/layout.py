@@ -8,7 +8,8 @@ the sharded states), ep (megatron's expert parallelism: each group of ep data-pa
 a mixture of experts' experts); sp and pp are reserved for the sequence- and pipeline-parallel
 degrees that come next (1 today, refused otherwise). Validated once, against the model where one
 is given: every refusal that is about the degrees alone (tp dividing the heads, the hidden size,
-the query groups and the MLP; ep dividing the experts and dp; dp_shard dividing dp) is raised
+the query groups and the MLP, and with megatron's sequence parallelism the sequence; ep dividing
+the experts and dp; dp_shard dividing dp) is raised
 here, as one line naming the key (zero_bench.errors.ConfigError). What an engine cannot run stays
 in engines/refusals.py; configure.validate_static asks both.
 
@@ -49,6 +50,9 @@ class RankLayout:
     today: the tokens per rank are the whole sequence; anything else is refused."""
     pp: int = 1
     """Reserved: the pipeline-parallel degree, after sp. 1 today; anything else is refused."""
+    sequence_parallel: bool = False
+    """megatron's sequence parallelism runs (parallel.sequence_parallel at tp > 1): the norms,
+    dropouts and residuals hold seq_len / tp tokens per rank (seq_shard). False at tp 1."""
     model: Optional[ModelConfig] = None
     """The model the degrees are validated against and whose parameters the layout places. None:
     the degrees alone (the ZeRO paper's formula on a bare parameter count, a stored calibration)."""
@@ -62,6 +66,9 @@ class RankLayout:
             if getattr(self, key) != 1:
                 raise ConfigError(f"{key}={getattr(self, key)}: not modelled yet (RankLayout reserves the degree); "
                                   f"allowed: {key}=1")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true: shards the sequence over tp ranks; at parallel.tp=1 "
+                              "RankLayout takes sequence_parallel=False")
         self._check_hybrid()
         self._check_experts()
         self._check_tensor_parallel()
@@ -70,7 +77,9 @@ class RankLayout:
     def of(cls, degrees: Any, model: Optional[ModelConfig]) -> "RankLayout":
         """The layout of `degrees` (anything with tp, dp, dp_shard and ep: config.schema's
         ParallelConfig, a stored config's report.tables.Setup) for `model`."""
-        return cls(tp=degrees.tp, dp=degrees.dp, dp_shard=degrees.dp_shard, ep=degrees.ep, model=model)
+        sequence_parallel = bool(getattr(degrees, "sequence_parallel", False)) and degrees.tp > 1
+        return cls(tp=degrees.tp, dp=degrees.dp, dp_shard=degrees.dp_shard, ep=degrees.ep,
+                   sequence_parallel=sequence_parallel, model=model)
 
     # -- validation: one line per refusal, the key first ----------------------------------------
     def _check_hybrid(self) -> None:
@@ -119,9 +128,13 @@ class RankLayout:
                               f"{m.query_groups})")
         if m.ffn % tp:
             raise ConfigError(f"parallel.tp={tp}: must divide model.ffn_hidden_size={m.ffn}")
+        if self.sequence_parallel and m.seq_len % tp:  # megatron splits the sequence in equal shards
+            raise ConfigError(f"model.seq_len={m.seq_len}: must be a multiple of parallel.tp={tp} with "
+                              "parallel.sequence_parallel=true (each tp rank holds seq_len / tp tokens); "
+                              "allowed: a multiple of tp, or parallel.sequence_parallel=false")
         if m.is_moe and tp > 1:  # moe_layer.py MoELayer.forward refuses tp > 1 without sequence parallelism
-            raise ConfigError(f"parallel.tp={tp}: megatron-core's MoE layer trains with tp > 1 only with sequence "
-                              "parallelism, which is not modelled; allowed with model.num_experts: parallel.tp=1")
+            raise ConfigError(f"parallel.tp={tp}: megatron-core's MoE layer at tp > 1 (with sequence parallelism, "
+                              "expert tensor parallelism) is not modelled; allowed with model.num_experts: parallel.tp=1")
 
     # -- sizes and groups -----------------------------------------------------------------------
     @property
@@ -133,6 +146,12 @@ class RankLayout:
     def shard_size(self) -> int:
         """The ranks that partition one copy of the dense states: dp, or dp_shard with hybrid sharding."""
         return self.dp_shard or self.dp
+
+    @property
+    def seq_shard(self) -> int:
+        """The ranks one sequence's norms, dropouts and residuals are split over: tp with sequence
+        parallelism, else 1 (each rank holds them whole)."""
+        return self.tp if self.sequence_parallel else 1
 
     @property
     def hybrid(self) -> bool:

@@ -118,10 +118,20 @@ class ParallelConfig:
     tokens by all-to-all (megatron's alltoall dispatcher); the ranks that hold the same experts
     (dp / ep of them) shard those experts' states. Must divide dp and num_experts; tp 1; DeepSpeed
     ZeRO 1-2 (its expert-data-parallel groups) and FSDP2 zero 2-3."""
+    sequence_parallel: bool = True
+    """Megatron's sequence parallelism at tp > 1 (Korthikanti et al. 2022), as Megatron and
+    torchtitan users run tensor parallelism: the norms, dropouts and residuals hold seq_len / tp
+    tokens per rank, gathered before and reduce-scattered after each tp-split matmul; seq_len must
+    be a multiple of tp. false: every tp rank holds the whole sequence there. Nothing at tp 1."""
 
     @property
     def world_size(self) -> int:
         return self.tp * self.dp
+
+    @property
+    def sequence_sharded(self) -> bool:
+        """Whether megatron's sequence parallelism runs: asked for, and tp > 1 to shard over."""
+        return self.sequence_parallel and self.tp > 1
 
 
 @dataclass
@@ -390,11 +400,14 @@ class BenchConfig:
             d["parallel"].pop("ep")
         if not self.zeropp.active:
             d.pop("zeropp")  # off: the keys configurations had before ZeRO++ was a dimension
+        if not self.parallel.sequence_sharded:  # tp 1, or tp > 1 as it ran before the key existed
+            d["parallel"].pop("sequence_parallel", None)
         return d
 
     def label(self) -> str:
         shard = self.parallel.dp_shard
         extras = [f"dp_shard={shard}" if shard and shard != self.parallel.dp else "",
+                  "sequence_parallel=false" if self.parallel.tp > 1 and not self.parallel.sequence_parallel else "",
                   f"ep={self.parallel.ep}" if self.parallel.ep > 1 else "",
                   f"states={self.states}" if self.states != States.mixed else "",
                   f"loss={self.loss}" if self.loss != Loss.megatron else "", self.zeropp.tag(),
@@ -542,6 +555,9 @@ def migrated(d: dict) -> dict:
         d["offload"] = d.pop("offload_optimizer")
     if isinstance(d.get("ds_preset"), dict):  # once a config group {name: ...}
         d["ds_preset"] = d["ds_preset"].get("name", "default")
+    par = d.get("parallel")
+    if isinstance(par, dict) and "sequence_parallel" not in par and (par.get("tp") or 1) > 1:
+        d["parallel"] = {**par, "sequence_parallel": False}  # stored before the key: tp > 1 ran without it
     return d
 
 

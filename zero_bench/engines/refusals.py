@@ -44,6 +44,23 @@ def deepspeed(b: BenchConfig, concern: str) -> None:
                           "offload_device=none, cpu")
     if concern == "ignored":
         ds_keys_read(b)
+        partitioned_activations(b)
+
+
+def partitioned_activations(b: BenchConfig) -> None:
+    """DeepSpeed's activation_checkpointing.partition_activations (the megatron_deepspeed preset)
+    splits each checkpointed layer input over the tp ranks and all-gathers it back in backward, as
+    if the input were the same on every tp rank: with megatron's sequence parallelism each rank's is
+    its own sequence shard, and the gathered input would be the other ranks' pieces."""
+    if not (b.parallel.sequence_sharded and b.recompute in ("full", "block")):
+        return
+    from zero_bench.engines import ds_config
+
+    if (ds_config.build(b).get("activation_checkpointing") or {}).get("partition_activations"):
+        raise ConfigError("parallel.sequence_parallel=true: DeepSpeed's activation_checkpointing.partition_activations "
+                          "splits each checkpointed input as if every tp rank held the same one, but each holds its own "
+                          "sequence shard; allowed with it: parallel.sequence_parallel=false "
+                          "(or +ds.activation_checkpointing.partition_activations=false)")
 
 
 def first_zeropp_key(b: BenchConfig) -> str:

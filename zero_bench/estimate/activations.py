@@ -1,6 +1,7 @@
 """Activation bytes one sample adds to a rank: what megatron's local-spec GPTModel keeps for
-backward, tensor by tensor, for recompute none / selective / full, tensor parallel t (no sequence
-parallelism), dropout on or off, unfused or sdpa attention, on CPU or GPU, from the one description.
+backward, tensor by tensor, for recompute none / selective / full, tensor parallel t with or without
+megatron's sequence parallelism, dropout on or off, unfused or sdpa attention, on CPU or GPU, from
+the one description.
 
 It generalises Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models", eq. 2: s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit with dropout) by counting the
@@ -57,6 +58,16 @@ f_e = moe_ffn):
                   3f_e and the weight B
   unpermute       scatter_add_ keeps only the indices above; the shared expert keeps its MLP (its
                   input is the router's)
+Sequence parallelism (parallel.sequence_parallel at t > 1; Korthikanti et al. 2022, section 4.2.2:
+per layer sbh(10 + 24/t + 5as/(ht)) becomes sbh(34/t + 5as/(ht)) in 16-bit with dropout): the
+terms outside the tp-split regions hold s/t tokens per rank: both norms (input and statistics),
+the QKV and fc1 inputs (megatron's column-parallel linear saves its sequence shard and all-gathers
+it again in backward), the dropout masks, the embedding's dropout mask, the final norm and the
+output layer's input; full recompute keeps each layer's input shard. What stays whole: the
+attention (all s tokens of a/t heads), the context, the MLP (f/t), the logits. Each
+column-parallel linear all-gathers its input into GlobalMemoryBuffer's "mpu" tensor, the same
+buffer unfused attention's scores use (one s x h tensor per sample, or the scores where larger).
+
 Long sequences (models/sequence.py): tiled_mlp (DeepSpeed's TiledMLP) keeps no MLP intermediates,
 only fc1's input; its backward holds one tile's intermediates and gradients (1/tiles of the
 sequence's) and the input's whole gradient B*h. recompute_offload: the checkpointed inputs B*h per
@@ -217,29 +228,35 @@ def moe_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", fused: bool 
     }
 
 
+def seq_shard(tp: int, sequence_parallel: bool) -> int:
+    """The ranks the sequence-parallel terms are split over: t with sequence parallelism, else 1."""
+    return tp if sequence_parallel and tp > 1 else 1
+
+
 def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu",
-                moe: bool = False, fusions: bool = False, tiles: int = 0) -> dict:
+                moe: bool = False, fusions: bool = False, tiles: int = 0, sequence_parallel: bool = False) -> dict:
     """Bytes per token one layer keeps for backward without recompute, by term (moe: an MoE layer;
     fusions: megatron's jit fusions asked for, the BenchConfig key; False counts the eager ops;
-    tiles: tiled_mlp's tiles, 0 untiled: the tiled MLP keeps only its input, fc1_input)."""
+    tiles: tiled_mlp's tiles, 0 untiled: the tiled MLP keeps only its input, fc1_input;
+    sequence_parallel: the norms', dropouts' and linears' inputs' terms hold 1/t of the tokens)."""
     B, x = BYTES[precision], _dims(m, tp)
-    h, f = x["h"], x["f"]
+    h, f, n = x["h"], x["f"], seq_shard(tp, sequence_parallel)
     mb = _mask_bytes(B, device) if m.dropout > 0 else 0
     core = core_attention_terms(m, tp, precision, device, fusions)
     fused = swiglu_fused(m, device, fusions)
     mlp = (moe_terms(m, tp, precision, fused) if moe else
-           {"fc1_input": B * h, "mlp": 0 if tiles else mlp_bytes(m, f, B, fused)})
+           {"fc1_input": B * h / n, "mlp": 0 if tiles else mlp_bytes(m, f, B, fused)})
     return {
-        "input_norm": norm_bytes(m, precision, device),
-        "qkv_input": B * h,
+        "input_norm": norm_bytes(m, precision, device) / n,
+        "qkv_input": B * h / n,
         **qk_norm_terms(m, tp, precision, device),
         "attention_qkv": core["qkv"],
         "attention_internal": core["internal"],
         "attention_context": core["context"],
-        "attention_dropout_mask": mb * h,
-        "pre_mlp_norm": norm_bytes(m, precision, device),
+        "attention_dropout_mask": mb * h / n,
+        "pre_mlp_norm": norm_bytes(m, precision, device) / n,
         **mlp,
-        "mlp_dropout_mask": mb * h,
+        "mlp_dropout_mask": mb * h / n,
     }
 
 
@@ -253,17 +270,20 @@ def mlp_part(terms: dict) -> float:
 
 
 def head_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu",
-               loss: str = "megatron") -> dict:
+               loss: str = "megatron", sequence_parallel: bool = False) -> dict:
     """Bytes per token outside the layers (embedding, final norm, output layer, loss). The loss's
     softmax kept for backward (models/loss.py): megatron's fp32 softmax 4V/t; loss=bf16 torch's
-    log-softmax in the logits' dtype; fp32 its fp32 log-softmax; chunked none."""
+    log-softmax in the logits' dtype; fp32 its fp32 log-softmax; chunked none. With sequence
+    parallelism the embedding's dropout, the final norm and the output layer's input hold 1/t of
+    the tokens (the output layer all-gathers its input's shard)."""
     B, h, V = BYTES[precision], m.hidden_size, m.padded_vocab(tp)
+    n = seq_shard(tp, sequence_parallel)
     softmax = {"megatron": 4 * V // tp, "bf16": B * V, "fp32": 4 * V, "chunked": 0}[loss]
     return {
         "token_ids": 8 + (1 if tp > 1 else 0),
-        "embedding_dropout_mask": (_mask_bytes(B, device) * h) if m.dropout > 0 else 0,
-        "final_norm": norm_bytes(m, precision, device),
-        "output_layer_input": B * h,
+        "embedding_dropout_mask": (_mask_bytes(B, device) * h / n) if m.dropout > 0 else 0,
+        "final_norm": norm_bytes(m, precision, device) / n,
+        "output_layer_input": B * h / n,
         "logits_softmax_fp32": softmax,
         "loss_bookkeeping": 13,  # target mask (bool), masked target (int64), per-token loss (fp32)
     }
@@ -327,7 +347,7 @@ def backward_transients(m: ModelConfig, tp: int, precision: str, device: str, ti
 
 
 def op_kept_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu",
-                  moe: bool = False) -> dict:
+                  moe: bool = False, sequence_parallel: bool = False) -> dict:
     """Bytes per token one layer keeps under recompute=op (models/op_recompute.py: torchtitan's
     per-op policy): the checkpoint's input, and the outputs of the ops the policy saves. In
     megatron's layer the odd matmuls are linear_qkv's and each up projection (fc1: SwiGLU's gate
@@ -342,20 +362,20 @@ def op_kept_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: 
     else:
         fc1 = up * x["f"] * B
     flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash"
-    return {"layer_input": B * x["h"], "qkv_output": (x["q"] + 2 * x["kv"]) * B,
+    return {"layer_input": B * x["h"] / seq_shard(tp, sequence_parallel), "qkv_output": (x["q"] + 2 * x["kv"]) * B,
             "attention_output": x["q"] * B + 4 * x["heads"] if flash else 0, "fc1_output": fc1}
 
 
 def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping, kinds: list,
-            device: str = "gpu", offload: bool = False) -> tuple:
+            device: str = "gpu", offload: bool = False, sequence_parallel: bool = False) -> tuple:
     """(bytes the L layers keep, bytes one layer rebuilds in backward (the last layer), bytes on
     the host) per token. kinds: (number of layers, their terms, MoE or not) per kind of layer
-    (dense, MoE); the last layer's kind is last."""
-    B, h, L = BYTES[precision], m.hidden_size, m.num_layers
+    (dense, MoE); the last layer's kind is last. sequence_parallel: a layer's input is its shard."""
+    B, h, L = BYTES[precision], m.hidden_size / seq_shard(tp, sequence_parallel), m.num_layers
     last = sum(kinds[-1][1].values())
     if recompute == "op":
         # the last layer's backward rebuilds what the policy did not keep
-        kept = [sum(op_kept_terms(m, tp, precision, device, moe).values()) for _, _, moe in kinds]
+        kept = [sum(op_kept_terms(m, tp, precision, device, moe, sequence_parallel).values()) for _, _, moe in kinds]
         return sum(n * k for (n, _, _), k in zip(kinds, kept)), last - kept[-1], 0.0
     if recompute == "full":
         kept = B * h / (tp if ck.get("partition_activations") else 1)
@@ -373,28 +393,30 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
     return sum(n * sum(t.values()) for n, t, _ in kinds), 0.0, 0.0
 
 
-def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str, fusions: bool = False, tiles: int = 0) -> list:
+def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str, fusions: bool = False, tiles: int = 0,
+                sequence_parallel: bool = False) -> list:
     """[(layers, terms, MoE)] per kind of layer, the last layer's kind last (dense models: one kind)."""
     flags = m.moe_layers
     order = [not flags[-1], flags[-1]]
-    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe, fusions, tiles), moe)
+    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe, fusions, tiles, sequence_parallel), moe)
             for moe in order if moe in flags]
 
 
 def sequence_args(bench) -> dict:
-    """activation_bytes_per_sample's tiles and offload for a BenchConfig's tiled_mlp and
-    recompute_offload (models/sequence.py reads the same keys in trials)."""
+    """activation_bytes_per_sample's tiles, offload and sequence_parallel for a BenchConfig's
+    tiled_mlp, recompute_offload (models/sequence.py reads the same keys in trials) and layout."""
     from zero_bench.models.sequence import mlp_tiles
 
     m = bench.model
     tokens = m.seq_len // getattr(bench.parallel, "sp", 1)  # what one rank's MLP sees of a sequence
-    return {"tiles": mlp_tiles(bench.tiled_mlp, tokens, m.hidden_size), "offload": bench.recompute_offload}
+    return {"tiles": mlp_tiles(bench.tiled_mlp, tokens, m.hidden_size), "offload": bench.recompute_offload,
+            "sequence_parallel": bench.layout.sequence_parallel}
 
 
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
                                 checkpointing: Optional[Mapping] = None, device: str = "gpu",
                                 recompute_layers: int = 1, loss: str = "megatron", fusions: bool = False,
-                                tiles: int = 0, offload: bool = False) -> dict:
+                                tiles: int = 0, offload: bool = False, sequence_parallel: bool = False) -> dict:
     """Activation bytes one sample (sequence) adds to a rank.
 
     saved: what the forward leaves for backward (layers + embedding + logits + scratch); measured
@@ -421,12 +443,15 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     nothing but its input, and its backward one tile's intermediates (backward_transients).
     offload: recompute_offload with full/block: the checkpointed inputs counted in `host`, not on
     the device; in backward the last layer's input is back on the device.
+    sequence_parallel: megatron's sequence parallelism at tp > 1 (RankLayout.sequence_parallel):
+    the terms outside the tp-split regions divided by t (the module docstring).
     Returns bytes: per_layer (one layer, no recompute), layers (L layers through the forward),
     recomputed (what one layer rebuilds in backward), embedding, logits, logits_transient, scratch
     (unfused attention's buffer), host (cpu_checkpointing), saved, the three moments and total.
     """
     m, s, B, h = model, model.seq_len, BYTES[precision], model.hidden_size
-    kinds = layer_kinds(m, tp, precision, device, fusions, tiles)
+    sp = sequence_parallel and tp > 1
+    kinds = layer_kinds(m, tp, precision, device, fusions, tiles, sp)
     terms = kinds[-1][1]  # the last layer's, whose backward the moments below are about
     ck, L = checkpointing or {}, m.num_layers
     if recompute == "block" and recompute_layers >= L:
@@ -434,17 +459,19 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     block = recompute == "block"
     if block:
         n = recompute_layers
-        kept_inputs, recomputed, host = _layers(m, tp, precision, "full", ck, kinds, device, offload)
+        kept_inputs, recomputed, host = _layers(m, tp, precision, "full", ck, kinds, device, offload, sp)
         kept_inputs, host = kept_inputs * n / L, host * n / L
         layers = kept_inputs + _layers(m, tp, precision, "none", ck, kinds)[0] * (L - n) / L
     else:
-        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds, device, offload)
-    head = head_terms(m, tp, precision, device, loss)
+        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds, device, offload, sp)
+    head = head_terms(m, tp, precision, device, loss, sp)
     softmax = head.pop("logits_softmax_fp32")
     logits = softmax + head.pop("loss_bookkeeping")
     embedding = sum(head.values())
     transient = logits_transient(m, tp, B, loss)
-    scratch = B * _dims(m, tp)["A"] if m.attention == "unfused" else 0
+    # GlobalMemoryBuffer "mpu": unfused attention's scores; with sequence parallelism also each
+    # column-parallel linear's all-gathered input (s x h), in the same buffer
+    scratch = max(B * _dims(m, tp)["A"] if m.attention == "unfused" else 0, B * h if sp else 0)
     saved = layers + embedding + logits + scratch
     # The last layer's backward: the output side (logits, final norm, output-layer input) is gone.
     released = logits + head["final_norm"] + head["output_layer_input"]

@@ -131,6 +131,7 @@ def transformer_config(cfg: BenchConfig, on_cpu: bool, initialize: bool = True):
         **model_args(cfg.model),
         **expert_parallel_args(cfg),
         tensor_model_parallel_size=cfg.parallel.tp,
+        sequence_parallel=cfg.parallel.sequence_sharded,  # models/sequence_parallel.py
         use_cpu_initialization=on_cpu,
         perform_initialization=initialize,
         params_dtype=dtype,
@@ -196,29 +197,39 @@ def bias_activation_fused(m: ModelConfig, on_cpu: bool, fusions: bool = True) ->
     return m.add_bias and not m.is_moe
 
 
-def layer_spec(m: ModelConfig):
+def layer_spec(m: ModelConfig, sequence_parallel: bool = False):
     """get_gpt_layer_local_spec with the description's norm and, for sdpa, models/sdpa.py's core
     attention in place of megatron's DotProductAttention; with qk_norm, models/qk_norm.py's query
-    and key norms (megatron's, with their gradient summed over tp, which DeepSpeed and FSDP2 miss)."""
+    and key norms (megatron's, with their gradient summed over tp, which DeepSpeed and FSDP2 miss);
+    with sequence_parallel, models/sequence_parallel.py's norms (the layers' and the final one: the
+    local spec's refuse it) as the block's spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    norm = "RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm"
-    dense = _swapped(m, get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.qk_norm))
-    if not m.is_moe:
-        return dense
-    # MoE: one spec per layer, as get_gpt_decoder_layer_specs builds them from moe_layer_freq (the
-    # final norm is the block's LayerNormImpl, as for a single layer spec)
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
+    norm = "RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm"
+    dense = _swapped(m, get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.qk_norm), sequence_parallel)
+    final_norm = LayerNormImpl
+    if sequence_parallel:
+        from zero_bench.models.sequence_parallel import SequenceParallelNorm
+
+        final_norm = SequenceParallelNorm
+    if not m.is_moe:
+        if not sequence_parallel:
+            return dense
+        # the block's spec, as _get_block_submodules builds it from one layer's (pp 1: every layer)
+        return TransformerBlockSubmodules(layer_specs=[dense] * m.num_layers, layer_norm=final_norm)
+    # MoE: one spec per layer, as get_gpt_decoder_layer_specs builds them from moe_layer_freq (the
+    # final norm is the block's LayerNormImpl, as for a single layer spec)
     moe = _swapped(m, get_gpt_layer_local_spec(num_experts=m.num_experts, moe_grouped_gemm=False,
-                                               normalization=norm, qk_layernorm=m.qk_norm))
+                                               normalization=norm, qk_layernorm=m.qk_norm), sequence_parallel)
     return TransformerBlockSubmodules(layer_specs=[moe if x else dense for x in m.moe_layers],
-                                      layer_norm=LayerNormImpl)
+                                      layer_norm=final_norm)
 
 
-def _swapped(m: ModelConfig, spec):
-    """`spec` with zero_bench's sdpa core attention and qk norms where the description asks."""
-    swaps = {}
+def _swapped(m: ModelConfig, spec, sequence_parallel: bool = False):
+    """`spec` with zero_bench's sdpa core attention, qk norms and sequence-parallel norms where the
+    description and the layout ask."""
+    swaps, layer_swaps = {}, {}
     if m.attention == "sdpa":
         from zero_bench.models.sdpa import SDPAttention
 
@@ -227,10 +238,15 @@ def _swapped(m: ModelConfig, spec):
         from zero_bench.models.qk_norm import QKNorm
 
         swaps.update(q_layernorm=QKNorm, k_layernorm=QKNorm)
-    if swaps:
+    if sequence_parallel:
+        from zero_bench.models.sequence_parallel import SequenceParallelNorm
+
+        layer_swaps.update(input_layernorm=SequenceParallelNorm, pre_mlp_layernorm=SequenceParallelNorm)
+    if swaps or layer_swaps:
         attn = spec.submodules.self_attention
         attn_sub = dataclasses.replace(attn.submodules, **swaps)
-        layer_sub = dataclasses.replace(spec.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub))
+        layer_sub = dataclasses.replace(spec.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub),
+                                        **layer_swaps)
         spec = dataclasses.replace(spec, submodules=layer_sub)
     return spec
 
@@ -261,7 +277,11 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
         _moe_without_te()
         _moe_releases_dispatch_state()
         _experts_drawn_as_at_ep1()
-    spec = layer_spec(cfg.model)
+    if config.sequence_parallel:
+        from zero_bench.models.sequence_parallel import install_bias_sum
+
+        install_bias_sum()
+    spec = layer_spec(cfg.model, config.sequence_parallel)
     if on_layer is not None:
         spec = _then(spec, on_layer)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp))

@@ -25,12 +25,16 @@ def _tp_summed(weight: Tensor) -> Tensor:
     return copy_to_tensor_model_parallel_region(weight)
 
 
-class _RMSNorm(torch.nn.RMSNorm):
+class TpSummedRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm whose weight's gradient is summed over the tp group."""
+
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x, self.normalized_shape, _tp_summed(self.weight), self.eps)
 
 
-class _LayerNorm(torch.nn.LayerNorm):
+class TpSummedLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm whose weight's and bias's gradients are summed over the tp group."""
+
     def forward(self, x: Tensor) -> Tensor:
         return F.layer_norm(x, self.normalized_shape, _tp_summed(self.weight), _tp_summed(self.bias), self.eps)
 
@@ -40,5 +44,5 @@ class QKNorm:
     megatron calls WrappedTorchNorm: config, hidden_size = the head width, eps)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_) -> torch.nn.Module:
-        norm = _RMSNorm if config.normalization == "RMSNorm" else _LayerNorm
+        norm = TpSummedRMSNorm if config.normalization == "RMSNorm" else TpSummedLayerNorm
         return norm(normalized_shape=hidden_size, eps=eps)

@@ -31,6 +31,7 @@ def install_cpu_shims() -> None:
     _default_causal_mask_on_cpu()
     _router_stays_on_cpu()
     _expert_parallel_on_cpu()
+    _sequence_parallel_on_cpu()
     _installed = True
 
 
@@ -127,6 +128,19 @@ def _expert_parallel_on_cpu() -> None:
         return tokens_per_expert
 
     Dispatcher._maybe_dtoh_and_synchronize = on_host
+
+
+def _sequence_parallel_on_cpu() -> None:
+    """megatron's sequence parallelism (parallel.sequence_parallel) on CPU. Its gathers and
+    reduce-scatters are mappings.py's (answered above) and layers.py's: the column-parallel linear's
+    backward allocates the reduce-scattered input gradient with device=torch.cuda.current_device()
+    (tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward, line 552);
+    that module's `torch` answers the CPU there too. Its all-gathers write into GlobalMemoryBuffer's
+    "mpu" tensor (shimmed above); gloo runs all_gather_into_tensor and reduce_scatter_tensor, async
+    included. The norms are not a CPU matter: models/sequence_parallel.py."""
+    from megatron.core.tensor_parallel import layers
+
+    layers.torch = _TorchOnCpu()
 
 
 def _default_causal_mask_on_cpu() -> None:

@@ -72,6 +72,7 @@ class Setup:
     ep: int = 1  # expert parallelism (parallel.ep); 1 for records stored before it
     zeropp: str = "none"  # ZeRO++ as labels name it without "zeropp=" (qwz+hpz2); none for records before it
     offload_device: str = "none"  # the offload rung (none / cpu / nvme); records before it: from `offload`
+    sequence_parallel: bool = False  # parallel.sequence_parallel; false for tp > 1 stored before it
 
     @property
     def world(self) -> int:
@@ -112,7 +113,8 @@ def setup_of(c: dict) -> Setup:
                  grad_accum=b.batch.grad_accum, recompute=str(b.recompute), ds_preset=b.ds_preset,
                  compile=b.compile, engine=str(b.engine), states=str(b.states),
                  recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep,
-                 zeropp=b.zeropp.tag().removeprefix("zeropp=") or "none", offload_device=str(b.rung))
+                 zeropp=b.zeropp.tag().removeprefix("zeropp=") or "none", offload_device=str(b.rung),
+                 sequence_parallel=par.sequence_parallel)
 
 
 @functools.lru_cache(maxsize=4096)
