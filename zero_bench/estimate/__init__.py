@@ -19,6 +19,8 @@ engine=fsdp2 has its own states and phases (fsdp2.py: PyTorch FSDP2's memory mod
 same Estimate, whose peak is the largest phase either way. gpu.py adds what a GPU rank holds beyond
 its tensors (CUDA context, NCCL, allocator rounding); table.py is `zero_bench estimate`'s output.
 nvme.py is NVMe offload's split (states on disk, the swappers' pinned host buffers).
+zeropp.py is ZeRO++'s terms (hpZ's second partition, qwZ's and qgZ's quantized buffers, the paper's
+communication ratio).
 seq.py is the predicted longest sequence at a micro-batch (the same estimate at each length; maxseq's seed).
 traced.py is the traced prediction beside the formula (`traced=true`): the real engine's step
 traced under FakeTensorMode on a fake world, with torch's FSDPMemTracker.
