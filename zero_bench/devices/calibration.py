@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from zero_bench.config.schema import BenchConfig, software_versions
-from zero_bench.devices.cpu_features import onednn_limit, torch_capability
-from zero_bench.devices.metrics import _read_json, _write_json_atomic, cache_dir, cpu_model, rank_threads
+from zero_bench.devices.metrics import _read_json, _write_json_atomic, cache_dir, cpu_identity
 
 CACHE_FILE = "calibration.json"
 PUBLISHED = "published ranges"  # the GPU terms without a calibration (estimate/gpu.py)
@@ -116,9 +115,11 @@ def _software() -> str:
 
 
 def cpu_key() -> str:
-    """This CPU, its rank's threads, torch's CPU capability, oneDNN's limit and the software."""
-    return (f"cpu|{cpu_model()}|cores={os.cpu_count()}|threads={rank_threads()}|capability={torch_capability()}"
-            f"|onednn={onednn_limit() or 'unset'}|{_software()}")
+    """This CPU (metrics.CpuIdentity: its rank's threads, torch's CPU capability, oneDNN's limit) and
+    the software."""
+    c = cpu_identity()
+    return (f"cpu|{c.model}|cores={c.cores}|threads={c.threads}|capability={c.capability}|onednn={c.onednn}"
+            f"|{_software()}")
 
 
 @dataclass(frozen=True)

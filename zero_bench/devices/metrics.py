@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -91,6 +92,24 @@ def rank_threads() -> int:
         return 1
 
 
+@dataclass(frozen=True)
+class CpuIdentity:
+    """This CPU as every CPU cache keys it (a measured matmul rate here, a calibration in
+    devices/calibration.py): the same figures hold only for the same CPU, cores, rank threads, torch's
+    CPU capability and oneDNN's ISA limit (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA change the kernels)."""
+    model: str
+    cores: Optional[int]
+    threads: int
+    capability: str
+    onednn: str  # "unset" without a limit
+
+
+def cpu_identity(threads: Optional[int] = None) -> CpuIdentity:
+    """This machine's CpuIdentity, for ranks of `threads` threads (default: rank_threads())."""
+    return CpuIdentity(cpu_model(), os.cpu_count(), threads or rank_threads(), torch_capability(),
+                       onednn_limit() or "unset")
+
+
 def matmul_flops(precision: str = "fp32", threads: int = 1, n: int = 1024, seconds: float = 0.5) -> float:
     """Best FLOP/s of an n x n matmul over about `seconds` with `threads` threads, as a linear layer
     computes it (x @ W.T: F.linear). The layout matters where bf16 is not native: with
@@ -118,8 +137,8 @@ def peak_key(precision: str, threads: int) -> str:
     """The cache key of one measured rate. torch's CPU capability and oneDNN's ISA limit are in it:
     ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA change the kernels (a bf16 linear ran at 21.6 instead of
     212 GFLOP/s with ONEDNN_MAX_CPU_ISA=AVX2), so a restricted run must not reuse the unrestricted rate."""
-    return (f"{cpu_model()}|cores={os.cpu_count()}|threads={threads}|{precision}|torch={torch_capability()}"
-            f"|onednn={onednn_limit() or 'unset'}")
+    c = cpu_identity(threads)
+    return f"{c.model}|cores={c.cores}|threads={c.threads}|{precision}|torch={c.capability}|onednn={c.onednn}"
 
 
 def cpu_peak_flops(precision: str = "fp32", threads: Optional[int] = None) -> dict:
