@@ -200,6 +200,7 @@ def check_bench(b: BenchConfig) -> None:
     if b.parallel.dp_shard is not None:
         integer("parallel.dp_shard", b.parallel.dp_shard)
     integer("parallel.ep", b.parallel.ep)
+    integer("parallel.sp", b.parallel.sp)
     choice("zero", b.zero, ZERO_STAGES)
     integer("recompute_layers", b.recompute_layers)
     choice("ds_preset", b.ds_preset, ds_presets())

@@ -112,6 +112,13 @@ class ParallelConfig:
     tokens by all-to-all (megatron's alltoall dispatcher); the ranks that hold the same experts
     (dp / ep of them) shard those experts' states. Must divide dp and num_experts; tp 1; DeepSpeed
     ZeRO 1-2 (its expert-data-parallel groups) and FSDP2 zero 2-3."""
+    sp: int = 1
+    """Ulysses sequence-parallel degree (DeepSpeed's DistributedAttention): each group of sp
+    consecutive data-parallel ranks splits every sequence (seq_len / sp tokens each) and exchanges
+    sequence shards for head shards by all-to-all around attention. Part of dp, not on top of it: the
+    ranks are tp x dp, dp / sp sequences a micro-step, and ZeRO / FSDP2 shard the states over all dp
+    ranks. Must divide dp and the heads per tp rank; key/value heads fewer than sp must divide it
+    (they are replicated); model.seq_len divisible by tp x sp. 1: every rank holds whole sequences."""
 
     @property
     def world_size(self) -> int:
@@ -263,7 +270,7 @@ class BenchConfig:
 
     @property
     def global_batch(self) -> int:
-        return self.batch.micro * self.batch.grad_accum * self.parallel.dp
+        return self.batch.micro * self.batch.grad_accum * self.parallel.dp // self.parallel.sp
 
     def with_micro(self, micro: int) -> "BenchConfig":
         return dataclasses.replace(self, batch=dataclasses.replace(self.batch, micro=micro))
@@ -309,12 +316,15 @@ class BenchConfig:
             d["parallel"].pop("dp_shard", None)
         if d["parallel"].get("ep") == 1:
             d["parallel"].pop("ep")
+        if d["parallel"].get("sp") == 1:
+            d["parallel"].pop("sp")
         return d
 
     def label(self) -> str:
         shard = self.parallel.dp_shard
         extras = [f"dp_shard={shard}" if shard and shard != self.parallel.dp else "",
                   f"ep={self.parallel.ep}" if self.parallel.ep > 1 else "",
+                  f"sp={self.parallel.sp}" if self.parallel.sp > 1 else "",
                   f"states={self.states}" if self.states != States.mixed else "",
                   f"loss={self.loss}" if self.loss != Loss.megatron else "",
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from zero_bench.config.schema import BenchConfig
 from zero_bench.models.description import ModelConfig
 from zero_bench.models.loss import install_loss
+from zero_bench.models import ulysses
 from zero_bench.models.shims import install_cpu_shims, seed_cpu_rng
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,14 +48,16 @@ class MpuAdapter:
         raise AttributeError(name)
 
 
-def init_parallel(tp: int, seed: int, on_cpu: bool, ep: int = 1) -> MpuAdapter:
-    """Create megatron's TP/DP (and, ep > 1, expert-parallel) groups on top of the already
-    initialised torch.distributed, and seed its RNG streams. use_cpu_initialization draws the weights
+def init_parallel(tp: int, seed: int, on_cpu: bool, ep: int = 1, sp: int = 1) -> MpuAdapter:
+    """Create megatron's TP/DP (and, ep > 1, expert-parallel; sp > 1, models/ulysses.py's
+    sequence-parallel) groups on top of the already initialised torch.distributed, and seed its RNG
+    streams. use_cpu_initialization draws the weights
     from torch's default generator: it is seeded here, or every run (and so every ZeRO stage
     compared) would start from other weights."""
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    ulysses.init_groups(tp, torch.distributed.get_world_size() // tp, sp)
     if on_cpu:
         install_cpu_shims()
         seed_cpu_rng(seed)  # megatron's tracker calls torch.cuda's RNG; the CPU one keeps its streams
@@ -181,14 +184,15 @@ def bias_activation_fused(m: ModelConfig, on_cpu: bool, fusions: bool = True) ->
     return m.add_bias and not m.is_moe
 
 
-def layer_spec(m: ModelConfig):
+def layer_spec(m: ModelConfig, sp: int = 1):
     """get_gpt_layer_local_spec with the description's norm and, for sdpa, models/sdpa.py's core
     attention in place of megatron's DotProductAttention; with qk_norm, models/qk_norm.py's query
-    and key norms (megatron's, with their gradient summed over tp, which DeepSpeed and FSDP2 miss)."""
+    and key norms (megatron's, with their gradient summed over tp, which DeepSpeed and FSDP2 miss);
+    at sp > 1 the core attention inside Ulysses' all-to-all (models/ulysses.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     norm = "RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm"
-    dense = _swapped(m, get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.qk_norm))
+    dense = _swapped(m, get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.qk_norm), sp)
     if not m.is_moe:
         return dense
     # MoE: one spec per layer, as get_gpt_decoder_layer_specs builds them from moe_layer_freq (the
@@ -196,18 +200,22 @@ def layer_spec(m: ModelConfig):
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     moe = _swapped(m, get_gpt_layer_local_spec(num_experts=m.num_experts, moe_grouped_gemm=False,
-                                               normalization=norm, qk_layernorm=m.qk_norm))
+                                               normalization=norm, qk_layernorm=m.qk_norm), sp)
     return TransformerBlockSubmodules(layer_specs=[moe if x else dense for x in m.moe_layers],
                                       layer_norm=LayerNormImpl)
 
 
-def _swapped(m: ModelConfig, spec):
-    """`spec` with zero_bench's sdpa core attention and qk norms where the description asks."""
+def _swapped(m: ModelConfig, spec, sp: int = 1):
+    """`spec` with zero_bench's sdpa core attention and qk norms where the description asks, and
+    at sp > 1 the core attention (sdpa or megatron's unfused) wrapped by Ulysses' all-to-all."""
     swaps = {}
     if m.attention == "sdpa":
         from zero_bench.models.sdpa import SDPAttention
 
         swaps["core_attention"] = SDPAttention
+    if sp > 1:
+        core = swaps.get("core_attention", spec.submodules.self_attention.submodules.core_attention)
+        swaps["core_attention"] = ulysses.ulysses(core)
     if m.qk_norm:
         from zero_bench.models.qk_norm import QKNorm
 
@@ -246,11 +254,12 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
         _moe_without_te()
         _moe_releases_dispatch_state()
         _experts_drawn_as_at_ep1()
-    spec = layer_spec(cfg.model)
+    spec = layer_spec(cfg.model, cfg.parallel.sp)
     if on_layer is not None:
         spec = _then(spec, on_layer)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp))
     install_loss(gpt, cfg.loss)
+    ulysses.rotary_at_offset(gpt)
     if cfg.recompute == "op":
         from zero_bench.models import op_recompute
 
