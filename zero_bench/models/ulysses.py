@@ -40,7 +40,12 @@ def init_groups(tp: int, dp: int, sp: int) -> None:
     _GROUP, _SP = None, sp
     if sp == 1:
         return
+    import deepspeed
     from megatron.core import parallel_state as ps
+
+    # DistributedAttention's all-to-all goes through deepspeed.comm; under FSDP2 torch.distributed
+    # was initialised by torch alone, and DeepSpeed then only wraps it (comm.py init_distributed)
+    deepspeed.init_distributed()
 
     me = dist.get_rank()
     mine = dist.get_process_group_ranks(ps.get_data_parallel_group())
