@@ -156,7 +156,9 @@ def test_counts_follow_the_experts_a_rank_holds():
     (dict(tp=4, name="llama-tiny"), "parallel.tp=4: must divide the query groups (model.num_query_groups=2)"),
     (dict(tp=2, name="moe-tiny"), "parallel.tp=2: megatron-core's MoE layer at tp > 1"),
     (dict(dp=0), "parallel.dp=0: must be an integer >= 1"),
-    (dict(sp=2), "sp=2: not modelled yet"),
+    (dict(dp=3, sp=2), "parallel.sp=2: must divide parallel.dp=3"),
+    (dict(dp=2, sp=2, ep=2, name="moe-tiny"), "parallel.sp=2: with expert parallelism not modelled"),
+    (dict(dp=16, sp=16, name="llama-tiny"), "parallel.sp=16: must divide the attention heads per tensor-parallel rank"),
     (dict(pp=4), "pp=4: not modelled yet"),
 ])
 def test_refusals_are_one_line_naming_the_key(kwargs, message):
@@ -178,3 +180,34 @@ def test_the_config_asks_the_layout_once_and_the_estimate_builds_one_parameter_l
     assert fresh.layout is not b.layout
     estimate(fresh)
     assert len(built) == 1  # states, buffers, the initialize peak and the ds_config's buckets share it
+
+
+def test_ulysses_layout_and_what_it_is_not_run_with():
+    """parallel.sp: a group of sp data-parallel ranks splits each sequence (dp / sp sequences per
+    micro-step, seq_len / sp tokens per rank); fewer key/value heads than sp are replicated as
+    DeepSpeed does; the combinations no trial has compared with sp = 1 are refused in one line."""
+    lay = RankLayout(dp=4, sp=4, model=model("llama-tiny"))  # 2 key/value heads, replicated x2
+    assert (lay.sequences, lay.local_seq_len) == (1, model("llama-tiny").seq_len // 4)
+    base = ["model=llama-tiny", "hardware.device=cpu", "parallel.dp=2", "parallel.sp=2"]
+    assert from_cfg(compose(base), here=False).layout.sp == 2
+    for extra, key in ((["compile=true"], "compile"), (["recompute=op"], "recompute"),
+                       (["tiled_mlp=2"], "tiled_mlp")):
+        with pytest.raises(ConfigError) as err:
+            from_cfg(compose(base + extra), here=False)
+        assert str(err.value).startswith("parallel.sp=2: not compared with sp=1 together with " + key), str(err.value)
+    with pytest.raises(ConfigError, match="^parallel.sp=2: model.seq_len=255 must be divisible by tp x sp"):
+        from_cfg(compose(base + ["model.seq_len=255"]), here=False)
+
+
+def test_ulysses_estimate_keeps_a_ranks_share_of_each_sequence():
+    """At sp=2 a rank keeps half of each sequence's activations (sdpa: every per-token term; the
+    unfused scores: heads / 2 of them over the whole sequence), the model states are sp=1's."""
+    from zero_bench.estimate import estimate
+
+    def est(*extra):
+        return estimate(from_cfg(compose(["model=llama-tiny", "hardware.device=cpu", "parallel.dp=2", *extra]),
+                                 here=False))
+    for attention in ("sdpa", "unfused"):
+        one, two = est(f"model.attention={attention}"), est(f"model.attention={attention}", "parallel.sp=2")
+        assert two.activations["total"] == pytest.approx(one.activations["total"] / 2, abs=2)
+        assert two.states == one.states

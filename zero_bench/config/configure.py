@@ -14,7 +14,8 @@ from typing import Any, Optional
 from zero_bench.config import honoured
 from zero_bench.devices import cpu_features
 from zero_bench.config.schema import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
-                               HardwareConfig, OffloadDevice, Precision, ReportConfig, SearchConfig, States, composition_error,
+                               HardwareConfig, OffloadDevice, Precision, Recompute, ReportConfig, SearchConfig, States,
+                               composition_error,
                                structured)
 from zero_bench.engines.specs import spec
 from zero_bench.errors import ConfigError
@@ -201,6 +202,7 @@ def check_bench(b: BenchConfig) -> None:
         integer("parallel.dp_shard", b.parallel.dp_shard)
     integer("parallel.ep", b.parallel.ep)
     integer("zeropp.hpz", b.zeropp.hpz)
+    integer("parallel.sp", b.parallel.sp)
     choice("zero", b.zero, ZERO_STAGES)
     integer("recompute_layers", b.recompute_layers)
     check_tiled_mlp(b.tiled_mlp)
@@ -212,6 +214,19 @@ def check_bench(b: BenchConfig) -> None:
     integer("steps.probe", b.steps.probe)
     number("timeout_s", b.timeout_s)
     integer("seed", b.seed, lo=0, hi=SEED_MAX)
+
+
+def check_ulysses(b: BenchConfig) -> None:
+    """parallel.sp > 1 with what its trials have shown equal to sp = 1 (DeepSpeed ZeRO 1-3 and FSDP2,
+    sdpa and unfused attention, GQA, RoPE); combinations no trial has compared yet are refused."""
+    untried = (("parallel.tp", b.parallel.tp > 1, "parallel.tp=1"),
+               ("compile", b.compile, "compile=false"),
+               ("recompute", b.recompute == Recompute.op, "recompute=none, selective, full or block"),
+               ("tiled_mlp", b.tiled_mlp is not None, "leave tiled_mlp out"))
+    for key, bad, allowed in untried:
+        if bad:
+            raise ConfigError(f"parallel.sp={b.parallel.sp}: not compared with sp=1 together with {key} yet; allowed "
+                              f"with parallel.sp > 1: {allowed}")
 
 
 def check_search(s: SearchConfig) -> None:
@@ -321,6 +336,8 @@ def validate_static(b: BenchConfig) -> None:
         spec(b.engine).validate(b, "hybrid")
     if layout.ep > 1:  # megatron's expert parallelism
         spec(b.engine).validate(b, "expert_parallel")
+    if layout.sp > 1:
+        check_ulysses(b)
     if b.loss != "megatron" and tp > 1:
         raise ConfigError(f"loss={b.loss}: runs at parallel.tp=1 (at tp {tp} the vocabulary is split over the "
                           "ranks and only megatron's vocab-parallel loss reads it); allowed with tp > 1: "

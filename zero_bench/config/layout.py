@@ -5,11 +5,12 @@ validated once in __post_init__, with properties for the derived sizes and the m
 The degrees: tp (megatron's tensor parallelism), dp (the data-parallel ranks ZeRO or FSDP2
 partitions over), dp_shard (FSDP2's hybrid sharding: groups of dp_shard ranks each hold one copy of
 the sharded states), ep (megatron's expert parallelism: each group of ep data-parallel ranks splits
-a mixture of experts' experts); sp and pp are reserved for the sequence- and pipeline-parallel
-degrees that come next (1 today, refused otherwise). Validated once, against the model where one
+a mixture of experts' experts), sp (Ulysses sequence parallelism: each group of sp consecutive
+data-parallel ranks splits every sequence, models/ulysses.py; part of dp, not on top of it); pp is
+reserved for the pipeline-parallel degree (1 today, refused otherwise). Validated once, against the model where one
 is given: every refusal that is about the degrees alone (tp dividing the heads, the hidden size,
 the query groups and the MLP, and with megatron's sequence parallelism the sequence; ep dividing
-the experts and dp; dp_shard dividing dp) is raised
+the experts and dp; dp_shard dividing dp; sp dividing dp, the heads and the sequence) is raised
 here, as one line naming the key (zero_bench.errors.ConfigError). What an engine cannot run stays
 in engines/refusals.py; configure.validate_static asks both.
 
@@ -46,8 +47,9 @@ class RankLayout:
     """Expert-parallel degree: each group of ep data-parallel ranks splits the routed experts;
     the dp / ep ranks that hold the same experts shard their states."""
     sp: int = 1
-    """Reserved: the sequence-parallel degree (Ulysses / context parallelism), the next step. 1
-    today: the tokens per rank are the whole sequence; anything else is refused."""
+    """Ulysses sequence-parallel degree: each group of sp consecutive data-parallel ranks splits
+    every sequence (seq_len / sp tokens a rank) and all-to-alls heads for sequence around
+    attention. Within dp (the world stays tp x dp): ZeRO / FSDP2 shard over all dp ranks."""
     pp: int = 1
     """Reserved: the pipeline-parallel degree, after sp. 1 today; anything else is refused."""
     sequence_parallel: bool = False
@@ -58,20 +60,19 @@ class RankLayout:
     the degrees alone (the ZeRO paper's formula on a bare parameter count, a stored calibration)."""
 
     def __post_init__(self) -> None:
-        for key in ("tp", "dp", "ep") + (("dp_shard",) if self.dp_shard is not None else ()):
+        for key in ("tp", "dp", "ep", "sp") + (("dp_shard",) if self.dp_shard is not None else ()):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"parallel.{key}={value}: must be an integer >= 1")
-        for key in ("sp", "pp"):
-            if getattr(self, key) != 1:
-                raise ConfigError(f"{key}={getattr(self, key)}: not modelled yet (RankLayout reserves the degree); "
-                                  f"allowed: {key}=1")
+        if self.pp != 1:
+            raise ConfigError(f"pp={self.pp}: not modelled yet (RankLayout reserves the degree); allowed: pp=1")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true: shards the sequence over tp ranks; at parallel.tp=1 "
                               "RankLayout takes sequence_parallel=False")
         self._check_hybrid()
         self._check_experts()
         self._check_tensor_parallel()
+        self._check_sequence()
 
     @classmethod
     def of(cls, degrees: Any, model: Optional[ModelConfig]) -> "RankLayout":
@@ -79,7 +80,7 @@ class RankLayout:
         ParallelConfig, a stored config's report.tables.Setup) for `model`."""
         sequence_parallel = bool(getattr(degrees, "sequence_parallel", False)) and degrees.tp > 1
         return cls(tp=degrees.tp, dp=degrees.dp, dp_shard=degrees.dp_shard, ep=degrees.ep,
-                   sequence_parallel=sequence_parallel, model=model)
+                   sequence_parallel=sequence_parallel, sp=getattr(degrees, "sp", 1), model=model)
 
     # -- validation: one line per refusal, the key first ----------------------------------------
     def _check_hybrid(self) -> None:
@@ -136,11 +137,50 @@ class RankLayout:
             raise ConfigError(f"parallel.tp={tp}: megatron-core's MoE layer at tp > 1 (with sequence parallelism, "
                               "expert tensor parallelism) is not modelled; allowed with model.num_experts: parallel.tp=1")
 
+    def _check_sequence(self) -> None:
+        """parallel.sp: DeepSpeed's DistributedAttention splits heads evenly over the group
+        (deepspeed/sequence/layer.py asserts it), and each rank keeps seq_len / sp tokens."""
+        sp, dp, m = self.sp, self.dp, self.model
+        if sp == 1:
+            return
+        if dp % sp:
+            raise ConfigError(f"parallel.sp={sp}: must divide parallel.dp={dp} (each group of sp data-parallel "
+                              "ranks splits one sequence)")
+        if self.ep > 1:
+            raise ConfigError(f"parallel.sp={sp}: with expert parallelism not modelled; allowed with parallel.sp > 1: "
+                              "parallel.ep=1")
+        if m is None:
+            return
+        heads, groups = m.num_heads // self.tp, m.query_groups // self.tp
+        if heads % sp:
+            raise ConfigError(f"parallel.sp={sp}: must divide the attention heads per tensor-parallel rank "
+                              f"(model.num_heads={m.num_heads} / tp {self.tp} = {heads})")
+        # DeepSpeed's rule (ulysses_sp.py): fewer key/value heads than sp are replicated sp / g times
+        if (groups % sp) if groups >= sp else (sp % groups):
+            raise ConfigError(f"parallel.sp={sp}: the key/value heads per tensor-parallel rank (model.num_query_groups="
+                              f"{m.query_groups} / tp {self.tp} = {groups}) must be a multiple of sp or divide it")
+        if m.seq_len % (self.tp * sp):
+            raise ConfigError(f"parallel.sp={sp}: model.seq_len={m.seq_len} must be divisible by tp x sp = "
+                              f"{self.tp * sp}")
+
     # -- sizes and groups -----------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        """Every rank of the trial: tp x dp (x sp x pp, 1 today), as ParallelConfig.world_size."""
-        return self.tp * self.dp * self.sp * self.pp
+        """Every rank of the trial: tp x dp (x pp, 1 today), as ParallelConfig.world_size; the sp ranks
+        are data-parallel ranks."""
+        return self.tp * self.dp * self.pp
+
+    @property
+    def sequences(self) -> int:
+        """Different sequences a micro-step trains over the dp ranks: dp / sp."""
+        return self.dp // self.sp
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of each sequence one rank holds outside attention: seq_len / sp."""
+        if self.model is None:
+            raise ValueError("RankLayout.local_seq_len: the layout has no model")
+        return self.model.seq_len // self.sp
 
     @property
     def shard_size(self) -> int:
@@ -174,8 +214,11 @@ class RankLayout:
         """The process groups a rank is in, name -> ranks: the world, the data-parallel and the
         tensor-parallel group; with ep > 1 the expert-parallel group (the dispatcher's all-to-all)
         and the expert-data-parallel group (the experts' reduce-scatters and all-gathers); with
-        hybrid sharding the shard group and the replicate group (FSDP2's 2-D mesh)."""
+        hybrid sharding the shard group and the replicate group (FSDP2's 2-D mesh); with sp > 1 the
+        sequence-parallel group (attention's all-to-all)."""
         out = {"world": self.world_size, "dp": self.dp, "tp": self.tp}
+        if self.sp > 1:
+            out.update(sp=self.sp)
         if self.ep > 1:
             out.update(ep=self.ep, expert_dp=self.expert_data_parallel)
         if self.hybrid:

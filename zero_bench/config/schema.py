@@ -123,6 +123,13 @@ class ParallelConfig:
     torchtitan users run tensor parallelism: the norms, dropouts and residuals hold seq_len / tp
     tokens per rank, gathered before and reduce-scattered after each tp-split matmul; seq_len must
     be a multiple of tp. false: every tp rank holds the whole sequence there. Nothing at tp 1."""
+    sp: int = 1
+    """Ulysses sequence-parallel degree (DeepSpeed's DistributedAttention): each group of sp
+    consecutive data-parallel ranks splits every sequence (seq_len / sp tokens each) and exchanges
+    sequence shards for head shards by all-to-all around attention. Part of dp, not on top of it: the
+    ranks are tp x dp, dp / sp sequences a micro-step, and ZeRO / FSDP2 shard the states over all dp
+    ranks. Must divide dp and the heads per tp rank; key/value heads fewer than sp must divide it
+    (they are replicated); model.seq_len divisible by tp x sp. 1: every rank holds whole sequences."""
 
     @property
     def world_size(self) -> int:
@@ -345,7 +352,7 @@ class BenchConfig:
 
     @property
     def global_batch(self) -> int:
-        return self.batch.micro * self.batch.grad_accum * self.parallel.dp
+        return self.batch.micro * self.batch.grad_accum * self.parallel.dp // self.parallel.sp
 
     def with_micro(self, micro: int) -> "BenchConfig":
         return dataclasses.replace(self, batch=dataclasses.replace(self.batch, micro=micro))
@@ -402,6 +409,8 @@ class BenchConfig:
             d.pop("zeropp")  # off: the keys configurations had before ZeRO++ was a dimension
         if not self.parallel.sequence_sharded:  # tp 1, or tp > 1 as it ran before the key existed
             d["parallel"].pop("sequence_parallel", None)
+        if d["parallel"].get("sp") == 1:
+            d["parallel"].pop("sp")
         return d
 
     def label(self) -> str:
@@ -409,6 +418,7 @@ class BenchConfig:
         extras = [f"dp_shard={shard}" if shard and shard != self.parallel.dp else "",
                   "sequence_parallel=false" if self.parallel.tp > 1 and not self.parallel.sequence_parallel else "",
                   f"ep={self.parallel.ep}" if self.parallel.ep > 1 else "",
+                  f"sp={self.parallel.sp}" if self.parallel.sp > 1 else "",
                   f"states={self.states}" if self.states != States.mixed else "",
                   f"loss={self.loss}" if self.loss != Loss.megatron else "", self.zeropp.tag(),
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",

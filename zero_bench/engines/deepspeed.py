@@ -31,7 +31,7 @@ class DeepSpeedEngine:
     def __init__(self, spec: TrialSpec, on_cpu: bool):
         cfg = spec.config
         layout = cfg.layout  # the degrees, validated (config/layout.py)
-        mpu = init_parallel(layout.tp, cfg.seed, on_cpu, layout.ep)
+        mpu = init_parallel(layout.tp, cfg.seed, on_cpu, layout.ep, layout.sp)
         ds_config = json.loads(Path(spec.ds_config).read_text())
         install_checkpointing(cfg, mpu, ds_config)
         config = transformer_config(cfg, on_cpu)

@@ -105,7 +105,9 @@ def build(cfg: BenchConfig, nvme_path: Optional[str] = None) -> dict:
     ds = merge(ds, {
         "train_micro_batch_size_per_gpu": cfg.batch.micro,
         "gradient_accumulation_steps": cfg.batch.grad_accum,
-        "train_batch_size": cfg.global_batch,
+        # DeepSpeed's count over its data-parallel ranks, the sp ones included (each holds a part of
+        # a sequence it counts as a sample): global_batch counts whole sequences
+        "train_batch_size": cfg.batch.micro * cfg.batch.grad_accum * cfg.parallel.dp,
         "bf16": {"enabled": cfg.precision == "bf16", **PURE_BF16.get(cfg.states, {})},
         "fp16": {"enabled": cfg.precision == "fp16"},
     })

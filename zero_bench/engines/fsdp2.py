@@ -68,7 +68,7 @@ class Fsdp2Engine:
         cfg = spec.config
         layout = cfg.layout  # the degrees, validated (config/layout.py)
         self.mixed = mixed_bf16(cfg)
-        init_parallel(layout.tp, cfg.seed, on_cpu, layout.ep)
+        init_parallel(layout.tp, cfg.seed, on_cpu, layout.ep, layout.sp)
         if cfg.recompute != "none":
             # megatron's CheckpointFunction is reentrant (it hides the layer's forward from FSDP2's
             # backward hooks) and saves CUDA's RNG state; torch's non-reentrant checkpoint recomputes

@@ -410,13 +410,14 @@ def sequence_args(bench) -> dict:
     m = bench.model
     tokens = m.seq_len // getattr(bench.parallel, "sp", 1)  # what one rank's MLP sees of a sequence
     return {"tiles": mlp_tiles(bench.tiled_mlp, tokens, m.hidden_size), "offload": bench.recompute_offload,
-            "sequence_parallel": bench.layout.sequence_parallel}
+            "sequence_parallel": bench.layout.sequence_parallel, "ulysses_sp": bench.layout.sp}
 
 
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
                                 checkpointing: Optional[Mapping] = None, device: str = "gpu",
                                 recompute_layers: int = 1, loss: str = "megatron", fusions: bool = False,
-                                tiles: int = 0, offload: bool = False, sequence_parallel: bool = False) -> dict:
+                                tiles: int = 0, offload: bool = False, sequence_parallel: bool = False,
+                                ulysses_sp: int = 1) -> dict:
     """Activation bytes one sample (sequence) adds to a rank.
 
     saved: what the forward leaves for backward (layers + embedding + logits + scratch); measured
@@ -445,6 +446,8 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     the device; in backward the last layer's input is back on the device.
     sequence_parallel: megatron's sequence parallelism at tp > 1 (RankLayout.sequence_parallel):
     the terms outside the tp-split regions divided by t (the module docstring).
+    ulysses_sp: Ulysses' degree (parallel.sp): seq_len / sp tokens of each sequence per rank, the same bytes
+    per token (attention: every token of heads / sp heads after the all-to-all).
     Returns bytes: per_layer (one layer, no recompute), layers (L layers through the forward),
     recomputed (what one layer rebuilds in backward), embedding, logits, logits_transient, scratch
     (unfused attention's buffer), host (cpu_checkpointing), saved, the three moments and total.
@@ -496,4 +499,8 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     out = {"per_layer": sum(terms.values()), "layers": layers, "recomputed": recomputed, "embedding": embedding,
            "logits": logits, "logits_transient": transient, "scratch": scratch, "host": host, "saved": saved,
            **moments, "total": max(moments.values())}
-    return {k: int(round(v * s)) for k, v in out.items()}
+    # Ulysses (sp > 1): a rank keeps seq_len / sp tokens of each sequence; after the all-to-all its
+    # attention holds every token of heads / sp heads, the same bytes per local token (the unfused
+    # scores a * s per token: "A" stays the whole sequence's). First order: the all-to-all's copies
+    # (linear_proj's input is no longer the core attention's own output) are not counted.
+    return {k: int(round(v * s / ulysses_sp)) for k, v in out.items()}

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from zero_bench.config.schema import BenchConfig
 from zero_bench.models.description import ModelConfig
 from zero_bench.models.loss import install_loss
+from zero_bench.models import ulysses
 from zero_bench.models.shims import install_cpu_shims, seed_cpu_rng
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,14 +48,16 @@ class MpuAdapter:
         raise AttributeError(name)
 
 
-def init_parallel(tp: int, seed: int, on_cpu: bool, ep: int = 1) -> MpuAdapter:
-    """Create megatron's TP/DP (and, ep > 1, expert-parallel) groups on top of the already
-    initialised torch.distributed, and seed its RNG streams. use_cpu_initialization draws the weights
+def init_parallel(tp: int, seed: int, on_cpu: bool, ep: int = 1, sp: int = 1) -> MpuAdapter:
+    """Create megatron's TP/DP (and, ep > 1, expert-parallel; sp > 1, models/ulysses.py's
+    sequence-parallel) groups on top of the already initialised torch.distributed, and seed its RNG
+    streams. use_cpu_initialization draws the weights
     from torch's default generator: it is seeded here, or every run (and so every ZeRO stage
     compared) would start from other weights."""
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    ulysses.init_groups(tp, torch.distributed.get_world_size() // tp, sp)
     if on_cpu:
         install_cpu_shims()
         seed_cpu_rng(seed)  # megatron's tracker calls torch.cuda's RNG; the CPU one keeps its streams
@@ -197,17 +200,18 @@ def bias_activation_fused(m: ModelConfig, on_cpu: bool, fusions: bool = True) ->
     return m.add_bias and not m.is_moe
 
 
-def layer_spec(m: ModelConfig, sequence_parallel: bool = False):
+def layer_spec(m: ModelConfig, sequence_parallel: bool = False, sp: int = 1):
     """get_gpt_layer_local_spec with the description's norm and, for sdpa, models/sdpa.py's core
     attention in place of megatron's DotProductAttention; with qk_norm, models/qk_norm.py's query
     and key norms (megatron's, with their gradient summed over tp, which DeepSpeed and FSDP2 miss);
     with sequence_parallel, models/sequence_parallel.py's norms (the layers' and the final one: the
-    local spec's refuse it) as the block's spec."""
+    local spec's refuse it) as the block's spec; at sp > 1 the core attention inside Ulysses'
+    all-to-all (models/ulysses.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     norm = "RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm"
-    dense = _swapped(m, get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.qk_norm), sequence_parallel)
+    dense = _swapped(m, get_gpt_layer_local_spec(normalization=norm, qk_layernorm=m.qk_norm), sequence_parallel, sp)
     final_norm = LayerNormImpl
     if sequence_parallel:
         from zero_bench.models.sequence_parallel import SequenceParallelNorm
@@ -221,19 +225,23 @@ def layer_spec(m: ModelConfig, sequence_parallel: bool = False):
     # MoE: one spec per layer, as get_gpt_decoder_layer_specs builds them from moe_layer_freq (the
     # final norm is the block's LayerNormImpl, as for a single layer spec)
     moe = _swapped(m, get_gpt_layer_local_spec(num_experts=m.num_experts, moe_grouped_gemm=False,
-                                               normalization=norm, qk_layernorm=m.qk_norm), sequence_parallel)
+                                               normalization=norm, qk_layernorm=m.qk_norm), sequence_parallel, sp)
     return TransformerBlockSubmodules(layer_specs=[moe if x else dense for x in m.moe_layers],
                                       layer_norm=final_norm)
 
 
-def _swapped(m: ModelConfig, spec, sequence_parallel: bool = False):
+def _swapped(m: ModelConfig, spec, sequence_parallel: bool = False, sp: int = 1):
     """`spec` with zero_bench's sdpa core attention, qk norms and sequence-parallel norms where the
-    description and the layout ask."""
+    description and the layout ask, and at sp > 1 the core attention (sdpa or megatron's unfused)
+    wrapped by Ulysses' all-to-all."""
     swaps, layer_swaps = {}, {}
     if m.attention == "sdpa":
         from zero_bench.models.sdpa import SDPAttention
 
         swaps["core_attention"] = SDPAttention
+    if sp > 1:
+        core = swaps.get("core_attention", spec.submodules.self_attention.submodules.core_attention)
+        swaps["core_attention"] = ulysses.ulysses(core)
     if m.qk_norm:
         from zero_bench.models.qk_norm import QKNorm
 
@@ -281,11 +289,12 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
         from zero_bench.models.sequence_parallel import install_bias_sum
 
         install_bias_sum()
-    spec = layer_spec(cfg.model, config.sequence_parallel)
+    spec = layer_spec(cfg.model, config.sequence_parallel, cfg.parallel.sp)
     if on_layer is not None:
         spec = _then(spec, on_layer)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp))
     install_loss(gpt, cfg.loss)
+    ulysses.rotary_at_offset(gpt)
     if cfg.recompute == "op":
         from zero_bench.models import op_recompute
 

@@ -30,6 +30,7 @@ from zero_bench.devices.capacity import compared_peak, over_capacity
 from zero_bench.devices.gpu import RankGpu, baseline, near_full
 from zero_bench.engines.base import Engine, build_engine, init_distributed
 from zero_bench.engines.storages import storage_bytes
+from zero_bench.models import ulysses
 from zero_bench.records import OOM_EXIT, Event, Mode, ModelStates, RankRecord, RankStatus, TrialSpec
 from zero_bench.trial.faults import inject
 from zero_bench.trial.oom import is_oom
@@ -226,7 +227,10 @@ class Rank:
         g = torch.Generator().manual_seed(self.cfg.seed + self.steps_done)
         tokens = torch.randint(0, m.vocab_size, (micro, m.seq_len + 1), generator=g).to(self.device)
         pos = torch.arange(m.seq_len, device=self.device).unsqueeze(0).expand(micro, -1)
-        return tokens[:, :-1].contiguous(), pos, tokens[:, 1:].contiguous()
+        # parallel.sp: the same sequences on the group's ranks, each keeping its block of tokens
+        # (the causal mask stays whole: attention sees the whole sequence after its all-to-all)
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        return tuple(ulysses.local_block(t) for t in (inputs, pos, labels))
 
     def _causal_mask(self):
         # megatron's default mask is built with device="cuda"; pass our own (True = masked out).
@@ -245,7 +249,7 @@ class Rank:
         self._sync()
         t0 = time.perf_counter()
         batches = [self._batch(micro) for _ in range(self.cfg.batch.grad_accum)]
-        losses = self.engine.step(batches, self._causal_mask(), self.marks)
+        losses = ulysses.sequence_mean(self.engine.step(batches, self._causal_mask(), self.marks), self.device)
         self._sync()
         self.marks("idle")
         self.steps_done += 1
