@@ -244,3 +244,15 @@ def megatron_one_rank(store: Path):
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    """One pool for a module's trials: each a fresh child forked from it, as a search runs them, its
+    figures a launch of its own's (tests/integration/test_pool_cpu.py), without a launch's ~9 s of
+    imports each. A test that runs `python -m zero_bench` closes it first (it holds the machine
+    lock); tests about how a launch of its own ends launch without it."""
+    from zero_bench.trial.pool import PoolSlot
+
+    with PoolSlot(tmp_path_factory.mktemp("pool")) as slot:
+        yield slot

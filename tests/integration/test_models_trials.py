@@ -19,7 +19,6 @@ from zero_bench.records import Entry
 from zero_bench.search.maxbatch import SearchOptions, run_search
 from zero_bench.store import Store
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, model
 from zero_bench.models.params import num_params, params_per_shard
@@ -47,12 +46,6 @@ TRIALS = {
     "dropout_full": dict(zero=1, parallel=TP2, model=DROPOUT, recompute="full"),
     "dropout_op": dict(zero=1, parallel=TP2, model=DROPOUT, recompute="op"),
 }
-
-
-@pytest.fixture(scope="module")
-def pools(tmp_path_factory):
-    with PoolSlot(tmp_path_factory.mktemp("pool")) as slot:
-        yield slot
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from zero_bench.estimate import activation_bytes_per_sample
 from zero_bench.records import Entry
 from zero_bench.store import Store
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg
 
@@ -29,16 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERED = ModelConfig(name="GPT-layers", num_layers=8, hidden_size=128, num_heads=4, seq_len=256, vocab_size=1024,
                       pad_vocab_to=128)
 MICROS = (2, 6)
-
-
-@pytest.fixture(scope="module")
-def pools(tmp_path_factory):
-    """One pool for the module's five trials (three recompute modes, the preset, torch.compile): each
-    a fresh child forked from it, as a search runs them, its figures a launch of its own's
-    (tests/integration/test_pool_cpu.py); what is tested here is the setup, not the launch, and a
-    launch of its own would add ~9 s of imports to each."""
-    with PoolSlot(tmp_path_factory.mktemp("pool")) as slot:
-        yield slot
 
 
 @pytest.fixture(scope="module")

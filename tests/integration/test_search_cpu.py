@@ -20,7 +20,6 @@ from zero_bench.records import Entry, Fault, SearchStatus, Status
 from zero_bench.search.maxbatch import SearchOptions, run_search
 from zero_bench.store import Store
 from zero_bench.trial.launch import run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import FRESH_MICROS, cpu_cfg, worker_processes
 
@@ -31,14 +30,6 @@ QUIET = SearchOptions(progress=lambda s: None)
 def budget_cfg(gb: float, **kw):
     cfg = cpu_cfg("gpt-mini", **kw)
     return dataclasses.replace(cfg, hardware=HardwareConfig(device="cpu", memory_gb=gb))
-
-
-@pytest.fixture(scope="module")
-def pools(tmp_path_factory):
-    """One pool for the module's searches (as a sweep's jobs share one): each search would start
-    its own. A test that runs `python -m zero_bench` closes it first (it holds the machine lock)."""
-    with PoolSlot(tmp_path_factory.mktemp("pools")) as slot:
-        yield slot
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from zero_bench.config.schema import ParallelConfig
 from zero_bench.estimate import activation_bytes_per_sample
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg
 
@@ -39,12 +38,6 @@ TRIALS = {
 # the same model, rounding only: tp 1 is the reference of each
 SAME = {"llama-tiny": ("sp", "no_sp", "sp_zero3", "fsdp2_tp1", "fsdp2_sp"), "gpt-mini": ("sp",), "qwen3-tiny": ("sp",)}
 MICROS = (2, 6)  # activations per sample: the peak's slope between them (ZeRO-2, as test_activations_vs_measured)
-
-
-@pytest.fixture(scope="module")
-def pools(tmp_path_factory):
-    with PoolSlot(tmp_path_factory.mktemp("pool")) as slot:
-        yield slot
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import pytest
 from zero_bench.config.schema import ParallelConfig
 from zero_bench.records import Entry, Fault
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, model
 from zero_bench.models.params import num_params, params_per_shard
@@ -27,16 +26,6 @@ VARIANTS = {
     "zero3_offload": dict(zero=3, offload=True, offload_param=True),
     "tp2": dict(zero=1, parallel=ParallelConfig(tp=2, dp=1)),
 }
-
-
-@pytest.fixture(scope="module")
-def pools(tmp_path_factory):
-    """One pool for the module's trials that are not about a launch of their own (the variants and
-    the bf16 peaks): each is a fresh child forked from it, its figures a launch of its own's
-    (tests/integration/test_pool_cpu.py), without a launch's ~9 s of imports each. The failure tests
-    below launch on their own: how a launch of its own ends is what they test."""
-    with PoolSlot(tmp_path_factory.mktemp("pool")) as slot:
-        yield slot
 
 
 @pytest.fixture(scope="module")
