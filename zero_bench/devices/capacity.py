@@ -13,7 +13,7 @@ limits) plus what lives outside the allocator (context, NCCL, cuBLAS), as a real
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import psutil
 
@@ -114,9 +114,10 @@ def compared_peak(rec: RankRecord, device: str) -> Optional[int]:
     return rec.device_peak_bytes if rec.device_peak_bytes is not None else rec.torch_peak_reserved
 
 
-def trial_peak(ranks: Iterable[RankRecord], device: str) -> Optional[int]:
-    """The largest compared peak over a trial's ranks (None when no rank reported one)."""
-    vals = [p for p in (compared_peak(r, device) for r in ranks) if p]
+def trial_peak(ranks: Iterable[RankRecord], device: str, peak: Callable = compared_peak) -> Optional[int]:
+    """The largest compared peak over a trial's ranks (None when no rank reported one); `peak`:
+    which of a rank's peaks (growing_peak: what a search extrapolates)."""
+    vals = [p for p in (peak(r, device) for r in ranks) if p]
     return max(vals) if vals else None
 
 
@@ -138,11 +139,6 @@ def growing_peak(rec: RankRecord, device: str) -> Optional[int]:
     if device != "cpu" or not peak or not rec.peak_live_bytes or not grow:
         return peak
     return peak - max(0, rec.peak_live_bytes - max(grow))
-
-
-def trial_growing_peak(ranks: Iterable[RankRecord], device: str) -> Optional[int]:
-    vals = [p for p in (growing_peak(r, device) for r in ranks) if p]
-    return max(vals) if vals else None
 
 
 def over_capacity(peak: Optional[int], cap: Optional[int]) -> bool:

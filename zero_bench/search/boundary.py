@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from zero_bench.config.schema import SearchConfig
-from zero_bench.devices.capacity import trial_growing_peak
+from zero_bench.devices.capacity import growing_peak, trial_peak
 from zero_bench.records import Entry, Mode, SearchStatus, Seed, Status, TrialResult
 
 
@@ -53,7 +53,7 @@ class Known:
                 k.timeouts[n] = k.timeouts.get(n, 0) + 1
             if not t.status.decides_fit:
                 continue
-            k.add(n, t.status == Status.OK, t.fresh, trial_growing_peak(t.ranks, device))
+            k.add(n, t.status == Status.OK, t.fresh, trial_peak(t.ranks, device, growing_peak))
             if t.fresh and t.status == Status.OK and t.mode == Mode.MEASURE:
                 k.measured.add(n)
         return k

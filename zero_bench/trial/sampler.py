@@ -20,6 +20,7 @@ import psutil
 
 from zero_bench.devices.nvml import Nvml
 from zero_bench.records import DeviceMemStats
+from zero_bench.trial.swap import disk_bytes
 from zero_bench.units import MiB
 
 # The module every rank process runs (`python -m`): how a rank's command line is told from its launcher's.
@@ -149,8 +150,6 @@ class Sampler(threading.Thread):
             for idx, used, total in self.nvml.read():
                 self.samples.append(Sample(now, "gpu", idx, used, total))
         if self.disk is not None:
-            from zero_bench.trial.swap import disk_bytes
-
             for rank, used in sorted(disk_bytes(self.disk).items()):
                 self.samples.append(Sample(now, "disk", rank, used, 0))
 

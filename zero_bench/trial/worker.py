@@ -249,14 +249,17 @@ class Rank:
         self._sync()
         t0 = time.perf_counter()
         batches = [self._batch(micro) for _ in range(self.cfg.batch.grad_accum)]
-        losses = ulysses.sequence_mean(self.engine.step(batches, self._causal_mask(), self.marks), self.device)
+        losses = self.engine.step(batches, self._causal_mask(), self.marks)
         self._sync()
+        secs = time.perf_counter() - t0
         self.marks("idle")
         self.steps_done += 1
         # fp16: an overflow makes the engine skip the update and lower the loss scale.
         self.applied = self.engine.was_step_applied()
         self.applied_any = self.applied_any or self.applied
-        return time.perf_counter() - t0, sum(losses) / len(losses)
+        # parallel.sp: the group's loss, reduced outside the timed step (a reporting collective)
+        losses = ulysses.sequence_mean(losses, self.device)
+        return secs, sum(losses) / len(losses)
 
     # -- memory ---------------------------------------------------------------------------------
     def profiled_step(self, micro: int) -> tuple[float, float, int, str]:
