@@ -21,7 +21,7 @@ from zero_bench.store import Store
 from zero_bench.trial.launch import LaunchOptions, run_launch
 
 from conftest import cpu_cfg, model
-from zero_bench.models.params import num_params, params_per_shard
+from zero_bench.models.params import layer_numels, num_params, params_per_shard
 
 pytestmark = pytest.mark.slow
 
@@ -213,7 +213,13 @@ def test_moe_states_are_every_experts_and_peaks_near_the_estimate(moe_trials):
     (ZeRO-0, ZeRO-3, FSDP2; measured -4.1 % to +1.0 %). At ep 2 a rank computes the rows its 4
     experts are sent from both ranks: routing imbalance between the halves moves each rank (measured
     -4.5 % and +2.2 % natively, +7.0 % on rank 0 under AVX2 kernels), while the pair's mean keeps
-    the estimate's balanced share."""
+    the estimate's balanced share.
+    FSDP2 with per-op recompute peaks inside the backward, while reduce-scatters run: gloo's worker
+    thread drops its copy of a reduce-scatter's input (one layer's unsharded gradients, 6,957,056
+    bytes; the root's 2,098,176) only after the caller has gone on, so the live peak holds 0, 1 or 2
+    of them depending on how far that thread lags (here 95.1 to 102.1 MB on an idle and a loaded
+    machine; CI 109.1 MB = 95.1 + 2 layers'). Its bound above allows 2 layers' gradients."""
+    layer_grads = 4 * sum(layer_numels(MOE_TINY, moe=True))
     for name, (cfg, res) in moe_trials.items():
         assert res.status == "ok", (name, res.reason)
         e = estimate(cfg)
@@ -223,8 +229,10 @@ def test_moe_states_are_every_experts_and_peaks_near_the_estimate(moe_trials):
         if name in ("zero0", "zero3", "fsdp2", "fsdp2_op", "fsdp2_ep2"):
             live, measured = e.peak_bytes(2) - e.overhead, [r.peak_live_bytes for r in res.ranks]
             each = 0.12 if cfg.parallel.ep > 1 else 0.06
-            assert all(live == pytest.approx(x, rel=each) for x in measured), (name, live, measured)
-            assert live == pytest.approx(sum(measured) / len(measured), rel=0.06), (name, live, measured)
+            held = 2 * layer_grads if name == "fsdp2_op" else 0
+            mean = sum(measured) / len(measured)
+            assert all(live * (1 - each) <= x <= live * (1 + each) + held for x in measured), (name, live, measured)
+            assert live * 0.94 <= mean <= live * 1.06 + held, (name, live, measured)
     for name, ep in (("fsdp2", 1), ("fsdp2_ep2", 2)):
         states = moe_trials[name][1].ranks[0].model_states
         want = fsdp2_states(RankLayout(dp=2, ep=ep, model=MOE_TINY))
