@@ -48,11 +48,18 @@ LATE_MICROS = (6, 9)
 MARGIN_SAMPLES = 0.5
 
 
+def with_formula(e, formula: int):
+    """`e` with `formula` bytes per sample in its activation phase (not the RSS-fitted CPU factor)."""
+    phases = {ph: dataclasses.replace(v, per_sample=formula) if v.per_sample else v
+              for ph, v in e.prediction.phases.items()}
+    return dataclasses.replace(e, prediction=dataclasses.replace(e.prediction, phases=phases, act_per_sample=formula))
+
+
 def growth_margin(e, micro: int) -> float:
     """How far (in samples of the formula's bytes) the estimate's growing phase lies above (+) or
     below (-) its flat ones at this micro-batch."""
-    formula = e.activations["total"] + e.activations["host"]
-    live = dataclasses.replace(e, act_per_sample=formula)
+    formula = e.prediction.activations["total"] + e.prediction.activations["host"]
+    live = with_formula(e, formula)
     grow = max(live.phase_bytes(p) + micro * live.per_sample(p) for p in e.phases if live.per_sample(p))
     flat = max([live.phase_bytes(p) for p in e.phases if not live.per_sample(p)] or [0])
     return (grow - flat) / formula
@@ -142,8 +149,8 @@ def test_bytes_per_sample_match_the_formula(measured, zero):
     either; where activations decide it, it must grow by the formula's bytes per sample."""
     b, res = measured[zero]
     e = estimate(b)
-    formula = e.activations["total"] + e.activations["host"]
-    live = dataclasses.replace(e, act_per_sample=formula)
+    formula = e.prediction.activations["total"] + e.prediction.activations["host"]
+    live = with_formula(e, formula)
     lo, hi = slope_micros(b)
     want = (live.allocated_bytes(hi) - live.allocated_bytes(lo)) / (hi - lo)
     if growth_margin(e, lo) > 0:  # activations decide the peak at both sizes: the slope is the formula's
@@ -199,7 +206,7 @@ def test_zero2_rank0_grows_by_the_formula_where_activations_decide(measured):
     activation phase, and grows by the formula's bytes per sample between LATE_MICROS."""
     b, res = measured[2]
     e = estimate(b)
-    formula = e.activations["total"] + e.activations["host"]
+    formula = e.prediction.activations["total"] + e.prediction.activations["host"]
     lo, hi = slope_micros(b)
     assert (lo, hi) == LATE_MICROS and growth_margin(e, lo) > 0
     r_lo, r_hi = res[lo].ranks[0], res[hi].ranks[0]

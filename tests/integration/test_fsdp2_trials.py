@@ -17,6 +17,7 @@ from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import ParallelConfig, ZeroppConfig
 from zero_bench.estimate import estimate
 from zero_bench.estimate.fsdp2 import model_states
+from zero_bench.estimate.prediction import Phase
 from zero_bench.models.params import layer_numels, num_params, params_per_shard
 from zero_bench.records import Entry, Fault, SearchStatus
 from zero_bench.store import Store
@@ -114,14 +115,14 @@ def test_zeropp_hpz_trains_zero3s_model_and_its_second_copy_lives_where_the_esti
     ref = runs[0]["deepspeed_llama_zero3"][1]
     assert res.status == "ok", res.reason
     assert "zeropp=hpz2" in res.label.split() and res.ds_config["zero_optimization"]["zero_hpz_partition_size"] == 2
-    want = estimate(cfg).buffers["hpz_secondary"]
-    assert want["phases"] == ["bwd_end", "step"] and want["bytes"] > 0
+    want = estimate(cfg).prediction.buffer("hpz_secondary")
+    assert want.phases == (Phase.bwd_end, Phase.step) and want.bytes > 0
     for r, r0 in zip(res.ranks, ref.ranks):
         assert len(r.losses) >= 4 and r.losses == r0.losses
-        assert r.hpz_secondary == {"bwd_end": want["bytes"], "after_step": 0}
+        assert r.hpz_secondary == {"bwd_end": want.bytes, "after_step": 0}
         assert r.model_states == r0.model_states
         assert r.peak_phase == r0.peak_phase == "backward"
-        assert abs(r.peak_live_bytes - r0.peak_live_bytes) < want["bytes"] / 4, (r.peak_live_bytes, r0.peak_live_bytes)
+        assert abs(r.peak_live_bytes - r0.peak_live_bytes) < want.bytes / 4, (r.peak_live_bytes, r0.peak_live_bytes)
 
 
 @pytest.mark.parametrize("name", list(FSDP2))
@@ -180,7 +181,7 @@ def test_no_rank_ever_holds_the_unsharded_model(runs):
     whole = 4 * num_params(wide)
     for r in res.ranks:
         assert r.build_bytes < 0.8 * whole, (r.build_bytes, whole)
-        assert r.build_bytes == pytest.approx(estimate(cfg).init_peak, rel=0.1)
+        assert r.build_bytes == pytest.approx(estimate(cfg).prediction.init_peak, rel=0.1)
 
 
 def test_a_killed_fsdp2_rank_is_oom_and_the_pool_goes_on(runs):

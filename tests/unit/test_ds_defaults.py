@@ -81,5 +81,5 @@ def test_estimated_reduce_buckets_are_the_ones_deepspeed_allocates_on_gpu(preset
     elements = int(float(z.get("reduce_bucket_size", 5e8)))
     buffers = 2 if overlap and zero < 3 else 1
     dtype_bytes = 4 if zero == 1 else 2  # ZeRO-1 stages the fp32 accumulator
-    assert deepspeed_buffers(b)["reduce_bucket"]["bytes"] == buffers * elements * dtype_bytes
+    assert {x.name: x.bytes for x in deepspeed_buffers(b)}["reduce_bucket"] == buffers * elements * dtype_bytes
     assert overlap is (zero == 3 or preset == "megatron_deepspeed")

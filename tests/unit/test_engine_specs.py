@@ -30,7 +30,7 @@ def test_registry_has_every_engine():
         assert s.name == spec(s.name).name
 
 
-@pytest.mark.parametrize("field", ["estimate_parts", "stored_states"])
+@pytest.mark.parametrize("field", ["predict", "stored_states"])
 def test_light_paths_resolve(field):
     """What a spec names of the estimate loads without a rank."""
     for s in SPECS.values():

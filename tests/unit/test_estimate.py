@@ -193,15 +193,16 @@ def test_param_numels_match_config():
 def test_buffers_from_ds_config():
     b = bench("gpt-small", zero=2)  # CPU: buckets scaled to P/16
     P_ = params_per_shard(b.model, 1)
-    buf = deepspeed_buffers(b)
-    assert buf["reduce_bucket"]["bytes"] == (P_ // 16) * 4
-    assert buf["allgather_bucket"]["bytes"] == 0
-    b0 = deepspeed_buffers(bench("gpt-small", zero=0))
-    assert b0["allreduce_flat"]["bytes"] == 4 * P_
-    b3 = deepspeed_buffers(dataclasses.replace(bench("gpt-small", zero=3), hardware=dataclasses.replace(
-        bench().hardware, device="gpu")), ds={"stage3_prefetch_bucket_size": 1000, "stage3_max_live_parameters": 10**9})
-    assert b3["live_params"]["bytes"] == (16384 * 768 + 1000) * 4
-    assert b3["reduce_bucket"]["bytes"] == int(5e8) * 4  # DeepSpeed's default when the config leaves it out
+    buf = {x.name: x.bytes for x in deepspeed_buffers(b)}
+    assert buf["reduce_bucket"] == (P_ // 16) * 4
+    assert buf["allgather_bucket"] == 0
+    b0 = {x.name: x.bytes for x in deepspeed_buffers(bench("gpt-small", zero=0))}
+    assert b0["allreduce_flat"] == 4 * P_
+    gpu3 = dataclasses.replace(bench("gpt-small", zero=3), hardware=dataclasses.replace(bench().hardware, device="gpu"))
+    b3 = {x.name: x.bytes for x in deepspeed_buffers(gpu3, ds={"stage3_prefetch_bucket_size": 1000,
+                                                               "stage3_max_live_parameters": 10**9})}
+    assert b3["live_params"] == (16384 * 768 + 1000) * 4
+    assert b3["reduce_bucket"] == int(5e8) * 4  # DeepSpeed's default when the config leaves it out
 
 
 def test_seed_micro_and_monotone():

@@ -130,8 +130,10 @@ def test_deepspeed_offload_and_refusals():
                            expert_params=EXPERTS)
     part = partition(4, 2)
     assert (s.device, s.host, s.grads) == (2 * local(2), 16 * part, 4 * part)
-    e = estimate(bench("zero=1", "precision=bf16", "parallel.dp=4", "parallel.ep=2", "offload=true"))
-    assert e._dev_grads() == 2 * local(2)  # the 16-bit gradients; the fp32 partition is on the host
+    e = estimate(bench("zero=1", "precision=bf16", "parallel.dp=4", "parallel.ep=2", "offload=true",
+                       "hardware.device=gpu"))
+    # the 16-bit gradients; the fp32 partition is on the host
+    assert e.prediction.phase_grads == 2 * local(2)
     with pytest.raises(ConfigError, match="^parallel.ep=2: must divide parallel.dp=3"):
         RankLayout(dp=3, ep=2)
 
@@ -143,11 +145,11 @@ def test_deepspeed_buffers_per_param_group():
     assert RankLayout(dp=2, ep=2, model=model("moe-tiny")).zero_partitions == [DENSE // 2, EXPERTS // 2]
     assert RankLayout(dp=4, model=model("moe-tiny")).zero_partitions == [(DENSE + EXPERTS) // 4]
     b = bench("zero=1", "precision=bf16", "parallel.dp=2", "parallel.ep=2")
-    buf = {k: v["bytes"] for k, v in deepspeed_buffers(b).items()}
+    buf = {x.name: x.bytes for x in deepspeed_buffers(b)}
     assert buf["grad_partition_fp32"] == 4 * partition(2, 2)
     assert buf["grad_flat_fp32"] == buf["adam_temp"] == 4 * max(DENSE // 2, EXPERTS // 2)
-    assert estimate(b).init_peak == 2 * local(2) + 2 * max(DENSE, EXPERTS // 2)
-    one = {k: v["bytes"] for k, v in deepspeed_buffers(bench("zero=1", "precision=bf16", "parallel.dp=2")).items()}
+    assert estimate(b).prediction.init_peak == 2 * local(2) + 2 * max(DENSE, EXPERTS // 2)
+    one = {x.name: x.bytes for x in deepspeed_buffers(bench("zero=1", "precision=bf16", "parallel.dp=2"))}
     assert one["grad_partition_fp32"] == one["grad_flat_fp32"] == one["adam_temp"] == 4 * (DENSE + EXPERTS) // 2
 
 
@@ -210,8 +212,8 @@ def test_fsdp2_gathered_layer_holds_the_local_experts():
     layer = sum(map(math.prod, LAYER_DENSE))
     for ep in (1, 2):
         e = estimate(bench("engine=fsdp2", "zero=3", "precision=bf16", "parallel.dp=2", f"parallel.ep={ep}"))
-        assert e.buffers["layer_gathered"]["bytes"] == 2 * (layer + E // ep * ONE_EXPERT)
-        assert e.buffers["held_reduce_scatter_input"]["bytes"] == 4 * (layer + E // ep * ONE_EXPERT)
+        assert e.prediction.buffer("layer_gathered").bytes == 2 * (layer + E // ep * ONE_EXPERT)
+        assert e.prediction.buffer("held_reduce_scatter_input").bytes == 4 * (layer + E // ep * ONE_EXPERT)
 
 
 # -- the report and `zero_bench estimate` ------------------------------------------------------------

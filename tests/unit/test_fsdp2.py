@@ -121,9 +121,9 @@ def test_untied_models_hold_the_output_layers_gradient_not_the_embeddings():
     unsharded gradient is held through it; an untied model's word embedding gets its own only at
     the end. llama-tiny: V x h = 1024 x 256, plus the final RMSNorm's 256."""
     e = estimate(cpu_cfg("llama-tiny", engine="fsdp2", zero=3))
-    assert e.buffers["root_grads"]["bytes"] == 4 * (1024 * 256 + 256)
+    assert e.prediction.buffer("root_grads").bytes == 4 * (1024 * 256 + 256)
     tied = estimate(cpu_cfg("gpt-tiny", engine="fsdp2", zero=3))
-    assert tied.buffers["root_grads"]["bytes"] == 4 * (1024 * 64 + 2 * 64)  # word embedding + LayerNorm
+    assert tied.prediction.buffer("root_grads").bytes == 4 * (1024 * 64 + 2 * 64)  # word embedding + LayerNorm
 
 
 # Peak live tensor bytes of the profiled step (MiB, rank 0), measured by the prototype's harness,

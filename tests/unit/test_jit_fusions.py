@@ -167,7 +167,8 @@ def test_moe_experts_and_the_shared_expert_follow_the_fusion():
 def test_the_estimate_follows_the_key():
     fused, eager = estimate(gpu_bench()), estimate(gpu_bench(fusions=False))
     m = model("llama-tiny")
-    assert eager.activations["per_layer"] - fused.activations["per_layer"] == m.seq_len * 2 * m.ffn * 2
+    per_layer = [x.prediction.activations["per_layer"] for x in (eager, fused)]
+    assert per_layer[0] - per_layer[1] == m.seq_len * 2 * m.ffn * 2
     assert fused.act_per_sample < eager.act_per_sample
     fsdp = [estimate(gpu_bench(engine="fsdp2", zero=3, fusions=x)).act_per_sample for x in (True, False)]
     assert fsdp[0] < fsdp[1]

@@ -128,7 +128,7 @@ def test_sub_groups_close_as_deepspeeds():
 def test_estimate_moves_the_swappable_states_to_disk_and_adds_the_pinned_buffers():
     cpu, nvme = estimate(bench("zero=3", "offload=true")), estimate(bench("zero=3", "offload_device=nvme"))
     assert nvme.nvme_bytes > 0 and nvme.disk_bytes() == 2 * nvme.nvme_bytes
-    buf = nvme.buffers["swap_buffers"]["bytes"]
+    buf = nvme.prediction.buffer("swap_buffers").bytes
     # gpt-mini's 5 M parameters stay in DeepSpeed's pinned flat copy (max_in_cpu 1e9): only the
     # optimizer's part leaves memory, though the parameters are on disk too
     assert nvme.nvme_freed < nvme.nvme_bytes

@@ -14,6 +14,7 @@ from zero_bench.config.schema import BenchConfig, ConfigError, ZeroppConfig
 from zero_bench.engines import ds_config
 from zero_bench.estimate import estimate
 from zero_bench.estimate import zeropp as zpp
+from zero_bench.estimate.prediction import Phase
 from zero_bench.search.preflight import skipped_search, validate_machine
 from zero_bench.units import BYTES
 
@@ -89,22 +90,23 @@ def test_the_estimate_counts_hpzs_second_partition_after_the_activations_peak():
     e0, e = estimate(plain), estimate(hpz)
     thr = ds_config.build(hpz)["zero_optimization"]["stage3_param_persistence_threshold"]
     want = BYTES["fp32"] * sum(-(-p.numel // 2) * 2 // 2 for p in hpz.layout.params if p.numel > thr)
-    assert e.buffers["hpz_secondary"] == {"bytes": want, "phases": ["bwd_end", "step"]}
-    assert e.phase_bytes("step") == e0.phase_bytes("step") + want and e.phase_bytes("act") == e0.phase_bytes("act")
+    got = e.prediction.buffer("hpz_secondary")
+    assert (got.bytes, got.phases) == (want, (Phase.bwd_end, Phase.step))
+    assert e.phase_bytes(Phase.step) == e0.phase_bytes(Phase.step) + want and e.phase_bytes(Phase.act) == e0.phase_bytes(Phase.act)
     # zero.Init gives every parameter, persistent ones too, a copy as it partitions it
-    assert e.init_peak == e0.init_peak + BYTES["fp32"] * sum(-(-p.numel // 2) for p in hpz.layout.params)
+    assert e.prediction.init_peak == e0.prediction.init_peak + BYTES["fp32"] * sum(-(-p.numel // 2) for p in hpz.layout.params)
     assert e.row()["config"] == "zero3 zeropp=hpz2"
 
 
 def test_qwz_and_qgz_are_estimated_where_they_live():
     gpu = ["hardware=h100_80gb", "precision=bf16", "parallel=dp8", "zero=3"]
     one = estimate(bench(*gpu, "zeropp.qwz=true", "zeropp.qgz=true"))
-    assert one.buffers["qwz_int8_gather"]["phases"] == ["act"]
-    live = one.buffers["live_params"]["bytes"] // BYTES["bf16"]
-    assert live < one.buffers["qwz_int8_gather"]["bytes"] < live * 1.01  # int8 + an fp32 scale per group
-    assert "qgz_int4_reduce" not in one.buffers  # one node: DeepSpeed reduce-scatters as ZeRO-3
+    assert one.prediction.buffer("qwz_int8_gather").phases == (Phase.act,)
+    live = one.prediction.buffer("live_params").bytes // BYTES["bf16"]
+    assert live < one.prediction.buffer("qwz_int8_gather").bytes < live * 1.01  # int8 + an fp32 scale per group
+    assert "qgz_int4_reduce" not in one.prediction.buffers_detail()  # one node: DeepSpeed reduce-scatters as ZeRO-3
     two = estimate(bench(*gpu, "hardware.num_nodes=2", "zeropp.qgz=true"))
-    assert two.buffers["qgz_int4_reduce"]["bytes"] > 0
+    assert two.prediction.buffer("qgz_int4_reduce").bytes > 0
 
 
 def test_the_communication_is_the_papers_ratio():

@@ -33,9 +33,9 @@ class EngineSpec:
     """"module:class" of the rank-side Engine (zero_bench.engines.base.Engine) that trains a trial."""
     init_distributed: str
     """"module:function" (cfg, on_cpu) forming torch.distributed's process group the engine's way."""
-    estimate_parts: str
-    """"module:function" (bench, ds) -> the engine-specific fields of zero_bench.estimate.Estimate
-    (states, buffers, activations, act_per_sample, init_peak, grads_phase)."""
+    predict: str
+    """"module:function" (bench, ds) -> the engine's zero_bench.estimate.prediction.Prediction of one
+    rank (states, buffers, phases, activations, init_peak), which zero_bench.estimate.Estimate wraps."""
     stored_states: str
     """"module:function" (report.tables.Setup) -> the estimate's model states of one rank of a stored
     config (a records.ModelStates, split device / host)."""
@@ -90,7 +90,7 @@ SPECS: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec(name="deepspeed", tag="", title="DeepSpeed",
                trainer="zero_bench.engines.deepspeed:DeepSpeedEngine",
                init_distributed="zero_bench.engines.deepspeed:init_distributed",
-               estimate_parts="zero_bench.estimate:deepspeed_parts",
+               predict="zero_bench.estimate.deepspeed:predict",
                stored_states="zero_bench.estimate.states:stored_states",
                refusals="zero_bench.engines.refusals:deepspeed", offload_param_follows=lambda zero: zero == 3,
                reads_ds_config=True, builds_deepspeed_ops=True, runs_fp16=True, published_fragmentation=True,
@@ -98,7 +98,7 @@ SPECS: dict[str, EngineSpec] = {s.name: s for s in (
     EngineSpec(name="fsdp2", tag="fsdp2", title="FSDP2",
                trainer="zero_bench.engines.fsdp2:Fsdp2Engine",
                init_distributed="zero_bench.engines.fsdp2:init_distributed",
-               estimate_parts="zero_bench.estimate.fsdp2:parts",
+               predict="zero_bench.estimate.fsdp2:predict",
                stored_states="zero_bench.estimate.fsdp2:stored_states",
                # CPUOffloadPolicy moves parameters with the optimizer states: one key, `offload`
                refusals="zero_bench.engines.refusals:fsdp2", offload_param_follows=lambda zero: True,

@@ -14,10 +14,12 @@ Sources
   dropout, sdpa vs unfused attention) on this device, for recompute none / selective / full: see
   activations.py.
 - Buffers: DeepSpeed's own, sized from the ds_config a trial runs with (zero_bench.engines.ds_config.build).
-One module each: states.py, activations.py, buffers.py; this one adds them up (Estimate).
-engine=fsdp2 has its own states and phases (fsdp2.py: PyTorch FSDP2's memory model); it fills the
-same Estimate, whose peak is the largest phase either way. gpu.py adds what a GPU rank holds beyond
-its tensors (CUDA context, NCCL, allocator rounding); table.py is `zero_bench estimate`'s output.
+One module each: states.py, activations.py, buffers.py; deepspeed.py puts them together into
+engine=deepspeed's Prediction (prediction.py: the one record every engine returns: its states,
+typed buffers, and a Phase -> gradients and activation bytes per sample). engine=fsdp2 has its own
+states and phases (fsdp2.py: PyTorch FSDP2's memory model) in the same record. This module adds the
+fixed terms and the capacity (Estimate), whose peak is the largest phase whatever the engine.
+gpu.py adds what a GPU rank holds beyond its tensors (CUDA context, NCCL, allocator rounding); table.py is `zero_bench estimate`'s output.
 nvme.py is NVMe offload's split (states on disk, the swappers' pinned host buffers).
 zeropp.py is ZeRO++'s terms (hpZ's second partition, qwZ's and qgZ's quantized buffers, the paper's
 communication ratio).
@@ -36,7 +38,7 @@ the figures cannot drift); tests/integration/test_estimate_vs_measured.py checks
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from zero_bench.config.hosts import local_ranks
@@ -45,45 +47,36 @@ from zero_bench.devices import calibration
 from zero_bench.devices.calibration import BUILT_IN_CPU, PUBLISHED, Calibration
 from zero_bench.devices.capacity import search_capacity
 from zero_bench.engines.specs import load, spec, tag
-from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes, sequence_args
-from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
-from zero_bench.estimate.nvme import nvme_split
-from zero_bench.records import ModelStates, Seed
+from zero_bench.estimate.activations import activation_bytes_per_sample
+from zero_bench.estimate.buffers import deepspeed_buffers
+from zero_bench.estimate.deepspeed import CPU_ACTIVATION_FACTOR
 from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communicator_bytes, communicators, fragmentation,
                                      outside_allocator)
+from zero_bench.estimate.prediction import Phase, Prediction
 from zero_bench.estimate.states import model_states_bytes
+from zero_bench.records import ModelStates, Seed
 from zero_bench.models import param_numels
 from zero_bench.models.params import num_params
 from zero_bench.units import BYTES, GiB, MiB
 
-__all__ = ["BYTES", "Estimate", "GiB", "MiB", "activation_bytes_per_sample", "deepspeed_buffers", "estimate",
-           "model_states_bytes", "param_numels", "seed_micro"]
+__all__ = ["BYTES", "CPU_ACTIVATION_FACTOR", "Estimate", "GiB", "MiB", "activation_bytes_per_sample",
+           "deepspeed_buffers", "estimate", "model_states_bytes", "param_numels", "seed_micro"]
 
 # Fixed cost of one CPU rank before any model tensor: python + torch + deepspeed + megatron imports,
 # gloo, allocator arenas (RSS of a GPT-tiny rank on this machine: ~410 MiB). On GPU the fixed cost is
 # the named terms of estimate/gpu.py (the CUDA context, NCCL's buffers), each with its source.
 CPU_RANK_OVERHEAD = 410 * MiB
 
-# Per-sample activation memory of a CPU rank's RSS relative to the formula's peak (which matches live
-# tensor bytes within 5 %), fitted on model=gpt-mini (2 ranks, fp32, ZeRO-2 micro 2/4/8: 31.7 MiB/sample
-# of RSS vs 29.8 by the formula). gpt-small ZeRO-3 micro 1->2 gave 75 MiB/sample vs 63.9 (1.17):
-# glibc's arenas reuse freed blocks unevenly, so the factor is a CPU fit, not a law.
-CPU_ACTIVATION_FACTOR = 1.065
-GPU_ACTIVATION_FACTOR = 1.0
-
 
 @dataclass
 class Estimate:
-    """Everything predicted for one configuration, per rank (bytes).
+    """Everything predicted for one configuration, per rank (bytes): the engine's Prediction (its
+    states, buffers and phases: estimate/deepspeed.py, estimate/fsdp2.py) with what every engine
+    shares around it, the fixed terms and the capacity.
 
-    Peak model: overhead + persistent states (params, master, moments) + the largest phase:
-      act:     gradients allocated up front + buffers alive in forward/backward + micro x act/sample
-               (the first gradient of the backward pass, the tied embedding's, whole: ZeRO-2/3 beside their partition)
-      bwd_end: all gradients + the reduction buffers
-      step:    the gradients the optimizer reads + the step's temporaries
-    and at least the peak of deepspeed.initialize (the model plus its flat / partitioned copy).
-    engine=fsdp2 (estimate/fsdp2.py) names its own phases, each with the activation bytes per sample
-    it holds (act_phase): the peak is the largest phase whatever their names.
+    Peak model: overhead + persistent states (params, master, moments) + the largest phase (its
+    gradients, the buffers alive in it, micro x its activation bytes per sample), and at least the
+    peak while the engine builds the model (Prediction.init_peak).
     """
     label: str
     device: str
@@ -95,35 +88,13 @@ class Estimate:
     tp: int
     num_params: int
     params_per_shard: int
-    states: ModelStates  # one rank's, split device / host (estimate/states.py, estimate/fsdp2.py)
-    buffers: dict  # deepspeed_buffers
-    activations: dict  # activation_bytes_per_sample
-    act_per_sample: int  # calibrated for the device
+    prediction: Prediction
     overhead: int  # outside the tensors: CPU the process's runtime; GPU outside the allocator, high end
-    init_peak: int
-    grads_phase: dict  # gradient bytes counted in each phase (in the memory the capacity is about)
     local_ranks: int = 1
     capacity: Optional[int] = None
-    act_phase: dict = field(default_factory=dict)  # phase -> activation bytes per sample; {}: act_per_sample in "act"
     engine: str = DEFAULT_ENGINE
     ep: int = 1  # expert-parallel degree: params_per_shard holds the rank's num_experts / ep experts
     zeropp: str = ""  # ZeroppConfig.tag(): "" without ZeRO++
-    nvme_bytes: int = 0  # offload_device=nvme: this rank's states in swap files (estimate/nvme.py)
-    nvme_freed: int = 0  # of which, bytes no longer also held in memory (the optimizer's; parameters beyond max_in_cpu)
-    swap_buffer_bytes: int = 0  # offload_device=nvme: the swappers' pinned host buffers (on CPU also in `buffers`)
-    partitioned_params: Optional[int] = None  # what the dp ranks' ZeRO partitions split (each holds
-    # this / dp): params_per_shard at ep 1; with ep > 1 the dense parameters and all E experts
-    # (dense / dp + (E/ep experts) / (dp/ep) per rank). None: params_per_shard
-
-    @property
-    def phases(self) -> list[str]:
-        return list(self.grads_phase)
-
-    def per_sample(self, phase: str) -> int:
-        """Activation bytes one sample adds in `phase`."""
-        if self.act_phase:
-            return self.act_phase.get(phase, 0)
-        return self.act_per_sample if phase == "act" else 0
     overhead_low: Optional[int] = None  # GPU: outside the allocator at the low end of the published ranges
     fragmentation: float = 1.0  # GPU: reserved / allocated at the peak (the caching allocator)
     terms: dict = dataclasses.field(default_factory=dict)  # the named fixed terms (bytes), for the report
@@ -132,31 +103,62 @@ class Estimate:
     fragmentation_calibrated: bool = False  # GPU: the factor was measured here, for this model and stage
 
     @property
+    def states(self) -> ModelStates:
+        """One rank's model states, split device / host."""
+        return self.prediction.states
+
+    @property
+    def act_per_sample(self) -> int:
+        """The activation bytes per sample the table shows (calibrated for the device)."""
+        return self.prediction.act_per_sample
+
+    @property
+    def activations(self) -> dict:
+        """activation_bytes_per_sample's terms (estimate/activations.py)."""
+        return self.prediction.activations
+
+    @property
+    def nvme_bytes(self) -> int:
+        """offload_device=nvme: this rank's states in swap files (estimate/nvme.py); else 0."""
+        return self.prediction.nvme.on_disk if self.prediction.nvme else 0
+
+    @property
+    def nvme_freed(self) -> int:
+        """Of nvme_bytes, those no longer also held in memory (the optimizer's; parameters beyond max_in_cpu)."""
+        return self.prediction.nvme.freed if self.prediction.nvme else 0
+
+    @property
+    def swap_buffer_bytes(self) -> int:
+        """offload_device=nvme: the swappers' pinned host buffers (on CPU also among the buffers)."""
+        return self.prediction.nvme.buffers if self.prediction.nvme else 0
+
+    @property
+    def phases(self) -> list[Phase]:
+        return list(self.prediction.phases)
+
+    def per_sample(self, phase: Phase) -> int:
+        """Activation bytes one sample adds in `phase`."""
+        got = self.prediction.phases.get(phase)
+        return got.per_sample if got else 0
+
+    @property
     def states_on_rank(self) -> int:
         """Model-state bytes in the memory the capacity is about (CPU: device + host; GPU: device)."""
         return self.states.total - self.nvme_freed if self.device == "cpu" else self.states.device
 
     @property
     def persistent(self) -> int:
-        """States that live through the whole step: everything but the gradients."""
-        dev_grads = self.states.grads if self.device == "cpu" else self._dev_grads()
-        return self.states_on_rank - dev_grads
+        """States that live through the whole step: everything but the gradients the phases count."""
+        return self.states_on_rank - self.prediction.phase_grads
 
-    def _dev_grads(self) -> int:
-        s = self.states
-        if not self.offload_optimizer:
-            return s.grads
-        partitioned = self.params_per_shard if self.partitioned_params is None else self.partitioned_params
-        return 0 if self.zero >= 2 else s.grads - 4 * partitioned // self.dp
-
-    def phase_bytes(self, phase: str) -> int:
+    def phase_bytes(self, phase: Phase) -> int:
         """Gradients + buffers of one phase (no activations, no persistent states)."""
-        return self.grads_phase[phase] + sum(v["bytes"] for v in self.buffers.values() if phase in v["phases"])
+        return self.prediction.phases[phase].grads + self.prediction.buffer_bytes(phase)
 
     @property
     def buffers_total(self) -> int:
         """The buffers of the phase with the most (what the table shows)."""
-        return max(sum(v["bytes"] for v in self.buffers.values() if ph in v["phases"]) for ph in self.phases)
+        return max(self.prediction.buffer_bytes(ph) for ph in self.phases)
 
     def fixed_bytes(self) -> int:
         """Per-rank peak without activations."""
@@ -166,7 +168,7 @@ class Estimate:
         """The tensors' peak at this micro-batch (torch's max allocated on GPU): the persistent states
         plus the largest phase (its gradients, buffers and activations)."""
         steady = self.persistent + max(self.phase_bytes(ph) + micro * self.per_sample(ph) for ph in self.phases)
-        return max(steady, self.init_peak)
+        return max(steady, self.prediction.init_peak)
 
     def peak_bytes(self, micro: int, overhead: Optional[int] = None) -> int:
         """Predicted per-rank peak at this micro-batch (RSS on CPU, device memory as nvidia-smi shows it
@@ -236,59 +238,19 @@ class Estimate:
             **({"nvme_states": self.nvme_bytes, "disk_needed": self.disk_bytes()} if self.swap_buffer_bytes else {}),
         }
 
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["row"] = self.row()
-        return d
-
 
 def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Mapping] = None) -> Estimate:
-    """The prediction for one BenchConfig (its device, precision, stage, offload and layout: tp, dp, ep)."""
+    """The prediction for one BenchConfig (its device, precision, stage, offload and layout: tp, dp, ep):
+    its engine's Prediction (the spec's `predict`; `ds`: the trial's DeepSpeed JSON where the caller
+    has it) with the fixed terms and the capacity."""
     layout = bench.layout
-    common = dict(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
-                  offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=layout.dp, tp=layout.tp,
-                  num_params=num_params(bench.model), params_per_shard=layout.held_params,
-                  local_ranks=local_ranks(bench), engine=bench.engine, zeropp=bench.zeropp.tag(),
-                  capacity=capacity if capacity is not None else search_capacity(bench), ep=layout.ep,
-                  partitioned_params=layout.tp_shard_params if layout.ep > 1 else None, **fixed_terms(bench))
-    return Estimate(**common, **load(spec(bench.engine).estimate_parts)(bench, ds))
-
-
-def deepspeed_parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
-    """The engine-specific fields of Estimate for engine=deepspeed (its spec's estimate_parts). ds: the
-    trial's DeepSpeed JSON where the caller has it (its buffers read it), else the composed one's."""
-    m, tp, layout = bench.model, bench.parallel.tp, bench.layout
-    P = layout.held_params
-    on_cpu = bench.hardware.device == "cpu"
-    states = model_states_bytes(layout.tp_shard_params, bench.zero, layout, bench.precision, bench.offload,
-                                bench.offload_param and bench.zero == 3, states=bench.states,
-                                expert_params=layout.tp_shard_expert_params)
-    checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
-    act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing, bench.hardware.device,
-                                      bench.recompute_layers, bench.loss, bench.fusions, **sequence_args(bench))
-    factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
-    per_sample = act["total"] + (act["host"] if on_cpu else 0)  # on CPU the host is the device
-    b = BYTES[bench.precision]
-    grads = states.grads
-    if not on_cpu and bench.offload:  # the host part of the gradients is not on the device
-        grads = 0 if bench.zero >= 2 else b * P
-    # The backward pass starts with the (output) embedding's gradient, whole: ZeRO-0/1 keep it; ZeRO-2/3
-    # hold it beside their gradient partition until its reduce. Measured on CPU (GPT-zero-demo, fp32,
-    # micro 17-25): the backward's live peak stood 64 MiB above the forward's at every stage, the
-    # embedding's 61 MiB fp32 gradient; ZeRO-3's estimate without it ran 50 MiB (9 %) low.
-    first = b * max(p.numel for p in layout.params)
-    grads_phase = {"act": first if bench.zero <= 1 else grads + first, "bwd_end": grads,
-                   "step": 0 if bench.zero == 1 and not bench.offload else grads}
-    buffers = deepspeed_buffers(bench, ds)
-    if bench.loss == "chunked":
-        buffers["loss_chunk"] = {"bytes": loss_chunk_bytes(m, bench.precision), "phases": ["act"]}
-    nvme = nvme_split(bench, (ds_full(bench).get("zero_optimization") or {}) if ds is None else ds)
-    if nvme is not None and on_cpu:  # host memory, pinned at initialize and kept: on CPU, the rank's own
-        buffers["swap_buffers"] = {"bytes": nvme.buffers, "phases": list(grads_phase)}
-    return dict(states=states, buffers=buffers, activations=act, act_per_sample=int(per_sample * factor),
-                init_peak=init_peak(bench), grads_phase={k: int(v) for k, v in grads_phase.items()},
-                nvme_bytes=nvme.on_disk if nvme else 0, nvme_freed=nvme.freed if nvme else 0,
-                swap_buffer_bytes=nvme.buffers if nvme else 0)
+    prediction = load(spec(bench.engine).predict)(bench, ds)
+    return Estimate(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
+                    offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=layout.dp, tp=layout.tp,
+                    num_params=num_params(bench.model), params_per_shard=layout.held_params, prediction=prediction,
+                    local_ranks=local_ranks(bench), engine=bench.engine, zeropp=bench.zeropp.tag(),
+                    capacity=capacity if capacity is not None else search_capacity(bench), ep=layout.ep,
+                    **fixed_terms(bench))
 
 
 def fixed_terms(bench: BenchConfig) -> dict:

@@ -7,6 +7,7 @@ from typing import Mapping, Optional
 from zero_bench.config.schema import BenchConfig
 from zero_bench.engines import ds_config
 from zero_bench.estimate import zeropp
+from zero_bench.estimate.prediction import Buffer, Phase
 from zero_bench.estimate.states import master_bytes
 from zero_bench.units import BYTES
 
@@ -26,13 +27,13 @@ def _zero_cfg(bench: BenchConfig) -> dict:
     return ds_config.build(bench).get("zero_optimization") or {}
 
 
-def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
+def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> list[Buffer]:
     """Bytes of the buffers DeepSpeed (and the optimizer) allocate beyond the model states, per rank.
 
-    Each entry: {"bytes", "phases"}, the phases it is alive in: "act" (forward and the start of the
-    backward pass, with the activations), "bwd_end" (gradients complete, being reduced), "step"
-    (the optimizer step). Sizes come from the ds_config (`ds`: its zero_optimization section;
-    default zero_bench.engines.ds_config.build(bench)) and DeepSpeed's defaults for keys it leaves out.
+    Each a Buffer with the phases it is alive in: act (forward and the start of the backward pass,
+    with the activations), bwd_end (gradients complete, being reduced), step (the optimizer step).
+    Sizes come from the ds_config (`ds`: its zero_optimization section; default
+    zero_bench.engines.ds_config.build(bench)) and DeepSpeed's defaults for keys it leaves out.
     - ZeRO-0: the engine all-reduces the gradients through a flat copy of up to 5e8 elements.
     - ZeRO-1/2: the contiguous-gradient reduce bucket (reduce_bucket_size elements, two with
       overlap_comm); ZeRO-1 reduces into an fp32 gradient partition (4P/dp) while the full
@@ -63,40 +64,44 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     mb = master_bytes(bench.states)  # the "fp32" partitions below are bf16 with states=bf16
     groups = layout.zero_partitions if stage >= 1 else [P]
     part, part_max = sum(groups), max(groups)
-    out: dict[str, tuple[int, tuple]] = {}
+    out: dict[str, tuple[int, tuple, str]] = {}  # name -> (bytes, phases, what sizes it)
     if stage == 0:
-        out["allreduce_flat"] = (min(P, ZERO0_ALLREDUCE_ELEMENTS) * b, ("bwd_end",))
+        out["allreduce_flat"] = (min(P, ZERO0_ALLREDUCE_ELEMENTS) * b, ("bwd_end",),
+                                 "engine.MEMORY_OPT_ALLREDUCE_SIZE elements at most")
         if bench.precision == "fp16":
             # FP16_Optimizer.step (runtime/fp16/fused_optimizer.py) casts every fp16 gradient to
             # fp32 in a list, then flattens the list into the master's .grad: 4P + 4P at once.
-            out["fp32_grads"] = (8 * P, ("step",))
+            out["fp32_grads"] = (8 * P, ("step",), "FP16_Optimizer.step (fp16 at ZeRO-0)")
     elif stage in (1, 2):
         n = 2 if zc.get("overlap_comm") else 1
         red_b = mb if stage == 1 else b  # ZeRO-1 stages the fp32 accumulator
         bucket = n * get("reduce_bucket_size") * red_b if zc.get("contiguous_gradients", True) else 0
-        out["reduce_bucket"] = (bucket, ("act", "bwd_end"))
-        out["allgather_bucket"] = (0, ("step",))
+        out["reduce_bucket"] = (bucket, ("act", "bwd_end"),
+                                "reduce_bucket_size" + (" x2 (overlap_comm)" if n == 2 else ""))
+        out["allgather_bucket"] = (0, ("step",), "allgather_bucket_size: not allocated (all-gathered in place)")
         if stage == 1 and not bench.offload:
-            out["grad_partition_fp32"] = (mb * part, ("bwd_end", "step"))
-        out["grad_flat_fp32"] = (mb * part_max, ("step",))
+            out["grad_partition_fp32"] = (mb * part, ("bwd_end", "step"), "ZeRO-1's gradient partition (P/dp)")
+        out["grad_flat_fp32"] = (mb * part_max, ("step",), "the step's flat gradient partition (largest group)")
     else:
-        out["reduce_bucket"] = (get("reduce_bucket_size") * b, ("act", "bwd_end"))
+        out["reduce_bucket"] = (get("reduce_bucket_size") * b, ("act", "bwd_end"), "reduce_bucket_size")
         numels = [p.numel for p in layout.params]
         largest = max(numels)
         live = max(largest, min(get("stage3_max_live_parameters"), largest + get("stage3_prefetch_bucket_size")))
+        live_from = "stage3_max_live_parameters, stage3_prefetch_bucket_size"
         if bench.hardware.device == "cpu":
             # Measured on CPU (GPT-small, DP=2): the forward/backward peak holds about one whole
             # copy of the parameters, not the max_live/prefetch bound (module not built under zero.Init).
-            live = P
-        out["live_params"] = (min(live, P) * b, ("act",))
+            live, live_from = P, "one whole copy of the parameters (measured on CPU)"
+        out["live_params"] = (min(live, P) * b, ("act",), live_from)
         if bench.zeropp.active:
             out.update(zeropp.buffers(bench, min(live, P), get))
         thr = get("stage3_param_persistence_threshold")
-        out["persistent_params"] = (sum(x for x in numels if x <= thr) * b, ("act", "bwd_end", "step"))
+        out["persistent_params"] = (sum(x for x in numels if x <= thr) * b, ("act", "bwd_end", "step"),
+                                    "stage3_param_persistence_threshold")
     torch_adam = bool(((full.get("optimizer") or {}).get("params") or {}).get("torch_adam"))
     if ds is None and torch_adam:
-        out["adam_temp"] = (mb * part_max, ("step",))
-    return {k: {"bytes": int(v), "phases": list(ph)} for k, (v, ph) in out.items()}
+        out["adam_temp"] = (mb * part_max, ("step",), "torch Adam's sqrt(v) of the largest partition")
+    return [Buffer(k, int(v), tuple(Phase(p) for p in ph), src) for k, (v, ph, src) in out.items()]
 
 
 def ds_full(bench: BenchConfig) -> dict:

@@ -48,8 +48,9 @@ import math
 from typing import Mapping, Optional
 
 from zero_bench.config.layout import RankLayout
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device, Loss
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes, sequence_args
+from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction
 from zero_bench.estimate.states import master_bytes, moment_bytes
 from zero_bench.models import ModelConfig
 from zero_bench.models.params import ROOT, Param
@@ -110,10 +111,10 @@ def model_states(layout: RankLayout, precision: str = "fp32", offload: bool = Fa
     return dataclasses.replace(out, host=out.total if offload else 0)
 
 
-def layer_phases(L: int) -> dict[str, int]:
-    """The layer phases kept (name -> i): the top layer, the one below it, and layer 1."""
-    out: dict[str, int] = {}
-    for name, i in (("layer_last", L - 1), ("layer_next", L - 2), ("layer_first", 1)):
+def layer_phases(L: int) -> dict[Phase, int]:
+    """The layer phases kept (phase -> i): the top layer, the one below it, and layer 1."""
+    out: dict[Phase, int] = {}
+    for name, i in ((Phase.layer_last, L - 1), (Phase.layer_next, L - 2), (Phase.layer_first, 1)):
         if 1 <= i <= L - 1 and i not in out.values():
             out[name] = i
     return out
@@ -125,15 +126,14 @@ def stored_states(s) -> ModelStates:
     return model_states(RankLayout.of(s, ModelConfig(**s.model)), s.precision, s.offload, states=s.states)
 
 
-def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
-    """The engine-specific fields of zero_bench.estimate.Estimate for engine=fsdp2: states, buffers
-    (name -> bytes and the phases they are alive in), the gradients and the activation bytes per
-    sample of each phase, and the peak while the model is built (its spec's estimate_parts; `ds` unread:
-    no DeepSpeed config)."""
+def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
+    """engine=fsdp2's prediction for one rank (its spec's `predict`; `ds` unread: no DeepSpeed
+    config): states, buffers (gathered parameters, unsharded gradients), the gradients and the
+    activation bytes per sample of each phase, and the peak while the model is built."""
     # every state is sharded over the shard group (hybrid sharding: dp_shard ranks), not all dp
     # ranks, the experts over dp / ep ranks (the layout's partition_ranks)
     m, tp, layout = bench.model, bench.parallel.tp, bench.layout
-    on_cpu = bench.hardware.device == "cpu"
+    on_cpu = bench.hardware.device == Device.cpu
     states = model_states(layout, bench.precision, bench.offload, states=bench.states)
     g = groups(layout)
     root, layer = g.pop(ROOT), max(g.values(), key=lambda ps: sum(p.numel for p in ps))
@@ -145,15 +145,15 @@ def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     w = master_bytes(bench.states)  # sharded parameters, gradients and the update: fp32 or pure bf16
     layer_grads = dev_grads * w * sum(_shard(p, layout, 0, padded=True) for p in layer)
     buffers = _buffers(bench, b, R, G, layers, on_cpu)
-    if bench.loss == "chunked":
-        buffers["loss_chunk"] = (loss_chunk_bytes(m, bench.precision), ["backward_start"])
-    buffers["root_grads"] = (b * sum(p.numel for p in root if _graded_first(p, m.tie_embeddings)),
-                             buffers["root_gathered"][1])
+    if bench.loss == Loss.chunked:
+        buffers.append(Buffer("loss_chunk", loss_chunk_bytes(m, bench.precision), (Phase.backward_start,),
+                              "loss=chunked: one chunk's logits"))
+    buffers.append(Buffer("root_grads", b * sum(p.numel for p in root if _graded_first(p, m.tie_embeddings)),
+                          buffers[0].phases, "the output layer's and the final norm's unsharded gradients"))
     if on_cpu:  # fused AdamW (GPU) makes no temporaries
         largest = max(_shard(p, layout, 0, padded=True) for p in root + layer)
-        buffers["adamw_temporaries"] = (ADAM_TEMPORARIES * w * largest, ["step"])
-    grads_phase = {"backward_start": 0, **{n: (L - 1 - i) * layer_grads for n, i in layers.items()},
-                   "step": dev_grads * states.grads}
+        buffers.append(Buffer("adamw_temporaries", ADAM_TEMPORARIES * w * largest, (Phase.step,),
+                              "single-tensor AdamW's temporaries of the largest shard"))
     act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, device=bench.hardware.device,
                                       recompute_layers=bench.recompute_layers, loss=bench.loss, fusions=bench.fusions,
                                       **sequence_args(bench))
@@ -161,16 +161,16 @@ def parts(bench: BenchConfig, ds: Optional[Mapping] = None) -> dict:
     layers_here = act["layers"] + (act["host"] if on_cpu else 0)
     kept = layers_here / L  # per layer, after recompute's savings
     logits = m.seq_len * m.padded_vocab(tp) // tp * LOGITS_BYTES[bench.precision]
-    act_phase = {"backward_start": layers_here + act["embedding"] + logits,
-                 **{n: (i + 1) * kept + act["recomputed"] + act["embedding"] for n, i in layers.items()},
-                 "step": 0}
+    phases = {Phase.backward_start: PhaseBytes(0, int(layers_here + act["embedding"] + logits)),
+              **{n: PhaseBytes(int((L - 1 - i) * layer_grads),
+                               int((i + 1) * kept + act["recomputed"] + act["embedding"])) for n, i in layers.items()},
+              Phase.step: PhaseBytes(int(dev_grads * states.grads))}
     P = R + sum(p.numel for ps in g.values() for p in ps)
-    return {"states": states, "buffers": {k: {"bytes": int(v), "phases": ph} for k, (v, ph) in buffers.items()},
-            "activations": act, "act_per_sample": int(act_phase["backward_start"]),
-            "grads_phase": {k: int(v) for k, v in grads_phase.items()},
-            "act_phase": {k: int(v) for k, v in act_phase.items()},
-            "init_peak": init_peak(bench, R, G, P - R, _per_rank(layer, layout),
-                                   _per_rank([p for ps in g.values() for p in ps], layout))}
+    return Prediction(states=states, buffers=buffers, phases=phases, activations=act,
+                      act_per_sample=phases[Phase.backward_start].per_sample,
+                      init_peak=init_peak(bench, R, G, P - R, _per_rank(layer, layout),
+                                          _per_rank([p for ps in g.values() for p in ps], layout)),
+                      phase_grads=dev_grads * states.grads)
 
 
 def _per_rank(ps: list[Param], layout: RankLayout) -> int:
@@ -192,7 +192,7 @@ def init_peak(bench: BenchConfig, R: int, G: int, layers: int, G_shard: Optional
     G_shard, layers_shard: one layer's and all layers' elements per rank (ep > 1: the experts over
     dp / ep ranks); None: G // dp, layers // dp, dp the shard group (RankLayout.shard_size)."""
     dp = bench.layout.shard_size
-    if bench.offload and bench.hardware.device != "cpu":
+    if bench.offload and bench.hardware.device != Device.cpu:
         return 4 * (R + G)
     G_shard = G // dp if G_shard is None else G_shard
     layers_shard = layers // dp if layers_shard is None else layers_shard
@@ -207,23 +207,27 @@ def _graded_first(p: Param, tied: bool) -> bool:
     return not p.name.startswith("embedding.") or (tied and p.name == "embedding.word_embeddings.weight")
 
 
-def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[str, int], on_cpu: bool) -> dict:
-    """Gathered parameters and unsharded gradients: name -> (bytes, phases alive)."""
-    L, names, bR, bG = bench.model.num_layers, list(layers), b * R, b * G
-    backward = ["backward_start"] + names
-    out = {"root_gathered": (bR, backward)}
+def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[Phase, int], on_cpu: bool) -> list[Buffer]:
+    """Gathered parameters and unsharded gradients, each with the phases it is alive in."""
+    L, names, bR, bG = bench.model.num_layers, tuple(layers), b * R, b * G
+    backward = (Phase.backward_start,) + names
+    out = [Buffer("root_gathered", bR, backward, "the root group, gathered through forward and backward")]
     if bench.zero == 3:
-        out["layer_gathered"] = (bG, backward)
-        out["layer_prefetched"] = (bG, names)
+        out.append(Buffer("layer_gathered", bG, backward, "the layer in backward"))
+        out.append(Buffer("layer_prefetched", bG, names, "the layer FSDP2 prefetches"))
         if on_cpu:
-            out["gloo_allgather_copy"] = (bG, names)
+            out.append(Buffer("gloo_allgather_copy", bG, names, "gloo's all_gather_into_tensor output copy"))
     else:  # zero=2: layers 0..i stay gathered until their own backward
         for n, i in layers.items():
-            out[f"layers_0_{i}_gathered"] = ((i + 1) * bG, [n] + (["backward_start"] if i == L - 1 else []))
+            out.append(Buffer(f"layers_0_{i}_gathered", (i + 1) * bG,
+                              (n,) + ((Phase.backward_start,) if i == L - 1 else ()),
+                              "zero=2: every layer gathered from its forward to its backward"))
         if L - 1 not in layers.values():
-            out[f"layers_0_{L - 1}_gathered"] = (L * bG, ["backward_start"])
-    held = [n for n, i in layers.items() if i < L - 1]
+            out.append(Buffer(f"layers_0_{L - 1}_gathered", L * bG, (Phase.backward_start,),
+                              "zero=2: every layer gathered from its forward to its backward"))
+    held = tuple(n for n, i in layers.items() if i < L - 1)
     if held:
         # reduced in fp32 whatever the compute dtype; pure bf16 reduces in bf16
-        out["held_reduce_scatter_input"] = (master_bytes(bench.states) * G, held)
+        out.append(Buffer("held_reduce_scatter_input", master_bytes(bench.states) * G, held,
+                          "the previous layer's reduce-scatter input, held to the next"))
     return out

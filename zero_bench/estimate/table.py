@@ -106,7 +106,7 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
             f"micro {micro} x grad_accum "
             f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank"
             + (f"; fixed terms: {first.calibration}" if first else ""))
-    zpp = [zeropp.line(v, e.buffers) for v, e in ests if v.zeropp.active][:1]  # ZeRO-3 only: one at most
+    zpp = [zeropp.line(v, e.prediction.buffers_detail()) for v, e in ests if v.zeropp.active][:1]  # ZeRO-3 only: one at most
     return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first), *zpp,
                       format_table(rows), seq_line(bench, rows, seq_micro, grid), LEGEND, "",
                       at_micro_table(at, bench),
@@ -229,7 +229,8 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
                        "calibration": first.calibration if first else None, "terms": first.terms if first else {},
                        **({"max_seq_len_at": seq} if seq else {}),
                        "configs": [{**r, "at_micro": {k: v for k, v in a.items() if k != "config"},
-                                    "buffers_detail": e.buffers, "activations": e.activations,
+                                    "buffers_detail": e.prediction.buffers_detail(),
+                                    "activations": e.prediction.activations,
                                     **({"zeropp_communication": zeropp.communication(bench)} if e.zeropp else {})}
                                    for r, e, a in zip(rows, ests, at)]}, indent=2)
 

@@ -413,9 +413,9 @@ def formula_terms(est, micro: int) -> dict:
     """The formula's peak (Estimate.allocated_bytes) split into TERMS at its own peak phase."""
     s = est.states
     phase = max(est.phases, key=lambda ph: est.phase_bytes(ph) + micro * est.per_sample(ph))
-    bufs = {k: v["bytes"] for k, v in est.buffers.items() if phase in v["phases"]}
+    bufs = {b.name: b.bytes for b in est.prediction.buffers if phase in b.phases}
     gathered = sum(v for k, v in bufs.items() if "gathered" in k or "prefetched" in k or "allgather" in k)
-    return {"params": s.params + s.master, "grads": est.grads_phase[phase], "optimizer": s.moments,
+    return {"params": s.params + s.master, "grads": est.prediction.phases[phase].grads, "optimizer": s.moments,
             "gathered params": gathered,
             "activations + temporaries": micro * est.per_sample(phase) + sum(bufs.values()) - gathered}
 

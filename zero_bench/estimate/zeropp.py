@@ -42,11 +42,11 @@ FP16 = 2  # qgZ's dequantized output: the quantizer kernel writes half precision
 
 
 def buffers(bench: BenchConfig, live_numel: int, get: Callable[[str], int]) -> dict:
-    """deepspeed_buffers' entries ({name: (bytes, phases)}) for the ZeRO++ parts switched on.
+    """deepspeed_buffers' entries ({name: (bytes, phases, source)}) for the ZeRO++ parts switched on.
     live_numel: the parameters gathered at once (estimate/buffers.py's live_params)."""
     z, layout = bench.zeropp, bench.layout
     b = BYTES[bench.precision]
-    out: dict[str, tuple[int, tuple]] = {}
+    out: dict[str, tuple[int, tuple, str]] = {}
     if z.hpz > 1:
         off_device = bench.offload_param and bench.hardware.device != "cpu"  # remote_device: the host
         # persistent parameters (at most stage3_param_persistence_threshold elements) stay gathered
@@ -54,12 +54,14 @@ def buffers(bench: BenchConfig, live_numel: int, get: Callable[[str], int]) -> d
         thr = get("stage3_param_persistence_threshold")
         out["hpz_secondary"] = (0 if off_device else b * sum(_aligned(p.numel, layout.dp) // z.hpz
                                                               for p in layout.params if p.numel > thr),
-                                ("bwd_end", "step"))
+                                ("bwd_end", "step"), "zero_hpz_partition_size: zero.Init's aligned partitions / hpz")
     if z.qwz:
-        out["qwz_int8_gather"] = (live_numel + FP32_SCALE * math.ceil(live_numel / QUANT_GROUP), ("act",))
+        out["qwz_int8_gather"] = (live_numel + FP32_SCALE * math.ceil(live_numel / QUANT_GROUP), ("act",),
+                                  "zero_quantized_weights: the int8 gathered copy and its fp32 scales")
     if z.qgz and bench.hardware.num_nodes > 1:
         n, node = min(max(p.numel for p in bench.layout.params), get("reduce_bucket_size")), local_ranks(bench)
-        out["qgz_int4_reduce"] = (int(2 * INT4 * n + (2 * INT4 + FP16) * n / node), ("act", "bwd_end"))
+        out["qgz_int4_reduce"] = (int(2 * INT4 * n + (2 * INT4 + FP16) * n / node), ("act", "bwd_end"),
+                                  "zero_quantized_gradients: the int4 buffers of one bucket")
     return out
 
 

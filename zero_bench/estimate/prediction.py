@@ -1,0 +1,92 @@
+"""What an engine's estimate returns: one typed record per configuration (Prediction), the same
+shape for every engine, so zero_bench.estimate.Estimate adds the fixed terms and the capacity to it
+without knowing which engine made it. estimate/deepspeed.py and estimate/fsdp2.py each fill one
+(their spec's `predict`); the phases each engine names are members of one Phase enum."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Optional
+
+from zero_bench.estimate.nvme import NvmeSplit
+from zero_bench.records import ModelStates
+
+
+class Phase(StrEnum):
+    """The moments of a step whose memory the estimate adds up; the peak is the largest of them.
+    Each engine uses its own (its phases keep the order it lists them in: a tie keeps the first)."""
+    act = "act"
+    """DeepSpeed: forward and the start of backward, with the activations."""
+    bwd_end = "bwd_end"
+    """DeepSpeed: gradients complete, being reduced."""
+    backward_start = "backward_start"
+    """FSDP2: the start of backward, every layer's activations and the logits alive."""
+    layer_last = "layer_last"
+    """FSDP2: the pre-backward of the top layer (which prefetches the one below)."""
+    layer_next = "layer_next"
+    """FSDP2: the pre-backward of the layer below the top one."""
+    layer_first = "layer_first"
+    """FSDP2: the pre-backward of layer 1."""
+    step = "step"
+    """Both: the optimizer step."""
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """Memory an engine allocates beyond the model states and the activations, per rank."""
+    name: str
+    bytes: int
+    phases: tuple[Phase, ...]
+    """The phases it is alive in."""
+    source: str = ""
+    """What sizes it (a ds_config key, DeepSpeed's default, a measurement): for the reader."""
+
+    def as_dict(self) -> dict:
+        """As `zero_bench estimate json=true` prints it (buffers_detail)."""
+        return {"bytes": self.bytes, "phases": [str(p) for p in self.phases]}
+
+
+@dataclass(frozen=True)
+class PhaseBytes:
+    """One phase's share of the peak, beside the persistent states and the buffers alive in it."""
+    grads: int
+    """Gradient bytes counted in this phase (in the memory the capacity is about): fixed."""
+    per_sample: int = 0
+    """Activation bytes one sample of the micro-batch adds in this phase."""
+
+
+@dataclass
+class Prediction:
+    """One rank's memory as an engine's estimate predicts it, without the fixed terms (the runtime,
+    the CUDA context) that zero_bench.estimate adds the same way for every engine."""
+    states: ModelStates
+    """The model states, split device / host (estimate/states.py, estimate/fsdp2.py)."""
+    buffers: list[Buffer]
+    phases: dict[Phase, PhaseBytes]
+    """The engine's phases, in its order: each one's gradients and activation bytes per sample."""
+    activations: dict
+    """activation_bytes_per_sample's terms (estimate/activations.py), for the JSON output."""
+    act_per_sample: int
+    """The activation bytes per sample the table shows (calibrated for the device)."""
+    init_peak: int
+    """The peak while the engine builds the model (deepspeed.initialize, FSDP2's fully_shard)."""
+    phase_grads: int
+    """The gradient bytes of the states in the memory the capacity is about that the phases count
+    (not persistent through the step): the rest of the states persists."""
+    nvme: Optional[NvmeSplit] = None
+    """offload_device=nvme: the states in swap files and the swappers' pinned host buffers."""
+
+    def buffer(self, name: str) -> Buffer:
+        """The buffer called `name` (KeyError where the engine has none by that name)."""
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def buffer_bytes(self, phase: Phase) -> int:
+        """The bytes of the buffers alive in `phase`."""
+        return sum(b.bytes for b in self.buffers if phase in b.phases)
+
+    def buffers_detail(self) -> dict:
+        """name -> {"bytes", "phases"}: the JSON output's buffers_detail."""
+        return {b.name: b.as_dict() for b in self.buffers}
