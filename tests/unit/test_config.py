@@ -307,10 +307,12 @@ def test_stored_configs_of_older_versions_still_read():
 
 
 def test_the_report_reads_stored_configs_through_the_schema():
-    """report.tables.setup_of reads a stored config as a resume does (BenchConfig.from_dict's
-    migrations and defaults), and keeps a skipped grid entry's partial model as stored."""
+    """The report's one reader (config.schema.stored_config, through report.rows.bench_of) reads a
+    stored config as a resume does (BenchConfig.from_dict's migrations and defaults), and keeps a
+    skipped grid entry's partial model as far as it is stored."""
     from zero_bench.config.schema import BenchConfig
-    from zero_bench.report.tables import setup_of
+    from zero_bench.models.description import describes
+    from zero_bench.report.rows import bench_of
 
     old = bench("parallel.dp=4").to_dict()
     old["offload_optimizer"] = not old.pop("offload")
@@ -318,8 +320,11 @@ def test_the_report_reads_stored_configs_through_the_schema():
     for k in ("engine", "states", "compile", "recompute_layers"):  # stored before these keys existed
         old.pop(k)
     del old["parallel"]["ep"], old["parallel"]["dp_shard"]
-    s, want = setup_of(old), BenchConfig.from_dict(old)
-    assert (s.dp, s.offload, s.ds_preset, s.engine, s.states, s.compile, s.recompute_layers, s.ep, s.dp_shard) == (
-        4, want.offload, "megatron_deepspeed", "deepspeed", "mixed", False, 1, 1, None)
+    s, want = bench_of(old), BenchConfig.from_dict(old)
+    assert s == want
+    assert (s.parallel.dp, s.offload, s.ds_preset, s.engine, s.states, s.compile, s.recompute_layers, s.parallel.ep,
+            s.parallel.dp_shard) == (4, want.offload, "megatron_deepspeed", "deepspeed", "mixed", False, 1, 1, None)
     skipped = {**old, "model": {"name": "half", "num_layers": "???"}, "command": "maxbatch", "search": {"max": 8}}
-    assert setup_of(skipped).model == skipped["model"] and setup_of(skipped).num_params is None
+    got = bench_of(skipped)
+    assert got.model.name == "half" and not describes(got.model) and got.parallel == s.parallel
+    assert describes(s.model)

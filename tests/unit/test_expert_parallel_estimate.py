@@ -19,7 +19,8 @@ from zero_bench.estimate.fsdp2 import local_numel, model_states
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.estimate.table import estimate_report
 from zero_bench.models.params import dense_params, num_params, params, params_per_shard, routed_expert_params
-from zero_bench.report.tables import estimate_or_error, setup_of
+from zero_bench.report.rows import bench_of
+from zero_bench.report.tables import estimate_or_error
 
 from conftest import model
 
@@ -222,15 +223,15 @@ def test_report_estimate_follows_the_stored_ep():
     for overrides in (["zero=2", "precision=bf16"], ["engine=fsdp2", "zero=3", "precision=bf16"]):
         b = bench(*overrides, "parallel.dp=2", "parallel.ep=2")
         stored = b.to_dict()
-        s = setup_of(stored)
-        assert s.ep == 2
+        s = bench_of(stored)
+        assert s.parallel.ep == 2
         want = estimate(b).states
         assert estimate_or_error(s) == (want.total, "")
         old = json.loads(json.dumps(stored))
         del old["parallel"]["ep"]  # stored before parallel.ep existed
-        assert setup_of(old).ep == 1
+        assert bench_of(old).parallel.ep == 1
         one = estimate(dataclasses.replace(b, parallel=dataclasses.replace(b.parallel, ep=1))).states
-        assert estimate_or_error(setup_of(old)) == (one.total, "")
+        assert estimate_or_error(bench_of(old)) == (one.total, "")
 
 
 def test_estimate_header_names_ep_only_above_1():

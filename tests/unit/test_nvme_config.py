@@ -189,7 +189,8 @@ def test_without_libaio_doctor_names_the_one_command_and_nvme_is_refused(monkeyp
 
 
 def test_the_reports_offload_column_names_the_rung_for_old_and_new_records():
-    from zero_bench.report.tables import _offload_text, offload_rung, setup_of
+    from zero_bench.config.schema import stored_config
+    from zero_bench.report.tables import _offload_text, offload_rung
 
     cases = [  # stored config (as before offload_device, as resolved, a skipped grid entry as given)
         ("none", {"zero": 3}, "No"),
@@ -200,5 +201,5 @@ def test_the_reports_offload_column_names_the_rung_for_old_and_new_records():
     ]
     old = {k: v for k, v in bench().to_dict().items() if k not in ("offload_device", "offload", "offload_param")}
     for want, stored, cell in cases:
-        s = setup_of({**old, **stored})
+        s = stored_config({**old, **stored})
         assert (offload_rung(s), _offload_text(s)) == (want, cell), stored

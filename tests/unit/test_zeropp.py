@@ -132,11 +132,12 @@ def test_the_report_tells_zeropp_rows_apart():
     import pandas as pd
 
     from zero_bench.report.recommend import config_names
-    from zero_bench.report.tables import CONFIG_KEY, setup_of
+    from zero_bench.config.schema import stored_config
+    from zero_bench.report.tables import CONFIG_KEY, zeropp_text
 
     stored = bench("zero=3", "zeropp.qwz=true", "zeropp.hpz=2").to_dict()
-    assert setup_of(stored).zeropp == "qwz+hpz2" and "ZeRO++" in CONFIG_KEY
+    assert zeropp_text(stored_config(stored)) == "qwz+hpz2" and "ZeRO++" in CONFIG_KEY
     old = {k: v for k, v in bench("zero=3").to_dict().items() if k != "zeropp"}
-    assert setup_of(old).zeropp == "none"
+    assert zeropp_text(stored_config(old)) == "none"
     g = pd.DataFrame([{"ZeRO Stage": 3, "ZeRO++": "none", "config": "a"}, {"ZeRO Stage": 3, "ZeRO++": "hpz2", "config": "b"}])
     assert list(config_names(g).values()) == ["ZeRO-3", "ZeRO-3 + ZeRO++ hpz2"]

@@ -77,7 +77,7 @@ class RankLayout:
     @classmethod
     def of(cls, degrees: Any, model: Optional[ModelConfig]) -> "RankLayout":
         """The layout of `degrees` (anything with tp, dp, dp_shard and ep: config.schema's
-        ParallelConfig, a stored config's report.tables.Setup) for `model`."""
+        ParallelConfig) for `model`."""
         sequence_parallel = bool(getattr(degrees, "sequence_parallel", False)) and degrees.tp > 1
         return cls(tp=degrees.tp, dp=degrees.dp, dp_shard=degrees.dp_shard, ep=degrees.ep,
                    sequence_parallel=sequence_parallel, sp=getattr(degrees, "sp", 1), model=model)

@@ -19,7 +19,7 @@ from zero_bench.config.layout import RankLayout
 from zero_bench.engines.specs import tag
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
-from zero_bench.models.description import key_fields
+from zero_bench.models.description import from_stored, key_fields
 
 __all__ = ["ConfigError", "BenchConfig", "EngineName", "ModelConfig", "ParallelConfig", "HardwareConfig",
            "BatchConfig", "StepsConfig", "ZeroppConfig", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
@@ -559,7 +559,7 @@ def _allowed(cause: BaseException) -> str:
 
 def migrated(d: dict) -> dict:
     """A stored config with the keys older versions of zero_bench wrote under other names or shapes
-    mapped to today's: the one place these migrations live (BenchConfig.from_dict, stored_settings)."""
+    mapped to today's: the one place these migrations live (BenchConfig.from_dict, stored_config)."""
     d = dict(d)
     if "offload_optimizer" in d:  # the field's name before it matched the user's key
         d["offload"] = d.pop("offload_optimizer")
@@ -571,11 +571,13 @@ def migrated(d: dict) -> dict:
     return d
 
 
-def stored_settings(d: dict) -> BenchConfig:
-    """A stored config's settings read as BenchConfig.from_dict reads them (its migrations, the
-    schema's defaults and types), but for the model: a skipped grid entry stores the composed config
-    as given, whose model may be partial, so the model is not read here. The result's model is
-    ModelConfig's unfilled defaults: read the stored model with models.description.from_stored."""
+def stored_config(d: dict) -> BenchConfig:
+    """A stored config (TrialResult.config, SearchResult.config) as the report reads it, the one
+    reader: its settings through the schema (BenchConfig.from_dict's migrations, defaults and
+    types, so a key an old record lacks means what it means on resume), its model through
+    models.description.from_stored (any version's keys). A skipped grid entry stores the composed
+    config as given, whose model may not describe one: its model is then ModelConfig's unfilled
+    defaults with the stored name (models.description.describes says which)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -583,9 +585,14 @@ def stored_settings(d: dict) -> BenchConfig:
     settings = [f.name for f in dataclasses.fields(BenchConfig) if f.name != "model"]
     try:
         merged = OmegaConf.merge(_schema(), values)
-        return BenchConfig(**OmegaConf.to_object(OmegaConf.masked_copy(merged, settings)))
+        read = OmegaConf.to_object(OmegaConf.masked_copy(merged, settings))
     except OmegaConfBaseException as exc:
         raise ConfigError(composition_error(exc, [])) from None
+    stored = d.get("model") or {}
+    model = from_stored(stored)
+    if model is None:
+        model = ModelConfig(name=str(stored.get("name", ModelConfig.name)))
+    return BenchConfig(model=model, **read)
 
 
 def structured(cls, values: dict, prefix: str = "") -> Any:

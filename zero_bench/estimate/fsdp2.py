@@ -52,7 +52,6 @@ from zero_bench.config.schema import BenchConfig, Device, Loss
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes, sequence_args
 from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction
 from zero_bench.estimate.states import master_bytes, moment_bytes
-from zero_bench.models import ModelConfig
 from zero_bench.models.params import ROOT, Param
 from zero_bench.records import ModelStates
 from zero_bench.units import BYTES
@@ -120,10 +119,10 @@ def layer_phases(L: int) -> dict[Phase, int]:
     return out
 
 
-def stored_states(s) -> ModelStates:
-    """model_states for a stored config as the report reads it (report.tables.Setup): the fsdp2
-    spec's stored_states. Sharded over the shard group (hybrid sharding: dp_shard ranks)."""
-    return model_states(RankLayout.of(s, ModelConfig(**s.model)), s.precision, s.offload, states=s.states)
+def stored_states(s: BenchConfig) -> ModelStates:
+    """model_states for a stored config as the report reads it (config.schema.stored_config): the
+    fsdp2 spec's stored_states. Sharded over the shard group (hybrid sharding: dp_shard ranks)."""
+    return model_states(s.layout, s.precision, s.offload, states=s.states)
 
 
 def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 from zero_bench.config.layout import RankLayout
-from zero_bench.models.params import routed_expert_params
+from zero_bench.config.schema import BenchConfig
+from zero_bench.models.params import num_params, routed_expert_params
 from zero_bench.records import ModelStates
 from zero_bench.units import BYTES
 
@@ -117,12 +118,12 @@ def model_states_bytes(num_params: float, zero_stage: int, layout: RankLayout, p
     return ModelStates(params=params, master=master, moments=moments, grads=grads, host=host)
 
 
-def stored_states(s) -> ModelStates:
-    """model_states_bytes for a stored config as the report reads it (report.tables.Setup, its
-    layout): the deepspeed spec's stored_states, so the report asks the engine's spec, not its name.
-    The paper's P: the whole model's parameters / tp."""
+def stored_states(s: BenchConfig) -> ModelStates:
+    """model_states_bytes for a stored config as the report reads it (config.schema.stored_config):
+    the deepspeed spec's stored_states, so the report asks the engine's spec, not its name. The
+    paper's P: the whole model's parameters / tp."""
     layout = s.layout
-    experts = routed_expert_params(s.description, 1) if layout.ep > 1 else 0  # ep > 1 runs at tp 1
-    return model_states_bytes(s.num_params / layout.tp, s.zero, layout, precision=s.precision,
+    experts = routed_expert_params(s.model, 1) if layout.ep > 1 else 0  # ep > 1 runs at tp 1
+    return model_states_bytes(num_params(s.model) / layout.tp, s.zero, layout, precision=s.precision,
                               offload_optimizer=s.offload, offload_param=s.offload_param, states=s.states,
                               expert_params=experts)

@@ -246,5 +246,11 @@ def from_stored(model: dict[str, Any]) -> Optional[ModelConfig]:
         m = ModelConfig(**{k: v for k, v in model.items() if k in known})
     except (TypeError, ValueError):
         return None
+    return m if describes(m) else None
+
+
+def describes(m: ModelConfig) -> bool:
+    """Whether `m` describes a model: every shape it is computed from filled (not ModelConfig's
+    unfilled defaults, as a skipped grid entry's partial model leaves them)."""
     required = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size")
-    return m if all(isinstance(getattr(m, k), int) for k in required) else None
+    return all(isinstance(getattr(m, k), int) and not isinstance(getattr(m, k), bool) for k in required)

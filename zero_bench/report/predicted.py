@@ -25,8 +25,8 @@ import pandas as pd
 from zero_bench.devices.calibration import BUILT_IN_CPU, PUBLISHED
 from zero_bench.estimate import Estimate
 from zero_bench.records import RankRecord, TrialResult
-from zero_bench.report.rows import Row
-from zero_bench.report.tables import estimated_model_states, measured_model_states, setup_of
+from zero_bench.report.rows import Row, bench_of
+from zero_bench.report.tables import estimated_model_states, measured_model_states
 from zero_bench.units import MiB
 
 COLUMNS = ["config", "micro batch", "term", "predicted MiB", "measured MiB", "error (%)", "predicted from"]
@@ -50,12 +50,12 @@ def predicted_frame(rows: list[Row], traced: bool = False) -> pd.DataFrame:
 
 def _with_trace(lines: list[dict], r: Row, est: Estimate) -> list[dict]:
     """`lines` with the traced figure of each term the trace names, or why the row is not traced."""
-    from zero_bench.config.schema import BenchConfig, ConfigError
+    from zero_bench.config.schema import ConfigError
     from zero_bench.estimate.traced import trace
 
     t = r.measure
     try:
-        tr = trace(BenchConfig.from_dict(r.config), t.micro)
+        tr = trace(r.bench, t.micro)
     except ConfigError as exc:
         return [{**x, "traced from": str(exc)} for x in lines]
     _, with_grads = measured_model_states(t)
@@ -102,7 +102,7 @@ def _cpu_terms(t: TrialResult, est: Estimate) -> list[tuple]:
     return [
         ("runtime before the model (RSS)", est.overhead, _largest(t, lambda r: r.runtime_bytes),
          "CPU_RANK_OVERHEAD (measured on this machine kind)" if est.calibration == BUILT_IN_CPU else est.calibration),
-        ("model states (exact count after a step)", estimated_model_states(setup_of(t.config), with_grads), states,
+        ("model states (exact count after a step)", estimated_model_states(bench_of(t.config), with_grads), states,
          "ZeRO paper's states, as DeepSpeed allocates them"),
         ("tensors at the peak (live)", est.allocated_bytes(micro), _largest(t, lambda r: r.peak_live_bytes),
          "states + buffers + activations (Korthikanti)"),

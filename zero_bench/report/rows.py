@@ -1,13 +1,16 @@
 """Stores -> one Row per configuration: a SearchResult, or a trial no search owns (`zero_bench run`)."""
 from __future__ import annotations
 
+import functools
 import glob
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, stored_config
 from zero_bench.estimate import Estimate, estimate
+from zero_bench.models.description import describes
 from zero_bench.records import Dimension, Mode, SearchResult, SearchStatus, Status, TrialResult
 from zero_bench.store import Store
 
@@ -55,12 +58,30 @@ class Row:
     dimension: Dimension = Dimension.BATCH  # what the search grew (SEQ: max_micro is the batch.micro it ran)
     max_seq_len: Optional[int] = None  # SEQ: the longest sequence that fitted
 
+    @property
+    def bench(self) -> BenchConfig:
+        """The stored config as a BenchConfig (bench_of)."""
+        return bench_of(self.config)
+
     def estimate(self) -> Optional[Estimate]:
         """The estimate for this configuration, or None for a config an old store holds only in part."""
         try:
-            return estimate(BenchConfig.from_dict(self.config))
+            return estimate(self.bench) if describes(self.bench.model) else None
         except Exception:  # noqa: BLE001 - an old or partial config: no estimate terms for it
             return None
+
+
+def bench_of(config: dict) -> BenchConfig:
+    """A stored config as every part of the report reads it: config.schema.stored_config, once per
+    config (the schema takes milliseconds, and the report asks for each row's several times)."""
+    return _read(json.dumps(config, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=4096)
+def _read(stored: str) -> BenchConfig:
+    # never changed by a reader: a BenchConfig is not changed after it is built (dataclasses.replace
+    # makes a new one)
+    return stored_config(json.loads(stored))
 
 
 def rows_of(loaded: Loaded) -> list[Row]:

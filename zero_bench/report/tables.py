@@ -1,7 +1,6 @@
 """Rows -> the report's DataFrames: Summary, Trials, Scaling, Compare, Environment. No file is written here."""
 from __future__ import annotations
 
-import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -10,12 +9,10 @@ from typing import Optional
 
 import pandas as pd
 
-from zero_bench.config.layout import RankLayout
-from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, States, stored_settings
+from zero_bench.config.schema import BenchConfig, Device, OffloadDevice
 from zero_bench.devices.metrics import cpu_peak_flops, gpu_peak_flops, mfu_hfu
 from zero_bench.engines.specs import SPECS, load, spec
-from zero_bench.models import ModelConfig
-from zero_bench.models.description import from_stored
+from zero_bench.models.description import describes
 from zero_bench.models.flops import model_flops_per_seq
 from zero_bench.models.params import active_params, num_params
 from zero_bench.records import DeviceMemStats, Dimension, ModelStates, TrialResult
@@ -49,99 +46,51 @@ def batch_rows(df: pd.DataFrame) -> pd.DataFrame:
 COMPARED = ["Max seq len", "Max Global BSZ", "time/it (ms)", "Throughput (samples/sec)", "tokens/s per GPU", "MFU",
             "peak memory used"]
 
-# -- configuration fields (BenchConfig.to_dict(), or the raw Hydra dict of a skipped grid entry) ------
+# -- configuration fields (rows.bench_of: the stored config through the schema) --------------------
 
-@dataclass
-class Setup:
-    model: dict
-    tp: int
-    dp: int
-    zero: int
-    offload: bool
-    offload_param: bool
-    precision: str
-    device: str
-    grad_accum: int
-    recompute: str
-    ds_preset: str
-    compile: bool
-    engine: str = DEFAULT_ENGINE
-    states: str = States.mixed
-    recompute_layers: int = 1
-    dp_shard: Optional[int] = None
-    ep: int = 1  # expert parallelism (parallel.ep); 1 for records stored before it
-    zeropp: str = "none"  # ZeRO++ as labels name it without "zeropp=" (qwz+hpz2); none for records before it
-    offload_device: str = "none"  # the offload rung (none / cpu / nvme); records before it: from `offload`
-    sequence_parallel: bool = False  # parallel.sequence_parallel; false for tp > 1 stored before it
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.dp
-
-    @property
-    def layout(self) -> RankLayout:
-        """The stored degrees as the one layout (config/layout.py), for the stored description."""
-        return RankLayout.of(self, self.description)
-
-    @property
-    def description(self) -> Optional[ModelConfig]:
-        """The stored model as the one description (keys of older versions take the GPT defaults)."""
-        return from_stored(self.model)
-
-    @property
-    def num_params(self) -> Optional[int]:
-        d = self.description
-        return num_params(d) if d is not None else None
-
-    @property
-    def active_params(self) -> Optional[int]:
-        """Parameters one token is computed with; None for a dense model (it would repeat num params)."""
-        d = self.description
-        return active_params(d) if d is not None and d.is_moe else None
+def _offloaded(s: BenchConfig) -> bool:
+    """Optimizer states offloaded: a skipped grid entry stores the config as given, so
+    offload_device=nvme may come without offload=true."""
+    return s.offload or s.offload_device not in (None, OffloadDevice.none)
 
 
-def setup_of(c: dict) -> Setup:
-    """A stored config as the report reads it: its settings through the schema (stored_settings:
-    BenchConfig.from_dict's defaults and migrations, so a key an old record lacks means what it
-    means on resume), its model as stored (models.description.from_stored reads any version's)."""
-    b = _settings(json.dumps(c, sort_keys=True, default=str))
-    par = b.parallel
-    # a skipped grid entry stores the config as given: offload_device=nvme without offload=true
-    return Setup(model=dict(c.get("model") or {}), tp=par.tp, dp=par.dp, zero=b.zero,
-                 offload=b.offload or b.offload_device not in (None, "none"),
-                 offload_param=bool(b.offload_param), precision=str(b.precision), device=str(b.hardware.device),
-                 grad_accum=b.batch.grad_accum, recompute=str(b.recompute), ds_preset=b.ds_preset,
-                 compile=b.compile, engine=str(b.engine), states=str(b.states),
-                 recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep,
-                 zeropp=b.zeropp.tag().removeprefix("zeropp=") or "none", offload_device=str(b.rung),
-                 sequence_parallel=par.sequence_parallel)
+def zeropp_text(s: BenchConfig) -> str:
+    """The "ZeRO++" cell: as labels name it without "zeropp=" (qwz+hpz2); none without it."""
+    return s.zeropp.tag().removeprefix("zeropp=") or "none"
 
 
-@functools.lru_cache(maxsize=4096)
-def _settings(stored: str) -> BenchConfig:
-    """stored_settings of a config as JSON, once per config: the schema takes milliseconds, and the
-    report asks for each row's setup several times (never changed: setup_of only reads it)."""
-    return stored_settings(json.loads(stored))
-
-
-def _offload_text(s: Setup) -> str:
+def _offload_text(s: BenchConfig) -> str:
     """The reference table's "CPU Offload" cell; the NVMe rung says so there too."""
-    yes = "NVMe" if s.offload_device == "nvme" else "Yes"
-    return f"{yes} (+params)" if s.offload_param else (yes if s.offload else "No")
+    yes = "NVMe" if s.rung == OffloadDevice.nvme else "Yes"
+    return f"{yes} (+params)" if s.offload_param else (yes if _offloaded(s) else "No")
 
 
-def offload_rung(s: Setup) -> str:
+def offload_rung(s: BenchConfig) -> str:
     """The "offload" cell: the rung and what it holds, e.g. "nvme: optimizer+params", "none"."""
-    if not (s.offload or s.offload_param):
+    if not (_offloaded(s) or s.offload_param):
         return "none"
-    held = "+".join(k for k, on in (("optimizer", s.offload), ("params", s.offload_param)) if on)
-    return f"{s.offload_device}: {held}"
+    held = "+".join(k for k, on in (("optimizer", _offloaded(s)), ("params", s.offload_param)) if on)
+    return f"{s.rung}: {held}"
 
 
 def disk_peak_mib(t: TrialResult) -> Optional[float]:
     """The largest rank's NVMe swap files at their peak (sampled beside the memory timeline)."""
     disk = t.devices_of("disk")
     return max(d.peak_bytes for d in disk) / MiB if disk else None
+
+
+def _params(s: BenchConfig) -> tuple[Optional[int], Optional[int]]:
+    """(num params, active params) of a stored model; active only for a mixture of experts (it
+    would repeat num params); None where the stored model does not describe one."""
+    if not describes(s.model):
+        return None, None
+    return num_params(s.model), active_params(s.model) if s.model.is_moe else None
+
+
+def _shape(s: BenchConfig, key: str) -> Optional[int]:
+    """A shape of the stored model as stored (None where a skipped entry's partial model lacks it)."""
+    v = getattr(s.model, key)
+    return v if isinstance(v, int) else None
 
 
 # -- environment and peak FLOP/s ------------------------------------------------------------------
@@ -213,18 +162,18 @@ def _dev_order(col: str) -> tuple[int, int]:
 
 
 def _summary_record(r: Row, peaks: Peaks) -> dict:
-    s = setup_of(r.config)
-    m = s.model
-    rec = {"Model": m.get("name"), "num_layers": m.get("num_layers"), "hidden_size": m.get("hidden_size"),
-           "num_heads": m.get("num_heads"), "# gpus": s.world, "data parallel": s.dp, "model parallel": s.tp,
-           "expert parallel": s.ep, "engine": s.engine, "ZeRO Stage": s.zero, "ZeRO++": s.zeropp,
-           "CPU Offload": _offload_text(s), "offload": offload_rung(s),
-           "precision": s.precision, "recompute": s.recompute, "ds preset": s.ds_preset,
-           "compile": "Yes" if s.compile else "No",
-           "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.grad_accum,
+    s = r.bench
+    par, (params, active) = s.parallel, _params(s)
+    rec = {"Model": s.model.name, "num_layers": _shape(s, "num_layers"), "hidden_size": _shape(s, "hidden_size"),
+           "num_heads": _shape(s, "num_heads"), "# gpus": par.world_size, "data parallel": par.dp,
+           "model parallel": par.tp, "expert parallel": par.ep, "engine": str(s.engine), "ZeRO Stage": s.zero,
+           "ZeRO++": zeropp_text(s),
+           "CPU Offload": _offload_text(s), "offload": offload_rung(s), "precision": str(s.precision),
+           "recompute": str(s.recompute), "ds preset": s.ds_preset, "compile": "Yes" if s.compile else "No",
+           "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.batch.grad_accum,
            "search": "maxseq" if r.dimension == Dimension.SEQ else "maxbatch", "Max seq len": r.max_seq_len,
-           "num params": s.num_params, "active params": s.active_params, "Notes": r.note, "status": r.status,
-           "device": s.device, "config": r.label, "search key": r.key, "source": r.source}
+           "num params": params, "active params": active, "Notes": r.note, "status": r.status,
+           "device": str(s.hardware.device), "config": r.label, "search key": r.key, "source": r.source}
     if r.measure is not None and r.measure.samples_per_s:
         rec.update(_performance(r.measure, s, peaks))
         rec.update(_memory(r.measure))
@@ -237,15 +186,15 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     return rec
 
 
-def _performance(t: TrialResult, s: Setup, peaks: Peaks) -> dict:
-    m, sps = s.description, t.samples_per_s
+def _performance(t: TrialResult, s: BenchConfig, peaks: Peaks) -> dict:
+    m, sps, world = s.model if describes(s.model) else None, t.samples_per_s, s.parallel.world_size
     flops = model_flops_per_seq(m) * sps if m is not None else float("nan")
     out = {"time/it (ms)": t.time_per_step_s * 1e3, "Throughput (samples/sec)": sps, "tokens/s": t.tokens_per_s,
-           "tokens/s per GPU": t.tokens_per_s / s.world, "model TFLOP/s per GPU": flops / s.world / 1e12,
+           "tokens/s per GPU": t.tokens_per_s / world, "model TFLOP/s per GPU": flops / world / 1e12,
            "compile time (s)": t.compile_s, "loss scale": t.loss_scale, "skipped steps": t.skipped_steps}
-    peak = peaks.get(s.device, s.precision)
+    peak = peaks.get(str(s.hardware.device), str(s.precision))
     if peak and m is not None:
-        out["MFU"], out["HFU"] = mfu_hfu(m, sps, s.world, peak, s.recompute, s.recompute_layers)
+        out["MFU"], out["HFU"] = mfu_hfu(m, sps, world, peak, s.recompute, s.recompute_layers)
     return out
 
 
@@ -287,12 +236,12 @@ def measured_model_states(t: TrialResult) -> tuple[Optional[int], bool]:
     return max(s.total for s in states), any(s.grads for s in states)
 
 
-def estimated_model_states(s: Setup, with_grads: bool = True) -> Optional[int]:
+def estimated_model_states(s: BenchConfig, with_grads: bool = True) -> Optional[int]:
     """zero_bench.estimate's figure for one rank (device + host bytes), None if it fails."""
     return estimate_or_error(s, with_grads)[0]
 
 
-def estimate_or_error(s: Setup, with_grads: bool = True) -> tuple[Optional[int], str]:
+def estimate_or_error(s: BenchConfig, with_grads: bool = True) -> tuple[Optional[int], str]:
     """The estimate's model states for one rank, or None and why it could not answer."""
     try:
         est = load(spec(s.engine).stored_states)(s)
@@ -301,7 +250,7 @@ def estimate_or_error(s: Setup, with_grads: bool = True) -> tuple[Optional[int],
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _model_states(t: TrialResult, s: Setup) -> dict:
+def _model_states(t: TrialResult, s: BenchConfig) -> dict:
     # The count covers every state tensor wherever it lives, so it is compared with device + host;
     # it is taken after the optimizer step, when ZeRO may have freed the gradients: compare like for like.
     measured, has_grads = measured_model_states(t)
@@ -393,16 +342,16 @@ def environment_frames(env: dict, env_source: str, peaks: Peaks, rows: list[Row]
               ("report written", time.strftime("%Y-%m-%d %H:%M:%S"))]
     peak_rows = [{"device": d, "precision": p, "peak FLOP/s per device": f, "source": src}
                  for (d, p), (f, src) in peaks.found.items()]
-    on_cpu = [setup_of(r.config) for r in rows if setup_of(r.config).device == "cpu"]
+    on_cpu = [r.bench for r in rows if r.bench.hardware.device == Device.cpu]
     notes = []
     if on_cpu:
         notes.append("CPU: devices are ranks and memory is each rank's RSS; MFU/HFU use a measured matmul peak.")
-    if any((s.offload or s.offload_param) and s.offload_device != "nvme" for s in on_cpu):
+    if any((_offloaded(s) or s.offload_param) and s.rung != OffloadDevice.nvme for s in on_cpu):
         notes.append("CPU offload on CPU moves bytes from CPU to CPU: it runs the code path but cannot lower RSS.")
-    if any(s.offload_device == "nvme" for s in on_cpu):
+    if any(s.rung == OffloadDevice.nvme for s in on_cpu):
         notes.append("NVMe offload on CPU: DeepSpeed's async_io swapper moves the states to files under nvme_path, "
                      "so RSS drops by them, less its pinned buffers; the disk peak per rank is sampled beside RSS.")
-    engines = {setup_of(r.config).engine for r in rows}
+    engines = {r.bench.engine for r in rows}
     notes += [s.report_note for name, s in SPECS.items() if s.report_note and name in engines]
     per_row = [_reproduce(r, loaded) for r in rows]
     return [("Machine", pd.DataFrame(facts, columns=["item", "value"])),
