@@ -326,10 +326,17 @@ class RankRecord:
         return self.marks[-1][0] if self.marks else None
 
 
+class MemoryKind(StrEnum):
+    """Whose memory a DeviceMemStats is."""
+    rank = "rank"  # a rank process's RSS
+    gpu = "gpu"  # a GPU's NVML used bytes
+    disk = "disk"  # a rank's NVMe swap files (trial/swap.py)
+
+
 @dataclass
 class DeviceMemStats:
     """Peak memory of one device over a trial, from the sampler's timeline."""
-    kind: str  # "rank" (a CPU rank's RSS) or "gpu" (NVML used bytes)
+    kind: MemoryKind
     id: int  # global rank, or CUDA index on its node
     peak_bytes: int
     total_bytes: Optional[int] = None
@@ -339,6 +346,9 @@ class DeviceMemStats:
     name: str = ""
     host: str = ""
     card_bytes: Optional[int] = None  # set when the capacity (total_bytes) emulates a smaller card
+
+    def __post_init__(self) -> None:
+        self.kind = MemoryKind(self.kind)  # stored records hold the plain value
 
     @property
     def key(self) -> tuple[str, int]:
@@ -410,7 +420,7 @@ class TrialResult:
     def from_json(cls, text: str) -> "TrialResult":
         return cls.from_dict(json.loads(text))
 
-    def devices_of(self, kind: str) -> list[DeviceMemStats]:
+    def devices_of(self, kind: MemoryKind) -> list[DeviceMemStats]:
         return sorted((x for x in self.devices if x.kind == kind), key=lambda x: x.id)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from zero_bench.config.layout import RankLayout
-from zero_bench.config.schema import BenchConfig, software_versions
+from zero_bench.config.schema import BenchConfig, Device, software_versions
 from zero_bench.devices.calibration import Calibration, cpu_key, gpu_identity, gpu_key, save
 from zero_bench.devices.metrics import cpu_model, measure_cpu_peak, rank_threads
 from zero_bench.estimate.gpu import communicators
@@ -36,7 +36,7 @@ class CalibrationFailed(RuntimeError):
 
 def calibrate(bench: BenchConfig, out: Path) -> tuple[Calibration, Path]:
     """Measure, store, and return the calibration with the cache's path."""
-    on_cpu = bench.hardware.device == "cpu"
+    on_cpu = bench.hardware.device == Device.cpu
     key, device, software = machine(bench)
     with machine_lock():  # the matmul rates too: no other trial may share the cores meanwhile
         (res,) = run_launch(bench, [Entry(bench.batch.micro, Mode.PROBE)], out, LaunchOptions(calibrate=True))
@@ -51,7 +51,7 @@ def calibrate(bench: BenchConfig, out: Path) -> tuple[Calibration, Path]:
 def machine(bench: BenchConfig) -> tuple[str, str, dict]:
     """(cache key, device name, software versions) of this machine for `bench`'s device."""
     software = dict(software_versions())
-    if bench.hardware.device == "cpu":
+    if bench.hardware.device == Device.cpu:
         return cpu_key(), cpu_model(), software
     ident = gpu_identity(bench.hardware.devices)
     if ident is None:
@@ -70,11 +70,11 @@ def from_result(bench: BenchConfig, res: TrialResult, key: str, device: str, sof
     """The calibration a finished entry's rank records hold (pure). Raises CalibrationFailed when a
     figure the estimate needs was not recorded."""
     ranks = res.ranks
-    common = dict(key=key, kind=str(bench.hardware.device), device=device, date=time.strftime("%Y-%m-%d %H:%M"),
+    common = dict(key=key, kind=bench.hardware.device, device=device, date=time.strftime("%Y-%m-%d %H:%M"),
                   label=f"{bench.label()} micro={res.micro}", model=bench.model.name, engine=str(bench.engine),
                   zero=bench.zero, tp=bench.parallel.tp, dp=bench.parallel.dp, ep=bench.parallel.ep, software=software,
                   runtime_bytes=_largest(ranks, lambda r: r.runtime_bytes))
-    if bench.hardware.device == "cpu":
+    if bench.hardware.device == Device.cpu:
         overhead = _largest(ranks, lambda r: None if r.peak_rss_bytes is None or r.peak_live_bytes is None
                             else r.peak_rss_bytes - r.peak_live_bytes)
         if overhead is None:
@@ -105,7 +105,7 @@ def _mib(b: Optional[float]) -> str:
 
 def terms(cal: Calibration) -> list[tuple[str, str, str]]:
     """(term, figure, how it was measured), one per measured term."""
-    if cal.kind == "cpu":
+    if cal.kind == Device.cpu:
         rates = [(f"matmul {p}", f"{f / 1e9:,.1f} GFLOP/s",
                   f"best 1024 x 1024 F.linear over 0.5 s on {cal.threads} thread(s), in the runner")
                  for p, f in cal.matmul_flops.items()]

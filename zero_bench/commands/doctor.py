@@ -55,7 +55,7 @@ def _gib(b: float) -> str:
 
 # -- accelerator -------------------------------------------------------------------------------
 
-def check_accelerator(device: str) -> list[Check]:
+def check_accelerator(device: Device) -> list[Check]:
     import psutil
     import torch
 
@@ -80,7 +80,7 @@ def check_accelerator(device: str) -> list[Check]:
         out.append(Check(OK, "GPUs", f"{n_cuda}: " + "; ".join(devs)))
     else:
         why = "torch is a CPU build" if torch.version.cuda is None else "CUDA sees no device"
-        st = FIX if device == "gpu" else NA
+        st = FIX if device == Device.gpu else NA
         out.append(Check(st, "GPUs", f"none ({why})",
                          "install a CUDA build of torch and the NVIDIA driver, or use hardware=cpu"
                          if st == FIX else ""))
@@ -91,11 +91,11 @@ def check_accelerator(device: str) -> list[Check]:
     return out
 
 
-def check_nvml(device: str) -> Check:
+def check_nvml(device: Device) -> Check:
     n = Nvml()
     try:
         if n.nv is None:
-            if device == "gpu":
+            if device == Device.gpu:
                 return Check(FIX, "NVML", n.error or "unavailable",
                              "install the NVIDIA driver (libnvidia-ml.so.1) and nvidia-ml-py; without it "
                              "per-GPU memory is not sampled (torch's own peaks still are)")
@@ -109,10 +109,10 @@ def check_nvml(device: str) -> Check:
         n.close()
 
 
-def check_peak_flops(device: str, precision: str) -> Check:
+def check_peak_flops(device: Device, precision: str) -> Check:
     import torch
 
-    if device == "cpu":
+    if device == Device.cpu:
         return matmul_check({p: metrics.cpu_peak_flops(p) for p in ("fp32", "bf16")})
     if not torch.cuda.is_available():
         return Check(NA, "peak FLOP/s", "no GPU visible")
@@ -135,7 +135,7 @@ def matmul_check(rates: dict) -> Check:
 
 # -- CPU: what it computes natively, and so what precision=auto picks ---------------------------------
 
-def check_cpu(device: str, engine: str) -> list[Check]:
+def check_cpu(device: Device, engine: str) -> list[Check]:
     return cpu_checks(cpu_features.detect(), auto_line(device, engine))
 
 
@@ -202,7 +202,7 @@ def needed_ops(bench) -> dict[str, str]:
     if not spec(bench.engine).builds_deepspeed_ops:
         return {}
     nvme = NVME_OP if bench.nvme else {}
-    if bench.hardware.device == "cpu":
+    if bench.hardware.device == Device.cpu:
         return {"deepspeed_shm_comm": "init_distributed on CPU (~34 s to JIT-build once)", **nvme}
     # ZeRO++'s qwZ / qgZ load DeepSpeed's quantizer in every rank (zero.Init, the gradients' all-to-all)
     quant = ({"quantizer": "ZeRO++ qwZ / qgZ: int8 / int4 quantized collectives (JIT-built with nvcc)"}
@@ -223,7 +223,7 @@ def torch_adamw_line(reason: str) -> str:
 def prebuild_ops(bench, say=print) -> list[str]:
     """Build the ops a GPU trial of `bench` needs, once, here: outside every trial's timeout, and a
     machine that cannot build them gets one line before any launch instead of failed trials."""
-    if bench.hardware.device != "gpu" and not bench.nvme:
+    if bench.hardware.device != Device.gpu and not bench.nvme:
         return []  # CPU: make builds the shared-memory op (and async_io where libaio is) at install time
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
@@ -263,9 +263,9 @@ def check_ops(bench=None) -> list[Check]:
         return out + [Check(FIX, "deepspeed ops", f"cannot query op builders: {type(exc).__name__}: {exc}",
                             "run ds_report and fix what it reports")]
     need = needed_ops(bench) if bench is not None else {}
-    if bench is not None and bench.hardware.device == "gpu":
+    if bench is not None and bench.hardware.device == Device.gpu:
         out += check_gpu_optimizer(bench)
-    if bench is None or bench.hardware.device == "cpu":
+    if bench is None or bench.hardware.device == Device.cpu:
         import torch
 
         cuda = torch.version.cuda
@@ -415,7 +415,7 @@ def check_jit_fusions(bench, probe=tiny_cuda_compile, prerequisites=compile_prer
     looks fails every trial. Tried here once, on cuda:0; when it fails, what is missing."""
     if bench is None:
         return Check(NA, JIT_FUSIONS, "not tried: the config above does not resolve")
-    if bench.hardware.device == "cpu":
+    if bench.hardware.device == Device.cpu:
         return Check(NA, JIT_FUSIONS, "CPU runs take megatron's eager ops: nothing compiled")
     if not bench.fusions:
         return Check(NA, JIT_FUSIONS, "fusions=false: megatron's eager ops, nothing compiled")
@@ -503,7 +503,7 @@ def check_run(cfg: Any) -> tuple[list[Check], Optional[object]]:
 
 def doctor_checks(cfg: Any) -> list[Check]:
     run_checks, bench = check_run(cfg)
-    device = bench.hardware.device if bench is not None else "cpu"
+    device = bench.hardware.device if bench is not None else Device.cpu
     precision = bench.precision if bench is not None else "bf16"
     engine = bench.engine if bench is not None else DEFAULT_ENGINE
     checks = check_accelerator(device) + check_cpu(device, engine)

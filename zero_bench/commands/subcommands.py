@@ -22,7 +22,7 @@ from zero_bench.commands.doctor import doctor_checks, prebuild_ops
 from zero_bench.config import honoured
 from zero_bench.config.configure import from_cfg, report_from_cfg, search_from_cfg
 from zero_bench.config.hosts import with_slurm_hostfile
-from zero_bench.config.schema import BenchConfig, ConfigError, Precision, SearchConfig
+from zero_bench.config.schema import BenchConfig, ConfigError, Device, Precision, SearchConfig
 from zero_bench.devices import cpu_features
 from zero_bench.devices.capacity import marketed_gb_warning, with_cpu_budget
 from zero_bench.devices.metrics import cpu_peak_flops
@@ -62,7 +62,7 @@ def warn_once(line: str, inv: Invocation) -> None:
 def warn_slow_bf16(bench: BenchConfig, inv: Invocation) -> None:
     """precision=bf16 on a CPU without native bf16 runs, at the speed measured here (the rates are
     cached per machine). precision=auto never picks it, so only an explicit bf16 gets here."""
-    if bench.hardware.device != "cpu" or bench.precision != Precision.bf16:
+    if bench.hardware.device != Device.cpu or bench.precision != Precision.bf16:
         return
     features = cpu_features.detect()
     if not features.bf16_native:

@@ -17,7 +17,7 @@ from zero_bench.config.schema import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, Bench
                                HardwareConfig, OffloadDevice, Precision, Recompute, ReportConfig, SearchConfig, States,
                                composition_error,
                                structured)
-from zero_bench.engines.specs import spec
+from zero_bench.engines.specs import Concern, spec
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
 from zero_bench.models.hf import display_name, read_hf_config
@@ -329,23 +329,23 @@ def validate_static(b: BenchConfig) -> None:
     (config/layout.py RankLayout, validated once against the model); what each engine runs of them
     is its refusals'."""
     m, tp = b.model, b.parallel.tp
-    spec(b.engine).validate(b, "engine")
+    spec(b.engine).validate(b, Concern.engine)
     check_states(b)
     layout = b.layout
     if layout.hybrid:  # FSDP2's hybrid sharding
-        spec(b.engine).validate(b, "hybrid")
+        spec(b.engine).validate(b, Concern.hybrid)
     if layout.ep > 1:  # megatron's expert parallelism
-        spec(b.engine).validate(b, "expert_parallel")
+        spec(b.engine).validate(b, Concern.expert_parallel)
     if layout.sp > 1:
         check_ulysses(b)
     if b.loss != "megatron" and tp > 1:
         raise ConfigError(f"loss={b.loss}: runs at parallel.tp=1 (at tp {tp} the vocabulary is split over the "
                           "ranks and only megatron's vocab-parallel loss reads it); allowed with tp > 1: "
                           "loss=megatron")
-    if b.recompute == "full" and m.num_layers % b.recompute_layers:
+    if b.recompute == Recompute.full and m.num_layers % b.recompute_layers:
         raise ConfigError(f"recompute_layers={b.recompute_layers}: must divide model.num_layers={m.num_layers} "
                           "(megatron's uniform recompute)")
-    if b.recompute == "block" and b.recompute_layers > m.num_layers:
+    if b.recompute == Recompute.block and b.recompute_layers > m.num_layers:
         raise ConfigError(f"recompute_layers={b.recompute_layers}: with recompute=block at most "
                           f"model.num_layers={m.num_layers} layers are recomputed")
     if m.head_dim is None and m.hidden_size % m.num_heads:  # heads are h / a wide unless head_dim says
@@ -357,16 +357,16 @@ def validate_static(b: BenchConfig) -> None:
             raise ConfigError("offload_device=nvme: needs ZeRO stage 3 (got zero=0: no ZeRO optimizer to swap); "
                               "allowed with zero=0: offload_device=none")
         raise ConfigError("offload=true: needs ZeRO stage 1, 2 or 3 (got zero=0); allowed with zero=0: false")
-    spec(b.engine).validate(b, "offload_param")
+    spec(b.engine).validate(b, Concern.offload_param)
     if b.zeropp.active:
-        spec(b.engine).validate(b, "zeropp")
+        spec(b.engine).validate(b, Concern.zeropp)
     if b.nvme:
-        spec(b.engine).validate(b, "offload_device")
-    if b.precision == "fp16" and b.hardware.device == "cpu":
+        spec(b.engine).validate(b, Concern.offload_device)
+    if b.precision == "fp16" and b.hardware.device == Device.cpu:
         raise ConfigError("precision=fp16: not supported by DeepSpeed's CPU accelerator; allowed on cpu: fp32, bf16")
     # last: a key nothing reads is refused only once the config is otherwise one that runs
     honoured.check(b)  # its warnings are the commands' to print (subcommands.warn_unhonoured)
-    spec(b.engine).validate(b, "ignored")
+    spec(b.engine).validate(b, Concern.ignored)
 
 
 def check_tiled_mlp(value: Optional[str]) -> None:
@@ -388,7 +388,7 @@ def check_long_sequence(b: BenchConfig) -> None:
         if b.model.is_moe:
             raise ConfigError(f"tiled_mlp={b.tiled_mlp}: tiles megatron's dense MLP; an MoE layer's experts see "
                               "routed rows, not the sequence; allowed with model.num_experts: tiled_mlp=null")
-        if b.recompute == "op":
+        if b.recompute == Recompute.op:
             raise ConfigError(f"tiled_mlp={b.tiled_mlp}: recompute=op keeps fc1's output, which the tiled MLP "
                               "never holds whole; allowed with tiled_mlp: recompute=none, selective, full or block")
     ck = b.ds.get("activation_checkpointing") or {}
@@ -404,7 +404,7 @@ def check_states(b: BenchConfig) -> None:
     if b.precision != Precision.bf16:
         raise ConfigError(f"states={b.states}: needs precision=bf16 (got {b.precision}); allowed with "
                           f"precision={b.precision}: states=mixed")
-    spec(b.engine).validate(b, "states")
+    spec(b.engine).validate(b, Concern.states)
 
 
 # -- the keys, for `zero_bench --help` ------------------------------------------------------------

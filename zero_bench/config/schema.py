@@ -422,7 +422,7 @@ class BenchConfig:
                   f"states={self.states}" if self.states != States.mixed else "",
                   f"loss={self.loss}" if self.loss != Loss.megatron else "", self.zeropp.tag(),
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",
-                  f"recompute=block({self.recompute_layers})" if self.recompute == "block" else "",
+                  f"recompute=block({self.recompute_layers})" if self.recompute == Recompute.block else "",
                   f"tiled_mlp={self.tiled_mlp}" if self.tiled_mlp is not None else "",
                   "recompute_offload" if self.recompute_offload else "",
                   "" if self.ds_preset == "default" else self.ds_preset, "compile" if self.compile else "",
@@ -656,6 +656,8 @@ def _schema():
 
 @functools.lru_cache(maxsize=1)
 def software_versions() -> tuple:
+    """(package, version or None) of the software that runs a trial: what a search key, a
+    calibration's key and the recorded environment (devices/environment.py) name."""
     from importlib import metadata
 
     out = []

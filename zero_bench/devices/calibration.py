@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from zero_bench.config.schema import BenchConfig, software_versions
+from zero_bench.config.schema import BenchConfig, Device, software_versions
 from zero_bench.devices.metrics import _read_json, _write_json_atomic, cache_dir, cpu_identity
 
 CACHE_FILE = "calibration.json"
@@ -36,8 +36,8 @@ class Calibration:
     Bytes are the largest over the launch's ranks (the estimate is per rank)."""
     key: str
     """The machine and software it holds for (cpu_key / gpu_key)."""
-    kind: str
-    """"cpu" or "gpu"."""
+    kind: Device
+    """The device it was measured on: cpu or gpu."""
     device: str
     """The CPU's model name, or the GPU's name as NVML gives it."""
     date: str
@@ -98,6 +98,9 @@ class Calibration:
         (model, engine, ZeRO stage: the allocator's rounding depends on the tensors); else None."""
         same = (bench.model.name, str(bench.engine), bench.zero) == (self.model, self.engine, self.zero)
         return self.fragmentation if same else None
+
+    def __post_init__(self) -> None:
+        self.kind = Device(self.kind)  # the cache holds the plain value
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -183,7 +186,7 @@ def load() -> dict[str, Calibration]:
     for key, d in _read_json(cache_path()).items():
         try:
             out[key] = Calibration.from_dict(d)
-        except TypeError:  # an entry of another version without a required field
+        except (TypeError, ValueError):  # an entry of another version: a required field missing, a kind unknown
             continue
     return out
 
@@ -216,9 +219,9 @@ def card_matches(card: Optional[str], name: str) -> bool:
 def for_bench(bench: BenchConfig) -> Optional[Calibration]:
     """The calibration an estimate of `bench` uses: this machine's, where `bench` is about it."""
     entries = load()
-    if bench.hardware.device == "cpu":
+    if bench.hardware.device == Device.cpu:
         return entries.get(cpu_key()) if entries else None
-    if not any(e.kind == "gpu" for e in entries.values()):
+    if not any(e.kind == Device.gpu for e in entries.values()):
         return None  # no GPU calibration here: NVML is not even asked
     key = gpu_key(str(bench.hardware.cuda_module_loading), devices=bench.hardware.devices)
     cal = entries.get(key) if key else None

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional
 import psutil
 
 from zero_bench.config.hosts import device_tokens, local_ranks
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.devices.nvml import Nvml
 from zero_bench.records import RankRecord
 from zero_bench.units import GiB, MiB
@@ -30,17 +30,17 @@ def capacity_bytes(cfg: BenchConfig) -> Optional[int]:
         return cfg.hardware.memory_mib * MiB
     if cfg.hardware.memory_gb:
         return int(cfg.hardware.memory_gb * GiB)
-    if cfg.hardware.device == "gpu":
+    if cfg.hardware.device == Device.gpu:
         return None
     return psutil.virtual_memory().total // local_ranks(cfg)
 
 
-def marketed_gb_warning(device: str, memory_gb: Optional[float]) -> Optional[str]:
+def marketed_gb_warning(device: Device, memory_gb: Optional[float]) -> Optional[str]:
     """hardware.memory_gb is GiB, while a card sold as "40GB" exposes another total (an A100-40GB
     40537 MiB in nvidia-smi, the reference table's cells, against 40 GiB = 40960): a capacity typed
     as the card's marketed size emulates a card that does not exist. The line names the presets of
     that size and their real totals (conf/hardware/*.yaml, the one place those figures live)."""
-    if device != "gpu" or not memory_gb:
+    if device != Device.gpu or not memory_gb:
         return None
     asked = int(memory_gb * GiB) // MiB
     same = {name: mib for name, mib in preset_totals().items() if _marketed_gb(name) == memory_gb}
@@ -89,7 +89,7 @@ def search_capacity(cfg: BenchConfig, ranks: Iterable[RankRecord] = ()) -> Optio
     """Per-rank capacity the search predicts with and the estimate sizes against: the launch's,
     else (GPU) the smallest CUDA total the ranks reported, else the one NVML gives here."""
     cap = capacity_bytes(cfg)
-    if cap is not None or cfg.hardware.device != "gpu":
+    if cap is not None or cfg.hardware.device != Device.gpu:
         return cap
     seen = [r.cuda_total_bytes for r in ranks if r.cuda_total_bytes]
     if seen:
@@ -100,16 +100,16 @@ def search_capacity(cfg: BenchConfig, ranks: Iterable[RankRecord] = ()) -> Optio
 
 def with_cpu_budget(cfg: BenchConfig, budget_gb: float) -> BenchConfig:
     """On CPU a search needs a per-rank budget: filling the host's whole RAM would take hours."""
-    if cfg.hardware.device != "cpu" or cfg.hardware.memory_gb or cfg.hardware.memory_mib:
+    if cfg.hardware.device != Device.cpu or cfg.hardware.memory_gb or cfg.hardware.memory_mib:
         return cfg
     return dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, memory_gb=budget_gb))
 
 
-def compared_peak(rec: RankRecord, device: str) -> Optional[int]:
+def compared_peak(rec: RankRecord, device: Device) -> Optional[int]:
     """The peak of one rank that is compared with the capacity. On GPU the device peak: under
     emulation torch's reserved bytes alone stay below the fraction by construction, and a real
     card also holds what grew outside the allocator (records without it: reserved bytes)."""
-    if device == "cpu":
+    if device == Device.cpu:
         return rec.peak_rss_bytes
     return rec.device_peak_bytes if rec.device_peak_bytes is not None else rec.torch_peak_reserved
 

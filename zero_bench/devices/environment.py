@@ -9,6 +9,7 @@ import functools
 import os
 import platform
 
+from zero_bench.config.schema import software_versions
 from zero_bench.devices.metrics import cpu_model
 from zero_bench.devices.nvml import nvml_module
 from zero_bench.units import MiB
@@ -21,18 +22,12 @@ def machine_environment_cached() -> tuple:
 
 
 def machine_environment() -> dict:
-    """This machine: GPUs (NVML), CPU, memory, library versions."""
-    from importlib import metadata
-
+    """This machine: GPUs (NVML), CPU, memory, library versions (those a search key carries)."""
     import psutil
 
     env = {"cpu": cpu_model(), "cpu cores": os.cpu_count(), "RAM (MiB)": round(psutil.virtual_memory().total / MiB),
            "python": platform.python_version(), "hostname": platform.node()}
-    for pkg in ("torch", "deepspeed", "megatron-core"):
-        try:
-            env[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            env[pkg] = "not installed"
+    env.update({pkg: version or "not installed" for pkg, version in software_versions()})
     env.update(_gpu_environment())
     return env
 

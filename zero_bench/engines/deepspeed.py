@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import deepspeed
 import torch
 
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device, Recompute
 from zero_bench.engines.storages import storage_bytes
 from zero_bench.models.compiled import same_graphs_on_every_rank
 from zero_bench.models.megatron import MpuAdapter, build_gpt, init_parallel, transformer_config
@@ -198,9 +198,9 @@ def tag_expert_params(model: torch.nn.Module, name: str) -> int:
 
 def install_checkpointing(cfg: BenchConfig, mpu: MpuAdapter, ds_config: dict) -> None:
     """The checkpoint function megatron-core calls for `recompute` (selective on GPU: megatron's own)."""
-    if cfg.recompute in ("full", "block"):
+    if cfg.recompute in (Recompute.full, Recompute.block):
         use_deepspeed_checkpointing(mpu, ds_config, cfg.seed)
-    elif cfg.recompute == "selective" and cfg.hardware.device == "cpu":
+    elif cfg.recompute == Recompute.selective and cfg.hardware.device == Device.cpu:
         install_cpu_checkpoint()  # megatron's saves CUDA's RNG state; this one the CPU tracker's
 
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from zero_bench.config.schema import DS_TEMPLATES, BenchConfig
+from zero_bench.config.schema import DS_TEMPLATES, BenchConfig, Device, Recompute
 from zero_bench.devices.toolkit import TORCH_FUSED_ADAMW, fused_adam_fallback
 from zero_bench.errors import ConfigError
 
@@ -99,7 +99,7 @@ def build(cfg: BenchConfig, nvme_path: Optional[str] = None) -> dict:
         ds = merge(ds, load_template("nvme"))
     ds = _with_preset(ds, cfg)
     ds = merge(ds, zeropp_keys(cfg))
-    on_cpu = cfg.hardware.device == "cpu"
+    on_cpu = cfg.hardware.device == Device.cpu
     if on_cpu:
         ds = merge(ds, load_template("cpu"))
     ds = merge(ds, {
@@ -112,9 +112,9 @@ def build(cfg: BenchConfig, nvme_path: Optional[str] = None) -> dict:
         "fp16": {"enabled": cfg.precision == "fp16"},
     })
     checkpoints = ds.get("activation_checkpointing") or {}
-    if cfg.recompute in ("full", "block") and checkpoints.get("contiguous_memory_optimization"):
+    if cfg.recompute in (Recompute.full, Recompute.block) and checkpoints.get("contiguous_memory_optimization"):
         # DeepSpeed sizes the contiguous buffer by the checkpoints one forward pass stores.
-        n = cfg.model.num_layers // cfg.recompute_layers if cfg.recompute == "full" else cfg.recompute_layers
+        n = cfg.model.num_layers // cfg.recompute_layers if cfg.recompute == Recompute.full else cfg.recompute_layers
         ds = merge(ds, {"activation_checkpointing": {"number_checkpoints": n}})
     user_zero = (cfg.ds.get("zero_optimization") or {})
     if on_cpu and cfg.zero > 0 and cfg.ds_preset == "default":
@@ -157,14 +157,14 @@ def serial_unpinned(cfg: BenchConfig) -> bool:
     users do: runtime/zero/config.py overlap_comm None -> `self.stage == ZeroStageEnum.weights`
     (on for ZeRO-3 only), offload_config.py pin_memory True. Merged right after the templates
     these values used to sit in, so the CPU and preset JSON keep their bytes, key order included."""
-    return cfg.hardware.device == "cpu" or cfg.ds_preset != "default"
+    return cfg.hardware.device == Device.cpu or cfg.ds_preset != "default"
 
 
 def with_buildable_adam(ds: dict, cfg: BenchConfig) -> dict:
     """GPU, no optimizer offload, Adam/AdamW and FusedAdam not to be had here (no nvcc, or one of
     another CUDA major than torch's): torch's fused AdamW, instead of a run that stops at its build."""
     opt = ds.get("optimizer") or {}
-    if (cfg.hardware.device != "gpu" or cfg.offload or str(opt.get("type", "")).lower() not in ("adam", "adamw")
+    if (cfg.hardware.device != Device.gpu or cfg.offload or str(opt.get("type", "")).lower() not in ("adam", "adamw")
             or "torch_adam" in (opt.get("params") or {}) or not fused_adam_fallback()):
         return ds
     return merge(ds, TORCH_FUSED_ADAMW)

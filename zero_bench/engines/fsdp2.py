@@ -35,7 +35,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from zero_bench.config.layout import RankLayout
-from zero_bench.config.schema import BenchConfig, Precision, States
+from zero_bench.config.schema import BenchConfig, Precision, Recompute, States
 from zero_bench.engines.ds_config import load_template
 from zero_bench.engines.storages import storage_bytes
 from zero_bench.models.compiled import same_graphs_on_every_rank
@@ -69,7 +69,7 @@ class Fsdp2Engine:
         layout = cfg.layout  # the degrees, validated (config/layout.py)
         self.mixed = mixed_bf16(cfg)
         init_parallel(layout.tp, cfg.seed, on_cpu, layout.ep, layout.sp)
-        if cfg.recompute != "none":
+        if cfg.recompute != Recompute.none:
             # megatron's CheckpointFunction is reentrant (it hides the layer's forward from FSDP2's
             # backward hooks) and saves CUDA's RNG state; torch's non-reentrant checkpoint recomputes
             # the same function and composes with fully_shard, and cpu_checkpoint puts megatron's

@@ -1,16 +1,17 @@
-"""What each engine cannot run, per concern (engines.specs.CONCERNS): one function per engine, named by
+"""What each engine cannot run, per concern (engines.specs.Concern): one function per engine, named by
 its spec's `refusals`, each raising ConfigError with one line naming the key and what is allowed.
 configure.validate_static asks at the place it checks that concern's shared conditions."""
 from __future__ import annotations
 
 from zero_bench.config.hosts import local_ranks
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device, Recompute
+from zero_bench.engines.specs import Concern
 from zero_bench.errors import ConfigError
 
 
-def deepspeed(b: BenchConfig, concern: str) -> None:
+def deepspeed(b: BenchConfig, concern: Concern) -> None:
     """DeepSpeed's limits on shared features (its own ZeRO 0-3 and fp16 need no refusal)."""
-    if concern == "states" and b.states == "bf16":
+    if concern == Concern.states and b.states == "bf16":
         if b.zero == 0:
             raise ConfigError("states=bf16: DeepSpeed keeps bf16 master weights and optimizer states with "
                               "ZeRO 1-3 only (bf16_master_weights_and_grads); allowed with zero=0: states=mixed")
@@ -18,31 +19,31 @@ def deepspeed(b: BenchConfig, concern: str) -> None:
             raise ConfigError("states=bf16: DeepSpeed offloads bf16 optimizer states only to its CPUAdam "
                               "(fp32_optimizer_states=false), which zero_bench does not run; allowed with "
                               "offload=true: states=mixed")
-    if concern == "hybrid":
+    if concern == Concern.hybrid:
         # MiCS, DeepSpeed's sharding within groups, is gone from 0.19 (its keys raise
         # DeepSpeedConfigError); ZeRO++ hpZ runs here but keeps every state sharded over all dp ranks.
         raise ConfigError(f"parallel.dp_shard={b.parallel.dp_shard}: hybrid sharding runs with engine=fsdp2 (a 2-D "
                           "device mesh); DeepSpeed 0.19 removed MiCS, its sharding within groups, and ZeRO++ hpZ "
                           "still shards the states over all dp ranks; allowed with engine=deepspeed: "
                           "parallel.dp_shard=null")
-    if concern == "expert_parallel" and b.zero in (0, 3):
+    if concern == Concern.expert_parallel and b.zero in (0, 3):
         why = ("DeepSpeed refuses its MoE with ZeRO stage 3 (engine.py: 'Native DeepSpeed MoE is not "
                "supported with ZeRO Stage 3')" if b.zero == 3 else
                "DeepSpeed's ZeRO-0 clips the gradients by the ranks' averaged norm, not the whole "
                "model's, when each rank holds other experts")
         raise ConfigError(f"parallel.ep={b.parallel.ep}: {why}; allowed with parallel.ep > 1: zero=1, zero=2, "
                           "or engine=fsdp2")
-    if concern == "offload_param" and b.offload_param and b.zero != 3:
+    if concern == Concern.offload_param and b.offload_param and b.zero != 3:
         raise ConfigError(f"offload_param=true: needs zero=3 (got zero={b.zero})")
-    if concern == "zeropp":
+    if concern == Concern.zeropp:
         zeropp(b)
-    if concern == "offload_device" and b.nvme and b.zero != 3:
+    if concern == Concern.offload_device and b.nvme and b.zero != 3:
         # stage_1_and_2.py: any offload_optimizer.device but none sets cpu_offload, and nothing there
         # swaps; only stage3.py builds an optimizer swapper (swap_optimizer = device == nvme)
         raise ConfigError(f"offload_device=nvme: DeepSpeed 0.19.8 swaps to NVMe at ZeRO-3 only (ZeRO 1-2 keep "
                           f"'nvme' optimizer states in host memory, as cpu); allowed with zero={b.zero}: "
                           "offload_device=none, cpu")
-    if concern == "ignored":
+    if concern == Concern.ignored:
         ds_keys_read(b)
         partitioned_activations(b)
 
@@ -52,7 +53,7 @@ def partitioned_activations(b: BenchConfig) -> None:
     splits each checkpointed layer input over the tp ranks and all-gathers it back in backward, as
     if the input were the same on every tp rank: with megatron's sequence parallelism each rank's is
     its own sequence shard, and the gathered input would be the other ranks' pieces."""
-    if not (b.parallel.sequence_sharded and b.recompute in ("full", "block")):
+    if not (b.parallel.sequence_sharded and b.recompute in (Recompute.full, Recompute.block)):
         return
     from zero_bench.engines import ds_config
 
@@ -97,7 +98,7 @@ def quantizer_missing(b: BenchConfig) -> str:
     QuantizerBuilder with its NotImplementedBuilder, whose load() raises (zero.Init builds the
     quantizer for qwZ at once; qgZ's all-to-all loads it at its first multi-node reduction)."""
     z = b.zeropp
-    if not (z.qwz or z.qgz) or b.hardware.device != "cpu":
+    if not (z.qwz or z.qgz) or b.hardware.device != Device.cpu:
         return ""
     import logging
 
@@ -132,7 +133,7 @@ def ds_keys_read(b: BenchConfig) -> None:
     if "offload_optimizer" in zero_keys and b.zero == 0:
         raise ConfigError("ds.zero_optimization.offload_optimizer: DeepSpeed offloads the optimizer with ZeRO 1-3 "
                           "only (got zero=0); use zero=1, 2 or 3 (or offload=true)")
-    if "activation_checkpointing" in b.ds and b.recompute not in ("full", "block"):
+    if "activation_checkpointing" in b.ds and b.recompute not in (Recompute.full, Recompute.block):
         raise ConfigError(f"ds.activation_checkpointing: read only with recompute=full or recompute=block (got "
                           f"recompute={b.recompute}: DeepSpeed's checkpointing is not called); leave it out here")
 
@@ -157,14 +158,14 @@ def stage3_zero_keys() -> set:
     return keys
 
 
-def fsdp2(b: BenchConfig, concern: str) -> None:
+def fsdp2(b: BenchConfig, concern: Concern) -> None:
     """What engine=fsdp2 cannot run, each in one line with the nearest choices; it runs every shared
     feature (bf16 states with offload, hybrid sharding, ep at any stage, offload_param at zero=2)."""
-    if concern == "zeropp":
+    if concern == Concern.zeropp:
         raise ConfigError(f"{first_zeropp_key(b)}: ZeRO++ is DeepSpeed's (ZeRO-3's quantized and hierarchical "
                           "collectives); engine=fsdp2 runs none of it; allowed: engine=deepspeed zero=3, or leave "
                           "zeropp.* out")
-    if concern == "offload_device":
+    if concern == Concern.offload_device:
         raise ConfigError("offload_device=nvme: engine=fsdp2 offloads to host memory only (CPUOffloadPolicy); "
                           "allowed with fsdp2: offload_device=none, cpu (or engine=deepspeed zero=3)")
     if concern != "engine":

@@ -12,12 +12,21 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Callable
 
 
-CONCERNS = ("engine", "states", "hybrid", "expert_parallel", "offload_param", "offload_device", "zeropp", "ignored")
-"""What `EngineSpec.validate` is asked about, each at the place configure.validate_static checks that
-concern's shared conditions (the parallel degrees: once config/layout.py's RankLayout holds them)."""
+class Concern(StrEnum):
+    """What `EngineSpec.validate` is asked about, each at the place configure.validate_static checks that
+    concern's shared conditions (the parallel degrees: once config/layout.py's RankLayout holds them)."""
+    engine = "engine"  # the engine's own limits (its ZeRO stages, precisions, configs)
+    states = "states"  # the `states` key
+    hybrid = "hybrid"  # parallel.dp_shard
+    expert_parallel = "expert_parallel"  # parallel.ep > 1
+    offload_param = "offload_param"
+    offload_device = "offload_device"  # offload_device=nvme
+    zeropp = "zeropp"  # zeropp.qwz / qgz / hpz
+    ignored = "ignored"  # keys the engine accepts and then does not read
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,7 @@ class EngineSpec:
     estimate's model states of one rank of a stored config (a records.ModelStates, split device / host)."""
     refusals: str
     """"module:function" (BenchConfig, concern) raising ConfigError for what this engine cannot run
-    of one concern (CONCERNS)."""
+    of one Concern."""
     offload_param_follows: Callable[[int], bool]
     """Whether offload_param follows `offload` at this ZeRO stage when it is not given."""
     reads_ds_config: bool
@@ -62,7 +71,7 @@ class EngineSpec:
     untraced: str = ""
     """Why the engine cannot be traced, in words (the refusal's tail); "" where it can."""
 
-    def validate(self, b: Any, concern: str) -> None:
+    def validate(self, b: Any, concern: Concern) -> None:
         """Raises ConfigError for what this engine cannot run of `concern` in BenchConfig `b`."""
         load(self.refusals)(b, concern)
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from zero_bench.config.hosts import local_ranks
-from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig
+from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, Device
 from zero_bench.devices import calibration
 from zero_bench.devices.calibration import BUILT_IN_CPU, PUBLISHED, Calibration
 from zero_bench.devices.capacity import search_capacity
@@ -144,7 +144,7 @@ class Estimate:
     @property
     def states_on_rank(self) -> int:
         """Model-state bytes in the memory the capacity is about (CPU: device + host; GPU: device)."""
-        return self.states.total - self.nvme_freed if self.device == "cpu" else self.states.device
+        return self.states.total - self.nvme_freed if self.device == Device.cpu else self.states.device
 
     @property
     def persistent(self) -> int:
@@ -204,7 +204,7 @@ class Estimate:
         + the fixed terms at their high end, peak_bytes); CPU: the peak live tensors and the peak RSS.
         grad_accum does not enter: each micro-batch's forward/backward reuses the same memory."""
         allocated, peak = self.allocated_bytes(micro), self.peak_bytes(micro)
-        figures = ({"live_tensors_bytes": allocated, "peak_rss_bytes": peak} if self.device == "cpu" else
+        figures = ({"live_tensors_bytes": allocated, "peak_rss_bytes": peak} if self.device == Device.cpu else
                    {"allocated_bytes": allocated, "reserved_bytes": int(self.fragmentation * allocated),
                     "device_peak_bytes": peak})
         return {"micro": micro, **figures, "capacity_bytes": self.capacity,
@@ -214,7 +214,7 @@ class Estimate:
         """Host memory one node (all its ranks) needs: the offloaded states (with NVMe offload, what is
         not in the swap files, plus the swappers' pinned buffers), and on GPU the activations kept on
         the host (recompute_offload, DeepSpeed's cpu_checkpointing) at `micro`."""
-        acts = self.activations.get("host", 0) * micro if self.device != "cpu" else 0
+        acts = self.activations.get("host", 0) * micro if self.device != Device.cpu else 0
         return (self.states.host - self.nvme_freed + self.swap_buffer_bytes + acts) * self.local_ranks
 
     def disk_bytes(self) -> int:
@@ -258,7 +258,7 @@ def fixed_terms(bench: BenchConfig) -> dict:
     calibration where the configuration is about this machine (calibration.for_bench), else the
     built-in CPU figure or the GPU terms' published ranges."""
     cal = calibration.for_bench(bench)
-    if bench.hardware.device == "cpu":
+    if bench.hardware.device == Device.cpu:
         if cal is None or cal.overhead_bytes is None:
             return {"overhead": CPU_RANK_OVERHEAD, "terms": {"runtime (measured on CPU)": CPU_RANK_OVERHEAD},
                     "calibration": BUILT_IN_CPU}
@@ -309,7 +309,7 @@ def seed_micro(bench: BenchConfig) -> Optional[Seed]:
     except Exception:  # noqa: BLE001 - a first guess must never stop a search
         return None
     step = e.peak_bytes(m + 1) - e.peak_bytes(m)
-    if e.device == "cpu":
+    if e.device == Device.cpu:
         # Near the boundary a CPU rank's RSS grows by the live bytes a sample adds, not more: the
         # demo's searches measured 13.1-13.25 MiB per sample between fresh trials against 13.3 live
         # by the formula (ZeRO 0, 1, 3); the factor, fitted at micro 2-8, put ZeRO-1's second trial

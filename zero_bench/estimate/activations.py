@@ -85,6 +85,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from zero_bench.config.schema import Device, Recompute
 from zero_bench.models import ModelConfig
 from zero_bench.units import BYTES
 
@@ -97,24 +98,24 @@ def _dims(m: ModelConfig, tp: int) -> dict:
 
 
 def _mask_bytes(B: int, device: str) -> int:
-    return B if device == "cpu" else 1
+    return B if device == Device.cpu else 1
 
 
 def sdpa_kernel(m: ModelConfig, device: str) -> str:
     """Which kernel scaled_dot_product_attention runs: flash (CPU flash, CUDA flash or
     memory-efficient: nothing s x s) or math (CPU with dropout: torch's CPU flash has no dropout)."""
-    return "math" if device == "cpu" and m.dropout > 0 else "flash"
+    return "math" if device == Device.cpu and m.dropout > 0 else "flash"
 
 
 def _native_gqa(precision: str, device: str) -> bool:
     # models/sdpa.py native_gqa: CPU flash and CUDA flash (16-bit) take fewer K/V heads.
-    return device == "cpu" or precision in ("bf16", "fp16")
+    return device == Device.cpu or precision in ("bf16", "fp16")
 
 
 def norm_bytes(m: ModelConfig, precision: str, device: str) -> float:
     """Bytes per token one norm keeps: its input (+ what the implementation adds)."""
     B, h = BYTES[precision], m.hidden_size
-    if m.normalization == "rmsnorm" and device == "cpu":
+    if m.normalization == "rmsnorm" and device == Device.cpu:
         # torch 2.13 on CPU: _fused_rms_norm falls back to the composite, which saves the input
         # upcast to fp32 (the input itself in fp32), rsqrt, and x * rsqrt in fp32.
         return 4 * h + 4 * h + 8
@@ -148,7 +149,7 @@ def qk_norm_terms(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
         return {"qk_norm": 0, "qk_norm_qkv_output": 0}
     B, x = BYTES[precision], _dims(m, tp)
     q, kv, rows, q_copy = x["q"], x["kv"], x["heads"] + x["groups"], x["rep"] > 1
-    if m.normalization == "rmsnorm" and device == "cpu":
+    if m.normalization == "rmsnorm" and device == Device.cpu:
         upcast = B != 4  # a new fp32 tensor; in fp32 the saved input is the query copy / the view itself
         own = 4 * (q + kv) + 4 * rows + (4 * q if upcast or q_copy else 0) + (4 * kv if upcast else 0)
         pins = not upcast
@@ -163,7 +164,7 @@ def softmax_upcast(precision: str, device: str, fusions: bool = False) -> bool:
     softmax_in_fp32: CPU, or GPU with fusions=false); fp32 runs have nothing to upcast."""
     if BYTES[precision] == 4:
         return False
-    if device == "cpu" or not fusions:
+    if device == Device.cpu or not fusions:
         return True  # answered without importing torch, as swiglu_fused
     from zero_bench.models.megatron import softmax_in_fp32
 
@@ -197,7 +198,7 @@ def swiglu_fused(m: ModelConfig, device: str, fusions: bool) -> bool:
     """Whether megatron runs its fused SwiGLU for this model here: models/megatron.py
     bias_activation_fused (GPU with the fusions key; not a gated MoE model with biases), the one
     place the model's TransformerConfig takes it from."""
-    if device == "cpu" or not fusions or not m.gated:
+    if device == Device.cpu or not fusions or not m.gated:
         return False  # never fused: answered without importing torch (models/megatron.py does)
     from zero_bench.models.megatron import bias_activation_fused
 
@@ -373,18 +374,18 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
     (dense, MoE); the last layer's kind is last. sequence_parallel: a layer's input is its shard."""
     B, h, L = BYTES[precision], m.hidden_size / seq_shard(tp, sequence_parallel), m.num_layers
     last = sum(kinds[-1][1].values())
-    if recompute == "op":
+    if recompute == Recompute.op:
         # the last layer's backward rebuilds what the policy did not keep
         kept = [sum(op_kept_terms(m, tp, precision, device, moe, sequence_parallel).values()) for _, _, moe in kinds]
         return sum(n * k for (n, _, _), k in zip(kinds, kept)), last - kept[-1], 0.0
-    if recompute == "full":
+    if recompute == Recompute.full:
         kept = B * h / (tp if ck.get("partition_activations") else 1)
         if ck.get("partition_activations") and ck.get("cpu_checkpointing"):
             return 0.0, last - kept, L * kept
         if offload:  # recompute_offload (models/sequence.py): every input on the host, the last one's back
             return 0.0, last, L * kept
         return L * kept, last - kept, 0.0
-    if recompute == "selective":
+    if recompute == Recompute.selective:
         # the checkpoint's inputs (attention_inputs_bytes) hold the QKV output the key norm pins
         terms = kinds[-1][1]
         recomputed = terms["attention_qkv"] + terms["attention_internal"]
@@ -457,9 +458,9 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     kinds = layer_kinds(m, tp, precision, device, fusions, tiles, sp)
     terms = kinds[-1][1]  # the last layer's, whose backward the moments below are about
     ck, L = checkpointing or {}, m.num_layers
-    if recompute == "block" and recompute_layers >= L:
+    if recompute == Recompute.block and recompute_layers >= L:
         recompute = "full"  # every layer recomputed, one per checkpoint
-    block = recompute == "block"
+    block = recompute == Recompute.block
     if block:
         n = recompute_layers
         kept_inputs, recomputed, host = _layers(m, tp, precision, "full", ck, kinds, device, offload, sp)
@@ -481,8 +482,8 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     grads = backward_transients(m, tp, precision, device, min(tiles, s), fusions)
     # linear_proj's input is freed after its backward, unless the flash kernel saved the same tensor.
     flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash"
-    context = 0 if (flash and recompute != "selective") else terms["attention_context"]
-    rebuilt_mlp = recomputed if recompute in ("full", "op") else 0.0
+    context = 0 if (flash and recompute != Recompute.selective) else terms["attention_context"]
+    rebuilt_mlp = recomputed if recompute in (Recompute.full, Recompute.op) else 0.0
     incoming = B * h  # the gradient of the layer's output, flowing into its backward
     moments = {
         "end_of_forward": saved + max(transient, incoming),

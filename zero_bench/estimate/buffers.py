@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.engines import ds_config
 from zero_bench.estimate import zeropp
 from zero_bench.estimate.prediction import Buffer, Phase
@@ -88,7 +88,7 @@ def deepspeed_buffers(bench: BenchConfig, ds: Optional[Mapping] = None) -> list[
         largest = max(numels)
         live = max(largest, min(get("stage3_max_live_parameters"), largest + get("stage3_prefetch_bucket_size")))
         live_from = "stage3_max_live_parameters, stage3_prefetch_bucket_size"
-        if bench.hardware.device == "cpu":
+        if bench.hardware.device == Device.cpu:
             # Measured on CPU (GPT-small, DP=2): the forward/backward peak holds about one whole
             # copy of the parameters, not the max_live/prefetch bound (module not built under zero.Init).
             live, live_from = P, "one whole copy of the parameters (measured on CPU)"
@@ -121,7 +121,7 @@ def init_peak(bench: BenchConfig) -> int:
         whole = b * max(p.numel for p in layout.params)
         # zero.Init gives every parameter its hpZ copy as it partitions it (kept until the first step)
         secondary = zeropp.buffers(bench, 0, lambda k: 0).get("hpz_secondary", (0,))[0]
-        return whole + (0 if bench.offload_param and bench.hardware.device != "cpu" else b * P // layout.dp) + secondary
+        return whole + (0 if bench.offload_param and bench.hardware.device != Device.cpu else b * P // layout.dp) + secondary
     if bench.zero == 0:
         return b * P
     largest = P if layout.ep == 1 else max(layout.dense_params, layout.held_expert_params)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from zero_bench.config.configure import from_cfg, search_from_cfg, validate_static
-from zero_bench.config.schema import BenchConfig, ConfigError, OffloadDevice
+from zero_bench.config.schema import BenchConfig, ConfigError, Device, OffloadDevice
 from zero_bench.engines.specs import spec
 from zero_bench.estimate import Estimate, estimate, zeropp
 from zero_bench.estimate.seq import longest_seq, seq_top
@@ -295,4 +295,4 @@ def seq_line(bench: BenchConfig, rows: list[dict], micro: int, grid) -> str:
 
 
 def _kind(bench: BenchConfig) -> str:
-    return "cpu" if bench.hardware.device == "cpu" else "gpu"
+    return "cpu" if bench.hardware.device == Device.cpu else "gpu"

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from zero_bench.config.schema import BenchConfig, ConfigError, Device, States
+from zero_bench.config.schema import BenchConfig, ConfigError, Device, Recompute, States
 from zero_bench.engines.specs import load, spec
 from zero_bench.units import MiB
 
@@ -212,7 +212,7 @@ def _fake_world(bench: BenchConfig) -> Iterator[None]:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
         install_cpu_shims()
         seed_cpu_rng(bench.seed)
-        if bench.recompute != "none":
+        if bench.recompute != Recompute.none:
             install_cpu_checkpoint()  # as Fsdp2Engine: torch's non-reentrant checkpoint
         yield
     finally:

@@ -31,7 +31,7 @@ import math
 from typing import Callable
 
 from zero_bench.config.hosts import local_ranks
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.units import BYTES
 
 PAPER = "Wang et al. 2023, ZeRO++ (arXiv:2306.10209), sec. 3"
@@ -48,7 +48,7 @@ def buffers(bench: BenchConfig, live_numel: int, get: Callable[[str], int]) -> d
     b = BYTES[bench.precision]
     out: dict[str, tuple[int, tuple, str]] = {}
     if z.hpz > 1:
-        off_device = bench.offload_param and bench.hardware.device != "cpu"  # remote_device: the host
+        off_device = bench.offload_param and bench.hardware.device != Device.cpu  # remote_device: the host
         # persistent parameters (at most stage3_param_persistence_threshold elements) stay gathered
         # after the first step: never released, they get no new copy (init_peak counts them all: thr 0)
         thr = get("stage3_param_persistence_threshold")

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Recompute
 from zero_bench.models.description import ModelConfig
 from zero_bench.models.loss import install_loss
 from zero_bench.models import ulysses
@@ -71,10 +71,10 @@ def recompute_args(cfg: BenchConfig) -> dict:
     """megatron-core's names for `recompute`: selective recomputes core attention (its default
     recompute_modules); full recomputes every layer from its input, recompute_layers at a time.
     Which checkpoint function runs is the engine's choice (engines/deepspeed.py install_checkpointing)."""
-    if cfg.recompute == "selective":
+    if cfg.recompute == Recompute.selective:
         return {"recompute_granularity": "selective"}
-    if cfg.recompute in ("full", "block"):
-        method = "uniform" if cfg.recompute == "full" else "block"
+    if cfg.recompute in (Recompute.full, Recompute.block):
+        method = "uniform" if cfg.recompute == Recompute.full else "block"
         return {"recompute_granularity": "full", "recompute_method": method,
                 "recompute_num_layers": cfg.recompute_layers}
     return {}
@@ -295,7 +295,7 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
     gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp))
     install_loss(gpt, cfg.loss)
     ulysses.rotary_at_offset(gpt)
-    if cfg.recompute == "op":
+    if cfg.recompute == Recompute.op:
         from zero_bench.models import op_recompute
 
         op_recompute.apply(gpt, cfg.model)

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import pandas as pd
 
+from zero_bench.config.schema import Device
 from zero_bench.devices.calibration import BUILT_IN_CPU, PUBLISHED
 from zero_bench.estimate import Estimate
 from zero_bench.records import RankRecord, TrialResult
@@ -65,7 +66,7 @@ def _with_trace(lines: list[dict], r: Row, est: Estimate) -> list[dict]:
                "allocator peak (torch max allocated)": tr.peak_bytes,
                "device peak (NVML used, as nvidia-smi)": est.overhead + int(est.fragmentation * tr.peak_bytes)}
     where = (f"rank 0 of {tr.world} fake ranks, peak in the {tr.phase}, {tr.seconds:.1f} s"
-             + ("" if est.device == "cpu" else "; CPU kernels (estimate/traced.py GPU_DIFFERS)"))
+             + ("" if est.device == Device.cpu else "; CPU kernels (estimate/traced.py GPU_DIFFERS)"))
     out = []
     for x in lines:
         v = figures.get(x["term"])
@@ -77,7 +78,7 @@ def _with_trace(lines: list[dict], r: Row, est: Estimate) -> list[dict]:
 
 
 def _lines(label: str, t: TrialResult, est: Estimate) -> list[dict]:
-    terms = _gpu_terms(t, est) if est.device == "gpu" else _cpu_terms(t, est)
+    terms = _gpu_terms(t, est) if est.device == Device.gpu else _cpu_terms(t, est)
     return [{"config": label, "micro batch": t.micro, "term": name,
              "predicted MiB": predicted / MiB if predicted is not None else None,
              "measured MiB": measured / MiB if measured is not None else None,

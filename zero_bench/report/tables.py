@@ -15,7 +15,7 @@ from zero_bench.engines.specs import SPECS, load, spec
 from zero_bench.models.description import describes
 from zero_bench.models.flops import model_flops_per_seq
 from zero_bench.models.params import active_params, num_params
-from zero_bench.records import DeviceMemStats, Dimension, ModelStates, TrialResult
+from zero_bench.records import DeviceMemStats, Dimension, MemoryKind, ModelStates, TrialResult
 from zero_bench.report.rows import Loaded, Row
 from zero_bench.units import MiB
 
@@ -116,7 +116,7 @@ class Peaks:
         return self.found[(device, precision)][0]
 
     def _lookup(self, device: str, precision: str) -> tuple[Optional[float], str]:
-        if device == "cpu":
+        if device == Device.cpu:
             m = cpu_peak_flops(precision)
             how = "cached" if m["cached"] else "measured now"
             limit = f", oneDNN up to {m['onednn_isa']}" if m.get("onednn_isa") else ""
@@ -200,8 +200,8 @@ def _performance(t: TrialResult, s: BenchConfig, peaks: Peaks) -> dict:
 
 def device_memory(t: TrialResult) -> tuple[str, list[DeviceMemStats]]:
     """The memory that limits the batch: GPUs when sampled (NVML), else each rank's RSS."""
-    gpus = t.devices_of("gpu")
-    return ("GPU (NVML used)", gpus) if gpus else ("rank RSS", t.devices_of("rank"))
+    gpus = t.devices_of(MemoryKind.gpu)
+    return ("GPU (NVML used)", gpus) if gpus else ("rank RSS", t.devices_of(MemoryKind.rank))
 
 
 def _memory(t: TrialResult) -> dict:
@@ -219,10 +219,10 @@ def _memory(t: TrialResult) -> dict:
 
 def emulation_note(t: TrialResult) -> str:
     """Say when the GPU capacity was emulated (its totals are the capacity, not the card)."""
-    cards = sorted({d.card_bytes for d in t.devices_of("gpu") if d.card_bytes})
+    cards = sorted({d.card_bytes for d in t.devices_of(MemoryKind.gpu) if d.card_bytes})
     if not cards:
         return ""
-    cap = t.devices_of("gpu")[0].total_bytes
+    cap = t.devices_of(MemoryKind.gpu)[0].total_bytes
     return (f"capacity emulated: {cap / MiB:,.0f} MiB per GPU on "
             + " / ".join(f"{c / MiB:,.0f}" for c in cards) + " MiB cards")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from zero_bench.config.configure import resolve
-from zero_bench.config.schema import BenchConfig, SearchConfig
+from zero_bench.config.schema import BenchConfig, Device, SearchConfig
 from zero_bench.devices.capacity import search_capacity, trial_peak
 from zero_bench.records import (Dimension, Entry, Event, Fault, Mode, RankRecord, SearchResult, SearchStatus, Seed,
                                 Status, TrialResult)
@@ -125,7 +125,7 @@ class Search:
 
     def update_cap(self) -> None:
         """On a bare GPU the ranks report the card's CUDA total: the capacity from then on."""
-        if self.cfg.hardware.device == "gpu":
+        if self.cfg.hardware.device == Device.gpu:
             self.cap = search_capacity(self.cfg, [r for t in self.trials for r in t.ranks])
 
     def record(self, t: TrialResult) -> None:

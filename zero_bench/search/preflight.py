@@ -11,7 +11,7 @@ from typing import Optional
 import psutil
 
 from zero_bench.config.hosts import check_hostfile, device_tokens, local_ranks
-from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, ConfigError, States, ZeroppConfig, make_label
+from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, ConfigError, Device, States, ZeroppConfig, make_label
 from zero_bench.devices import aio
 from zero_bench.devices.capacity import search_capacity
 from zero_bench.engines.ds_config import check_with_deepspeed
@@ -23,8 +23,8 @@ from zero_bench.trial.outcome import trial
 from zero_bench.units import GiB
 
 
-def available_devices(device: str) -> int:
-    if device == "gpu":
+def available_devices(device: Device) -> int:
+    if device == Device.gpu:
         import torch
 
         return torch.cuda.device_count()
@@ -33,7 +33,7 @@ def available_devices(device: str) -> int:
 
 def check_devices(b: BenchConfig) -> None:
     """Every rank of a node needs its own GPU from the list the user gave."""
-    tokens = device_tokens(b) if b.hardware.device == "gpu" else None
+    tokens = device_tokens(b) if b.hardware.device == Device.gpu else None
     if tokens is not None and len(tokens) < local_ranks(b):
         key = "hardware.devices" if b.hardware.devices is not None else "CUDA_VISIBLE_DEVICES"
         raise ConfigError(f"{key}={','.join(tokens)}: lists {len(tokens)} GPUs but {local_ranks(b)} ranks per node "
@@ -86,11 +86,11 @@ def validate_machine(b: BenchConfig) -> None:
         check_nvme(b)
     have = available_devices(b.hardware.device)
     # CPU ranks are processes: allow two per core before calling it a mistake.
-    limit = have if b.hardware.device == "gpu" else 2 * have
+    limit = have if b.hardware.device == Device.gpu else 2 * have
     if b.parallel.world_size > limit:
         raise ConfigError(f"parallel.dp={b.parallel.dp}: world size tp*dp={b.parallel.world_size} exceeds the "
                           f"{have} {b.hardware.device.upper()} devices here (max {limit})")
-    if b.precision == "bf16" and b.hardware.device == "gpu":
+    if b.precision == "bf16" and b.hardware.device == Device.gpu:
         import torch
 
         if not torch.cuda.is_bf16_supported():
@@ -134,7 +134,7 @@ def preflight(bench: BenchConfig, force: bool = False, micro: Optional[int] = No
     micro = micro or bench.batch.micro
     ranks, avail = local_ranks(bench), psutil.virtual_memory().available
     reason = ""
-    if bench.hardware.device == "cpu":
+    if bench.hardware.device == Device.cpu:
         need = est.peak_bytes(micro)
         if not bench.hardware.hostfile and need * ranks > avail:
             reason = (f"does not fit (estimated): {need / GiB:.1f} GiB per rank x {ranks} ranks > "

@@ -25,7 +25,7 @@ import psutil
 
 from zero_bench.config.configure import resolve
 from zero_bench.config.hosts import local_ranks
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.devices.capacity import capacity_bytes
 from zero_bench.devices.environment import machine_environment_cached
 from zero_bench.devices.gpu import DEVICES_ENV
@@ -296,8 +296,8 @@ def _watch(launch: _Launch, ranks: RunningRanks, env: dict, port: int) -> tuple[
     cfg = launch.cfg
     sampler = Sampler(ranks.root_pid, launch.opts.sample_interval,
                       gpus=env.get(DEVICES_ENV, ",".join(map(str, range(local_ranks(cfg)))))
-                      if cfg.hardware.device == "gpu" else None,
-                      budget=launch.cap if cfg.hardware.device == "cpu" else None,
+                      if cfg.hardware.device == Device.gpu else None,
+                      budget=launch.cap if cfg.hardware.device == Device.cpu else None,
                       on_over=lambda msg: launch.over_budget(ranks, msg),
                       marker=ranks.marker, forked=ranks.forked, expect=local_ranks(cfg), disk=launch.swap)
     sampler.start()

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 
 from zero_bench.config.hosts import check_hostfile, device_tokens, local_ranks, master_addr
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.devices.cpu_features import onednn_limit, torch_capability
 from zero_bench.devices.gpu import DEVICES_ENV
 from zero_bench.devices.metrics import cache_dir
@@ -45,7 +45,7 @@ def trial_env(cfg: BenchConfig) -> dict:
     DeepSpeed's pdsh runner itself runs `cd <launch cwd>` on every node.
     """
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-    if cfg.hardware.device == "cpu":
+    if cfg.hardware.device == Device.cpu:
         # glibc keeps freed blocks otherwise and RSS hides what ZeRO frees (field notes).
         env.update(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     else:
@@ -103,7 +103,7 @@ def one_hardware_queue(cfg: BenchConfig) -> bool:
     backward and forward, are serialized (torchtitan#1147; Megatron-LM's validate_args leaves the
     variable unset when tp > 1 meets FSDP, warning that the two want different values). So it is
     set only where megatron's overlap is the only one."""
-    return cfg.hardware.device != "cpu" and cfg.parallel.tp > 1 and not overlaps_data_parallel(cfg)
+    return cfg.hardware.device != Device.cpu and cfg.parallel.tp > 1 and not overlaps_data_parallel(cfg)
 
 
 def overlaps_data_parallel(cfg: BenchConfig) -> bool:

@@ -17,7 +17,7 @@ from typing import Optional
 from zero_bench.config.schema import BenchConfig
 from zero_bench.devices.capacity import trial_peak
 from zero_bench.trial.oom import oom_in_log
-from zero_bench.records import (OOM_EXIT, DeviceMemStats, Entry, Event, RankRecord, RankStatus, Status,
+from zero_bench.records import (OOM_EXIT, DeviceMemStats, Entry, Event, MemoryKind, RankRecord, RankStatus, Status,
                                 TrialResult)
 from zero_bench.units import MiB
 
@@ -212,11 +212,11 @@ def gpu_devices(ranks: list[RankRecord], sampled: list[DeviceMemStats], cap: Opt
     """The devices a trial reports: each rank's own GPU (identity and NVML peak from its record, so
     every node's GPUs are there) where the ranks recorded them, else what the runner sampled on
     its node. Against an emulated smaller card, total_bytes is that capacity (card_bytes the real one)."""
-    gpus = [DeviceMemStats(kind="gpu", id=r.rank, peak_bytes=r.nvml_peak_bytes, total_bytes=r.nvml_total_bytes,
+    gpus = [DeviceMemStats(kind=MemoryKind.gpu, id=r.rank, peak_bytes=r.nvml_peak_bytes, total_bytes=r.nvml_total_bytes,
                            phase=r.peak_phase, uuid=r.gpu_uuid, name=r.gpu_name, host=r.host)
             for r in ranks if r.nvml_peak_bytes is not None]
-    out = [d for d in sampled if d.kind != "gpu" or not gpus] + gpus
+    out = [d for d in sampled if d.kind != MemoryKind.gpu or not gpus] + gpus
     for d in out:
-        if d.kind == "gpu" and cap and d.total_bytes and cap < d.total_bytes:
+        if d.kind == MemoryKind.gpu and cap and d.total_bytes and cap < d.total_bytes:
             d.card_bytes, d.total_bytes = d.total_bytes, cap
     return out

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import psutil
 
 from zero_bench.devices.nvml import Nvml
-from zero_bench.records import DeviceMemStats
+from zero_bench.records import DeviceMemStats, MemoryKind
 from zero_bench.trial.swap import disk_bytes
 from zero_bench.units import MiB
 
@@ -141,7 +141,7 @@ class Sampler(threading.Thread):
             if not rss:  # an exited rank not yet reaped (zombie) reads as 0: no sample, not a zero
                 continue
             rank = self.ranks[p.pid]
-            self.samples.append(Sample(now, "rank", rank, rss, self.budget or self.total_ram))
+            self.samples.append(Sample(now, MemoryKind.rank, rank, rss, self.budget or self.total_ram))
             if self.budget and rss > self.budget and self.over_msg is None:
                 self.over_msg = f"rank {rank} RSS {rss / MiB:.0f} MiB > budget {self.budget / MiB:.0f} MiB"
                 if self.on_over:

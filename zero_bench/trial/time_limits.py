@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.devices import metrics
 from zero_bench.devices.environment import machine_environment_cached
 from zero_bench.models.flops import hardware_flops_per_seq
@@ -98,7 +98,7 @@ def estimated_pace(cfg: BenchConfig, flops_per_s: Optional[float]) -> Optional[P
 def device_flops(cfg: BenchConfig) -> Optional[float]:
     """One rank's matmul rate at the trial's precision: on CPU measured once per machine and cached
     (metrics.cpu_peak_flops, ~0.5 s the first time); on GPU the datasheet's peak; None: unknown."""
-    if cfg.hardware.device == "cpu":
+    if cfg.hardware.device == Device.cpu:
         return metrics.cpu_peak_flops(str(cfg.precision))["flops"]
     return metrics.gpu_peak_flops(str(dict(machine_environment_cached()).get("gpu", "")), str(cfg.precision))
 
@@ -109,7 +109,7 @@ def cold_compile_s(cfg: BenchConfig) -> float:
     runner needs no torch; tests/unit/test_jit_fusions.py holds the two together) or compile=true
     compiles the whole model (GPT-mini's ZeRO-3 first step compiled for ~60 s on 2 CPU cores, past
     the 60 s floor: docs/verified.md, "torch.compile")."""
-    fused = cfg.fusions and cfg.hardware.device != "cpu"
+    fused = cfg.fusions and cfg.hardware.device != Device.cpu
     return COLD_COMPILE_S if fused or cfg.compile else 0.0
 
 

@@ -25,6 +25,7 @@ from typing import NoReturn, Optional
 
 import torch
 
+from zero_bench.config.schema import Device
 from zero_bench.devices.calibration import FixedTermsProbe
 from zero_bench.devices.capacity import compared_peak, over_capacity
 from zero_bench.devices.gpu import RankGpu, baseline, near_full
@@ -100,7 +101,7 @@ def start(spec: TrialSpec) -> "Rank":
     from deepspeed.accelerator import get_accelerator
 
     marks = Marks()
-    on_cpu = spec.config.hardware.device == "cpu"
+    on_cpu = spec.config.hardware.device == Device.cpu
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # What other processes hold on the GPU, read before this process's first CUDA call.
     base = None if on_cpu else baseline(local_rank)
@@ -205,7 +206,7 @@ class Rank:
         self.spec, self.cfg, self.engine, self.rank, self.marks, self.gpu = (spec, spec.config, engine, rank,
                                                                              marks, gpu)
         self.torch = torch
-        self.on_cpu = self.cfg.hardware.device == "cpu"
+        self.on_cpu = self.cfg.hardware.device == Device.cpu
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         self.log_path = log_path(spec, rank)
         self.steps_done = 0  # optimizer steps so far: seeds each step's tokens
@@ -394,7 +395,7 @@ def run_spec(spec: TrialSpec) -> NoReturn:
         rank = start(spec)
     except BaseException as exc:  # noqa: BLE001 - an init failure is a result ("cannot initialize")
         r = int(os.environ.get("RANK", "0"))
-        on_gpu = spec.config.hardware.device != "cpu"
+        on_gpu = spec.config.hardware.device != Device.cpu
         failed = failure_record(r, exc, Event.INIT_FAILED, on_gpu and device_near_full(None, spec.capacity_bytes))
         append_record(log_path(spec, r), failed)
         os._exit(OOM_EXIT if failed.status == RankStatus.OOM else 1)
