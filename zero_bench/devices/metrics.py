@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from zero_bench.config.schema import Recompute
 from zero_bench.devices.cpu_features import onednn_limit, torch_capability
 from zero_bench.models import ModelConfig
 from zero_bench.models.flops import hardware_flops_per_seq, model_flops_per_seq
@@ -49,7 +50,7 @@ def utilization(flops_per_seq: float, samples_per_sec: float, n_devices: int, pe
 
 
 def mfu_hfu(model: ModelConfig, samples_per_sec: float, n_gpus: int, peak_flops_per_gpu: float,
-            recompute: str = "none", recompute_layers: int = 1) -> tuple[float, float]:
+            recompute: Recompute = Recompute.none, recompute_layers: int = 1) -> tuple[float, float]:
     """(MFU, HFU) as fractions of the peak, FLOPs from the description (models/flops.py): HFU
     counts what recompute re-runs (full: the whole forward; block: recompute_layers of the layers'
     forwards; selective: the core attention)."""

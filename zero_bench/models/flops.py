@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from zero_bench.config.schema import Recompute
 from zero_bench.models.params import active_params
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def model_flops_per_seq(m: ModelConfig) -> float:
     return 3 * (dense_flops_per_seq(m) + attention_flops_per_seq(m))
 
 
-def hardware_flops_per_seq(m: ModelConfig, recompute: str = "none", recompute_layers: int = 1) -> float:
+def hardware_flops_per_seq(m: ModelConfig, recompute: Recompute = Recompute.none, recompute_layers: int = 1) -> float:
     """HFU's numerator: what the hardware computes, recompute included. full re-runs every layer's
     forward (4 passes, as MPT counts activation checkpointing; the output layer is counted 4 times
     too, as there); block re-runs recompute_layers of the layers' forwards; selective re-runs the
@@ -61,16 +62,16 @@ def hardware_flops_per_seq(m: ModelConfig, recompute: str = "none", recompute_la
     (models/op_recompute.py: every second one, linear_proj and each down projection), and unfused
     attention's scores, which no kept kernel output spares."""
     dense, attn = dense_flops_per_seq(m), attention_flops_per_seq(m)
-    if recompute == "op":
+    if recompute == Recompute.op:
         parts = breakdown_per_token(m)
         down = parts["mlp"] / (3 if m.gated else 2)  # fc2 of the MLP's 3 (SwiGLU) or 2 matrices
         scores = attn if m.attention == "unfused" else 0  # no flash kernel's output to keep: recomputed
         return 3 * (dense + attn) + m.seq_len * (parts["attention_proj"] + down) + scores
-    if recompute == "full":
+    if recompute == Recompute.full:
         return 4 * (dense + attn)
-    if recompute == "block":
+    if recompute == Recompute.block:
         return (3 + min(recompute_layers, m.num_layers) / m.num_layers) * (dense + attn)
-    if recompute == "selective":
+    if recompute == Recompute.selective:
         return 3 * dense + 4 * attn
     return 3 * (dense + attn)
 
