@@ -307,7 +307,7 @@ def test_stored_configs_of_older_versions_still_read():
 
 
 def test_the_report_reads_stored_configs_through_the_schema():
-    """The report's one reader (config.schema.stored_config, through report.rows.bench_of) reads a
+    """The report's one reader (config.stored.stored_config, through report.rows.bench_of) reads a
     stored config as a resume does (BenchConfig.from_dict's migrations and defaults), and keeps a
     skipped grid entry's partial model as far as it is stored."""
     from zero_bench.config.schema import BenchConfig

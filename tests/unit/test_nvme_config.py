@@ -189,7 +189,7 @@ def test_without_libaio_doctor_names_the_one_command_and_nvme_is_refused(monkeyp
 
 
 def test_the_reports_offload_column_names_the_rung_for_old_and_new_records():
-    from zero_bench.config.schema import stored_config
+    from zero_bench.config.stored import stored_config
     from zero_bench.report.tables import _offload_text, offload_rung
 
     cases = [  # stored config (as before offload_device, as resolved, a skipped grid entry as given)

@@ -132,7 +132,7 @@ def test_the_report_tells_zeropp_rows_apart():
     import pandas as pd
 
     from zero_bench.report.recommend import config_names
-    from zero_bench.config.schema import stored_config
+    from zero_bench.config.stored import stored_config
     from zero_bench.report.tables import CONFIG_KEY, zeropp_text
 
     stored = bench("zero=3", "zeropp.qwz=true", "zeropp.hpz=2").to_dict()

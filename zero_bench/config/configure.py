@@ -13,10 +13,10 @@ from typing import Any, Optional
 
 from zero_bench.config import honoured
 from zero_bench.devices import cpu_features
+from zero_bench.config.checked import composition_error
 from zero_bench.config.schema import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
-                               HardwareConfig, OffloadDevice, Precision, Recompute, ReportConfig, SearchConfig, States,
-                               composition_error,
-                               structured)
+                                      HardwareConfig, OffloadDevice, Precision, Recompute, ReportConfig, SearchConfig,
+                                      States, structured)
 from zero_bench.engines.specs import Concern, spec
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig

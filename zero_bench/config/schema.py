@@ -15,11 +15,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Optional
 
+from zero_bench.config.checked import known_only, migrated, structured
 from zero_bench.config.layout import RankLayout
 from zero_bench.engines.specs import tag
 from zero_bench.errors import ConfigError
 from zero_bench.models import ModelConfig
-from zero_bench.models.description import from_stored, key_fields
+from zero_bench.models.description import key_fields
 
 __all__ = ["ConfigError", "BenchConfig", "EngineName", "ModelConfig", "ParallelConfig", "HardwareConfig",
            "BatchConfig", "StepsConfig", "ZeroppConfig", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
@@ -521,137 +522,6 @@ def _register() -> None:
 
 
 _register()
-
-
-# -- a plain dict checked against the schema -------------------------------------------------------
-
-def composition_error(exc: BaseException, overrides: list[str]) -> str:
-    """One line for an exception Hydra raised while composing: the key, the value, what is allowed."""
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
-
-    cause = exc
-    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
-        cause = cause.__cause__
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    key = getattr(cause, "full_key", None)
-    if key and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
-        return f"{key}: unknown key; `zero_bench --help` lists the keys"
-    if key and isinstance(cause, OmegaConfBaseException):
-        given = next((o.lstrip("+~").partition("=")[2] for o in overrides
-                      if o.lstrip("+~").partition("=")[0] == key), None)
-        return f"{key}={given if given is not None else getattr(cause, 'value', '?')}: {_allowed(cause)}"
-    if text.startswith("Could not override '"):  # a key the schema does not have
-        return f"{text.split(chr(39))[1]}: unknown key; `zero_bench --help` lists the keys"
-    return text
-
-
-def _allowed(cause: BaseException) -> str:
-    """What OmegaConf wanted, in zero_bench's words."""
-    msg = str(cause).strip().splitlines()[0]
-    if "expected one of" in msg:
-        return "allowed values are " + msg.split("[", 1)[1].rstrip("]").strip()
-    for kind, words in (("Integer", "must be an integer"), ("Boolean", "allowed values are true, false"),
-                        ("valid bool", "allowed values are true, false"), ("Float", "must be a number")):
-        if kind in msg:
-            return words
-    return msg
-
-
-def migrated(d: dict) -> dict:
-    """A stored config with the keys older versions of zero_bench wrote under other names or shapes
-    mapped to today's: the one place these migrations live (BenchConfig.from_dict, stored_config)."""
-    d = dict(d)
-    if "offload_optimizer" in d:  # the field's name before it matched the user's key
-        d["offload"] = d.pop("offload_optimizer")
-    if isinstance(d.get("ds_preset"), dict):  # once a config group {name: ...}
-        d["ds_preset"] = d["ds_preset"].get("name", "default")
-    par = d.get("parallel")
-    if isinstance(par, dict) and "sequence_parallel" not in par and (par.get("tp") or 1) > 1:
-        d["parallel"] = {**par, "sequence_parallel": False}  # stored before the key: tp > 1 ran without it
-    return d
-
-
-def stored_config(d: dict) -> BenchConfig:
-    """A stored config (TrialResult.config, SearchResult.config) as the report reads it, the one
-    reader: its settings through the schema (BenchConfig.from_dict's migrations, defaults and
-    types, so a key an old record lacks means what it means on resume), its model through
-    models.description.from_stored (any version's keys). A skipped grid entry stores the composed
-    config as given, whose model may not describe one: its model is then ModelConfig's unfilled
-    defaults with the stored name (models.description.describes says which)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    values = known_only({k: v for k, v in migrated(d).items() if k != "model"}, BenchConfig)
-    settings = [f.name for f in dataclasses.fields(BenchConfig) if f.name != "model"]
-    try:
-        merged = OmegaConf.merge(_schema(), values)
-        read = OmegaConf.to_object(OmegaConf.masked_copy(merged, settings))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(composition_error(exc, [])) from None
-    stored = d.get("model") or {}
-    model = from_stored(stored)
-    if model is None:
-        model = ModelConfig(name=str(stored.get("name", ModelConfig.name)))
-    return BenchConfig(model=model, **read)
-
-
-def structured(cls, values: dict, prefix: str = "") -> Any:
-    """`values` (a plain dict; `prefix` names its section in messages) checked against dataclass `cls`
-    and turned into an instance of it."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
-
-    check_known(values, cls, prefix)
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
-    except MissingMandatoryValue as exc:
-        raise ConfigError(f"{prefix}{exc.full_key}: missing; the preset or an override must set it") from None
-    except OmegaConfBaseException as exc:
-        raise ConfigError(prefix + composition_error(exc, [])) from None
-
-
-def check_known(values: dict, cls, prefix: str = "") -> None:
-    """An unknown key (`+model.foo=1`, a typo in a preset) is an error, not silently dropped."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for k, v in values.items():
-        if k not in fields:
-            raise ConfigError(f"{prefix}{k}: unknown key; allowed: {', '.join(fields)}")
-        kind = _dataclass_of(cls, k)
-        if kind is not None and isinstance(v, dict):
-            check_known(v, kind, f"{prefix}{k}.")
-
-
-def known_only(values: dict, cls) -> dict:
-    """`values` without the keys `cls` does not have (a record written by another version)."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    out = {}
-    for k, v in values.items():
-        if k in fields:
-            kind = _dataclass_of(cls, k)
-            out[k] = known_only(v, kind) if kind is not None and isinstance(v, dict) else v
-    return out
-
-
-def _dataclass_of(cls, name: str):
-    """The dataclass type of a field (annotations are strings under `from __future__ import annotations`)."""
-    hint = _hints(cls).get(name)
-    return hint if dataclasses.is_dataclass(hint) else None
-
-
-@functools.lru_cache(maxsize=None)
-def _hints(cls) -> dict:
-    """typing.get_type_hints, once per class: the report reads every stored config through the schema."""
-    import typing
-
-    return typing.get_type_hints(cls)
-
-
-@functools.lru_cache(maxsize=1)
-def _schema():
-    """BenchConfig as an OmegaConf node, built once (OmegaConf.merge copies it, never changes it)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.structured(BenchConfig)
 
 
 @functools.lru_cache(maxsize=1)

@@ -46,7 +46,7 @@ class EngineSpec:
     """"module:function" (bench, ds) -> the engine's zero_bench.estimate.prediction.Prediction of one
     rank (states, buffers, phases, activations, init_peak), which zero_bench.estimate.Estimate wraps."""
     stored_states: str
-    """"module:function" (BenchConfig, as config.schema.stored_config reads a stored one) -> the
+    """"module:function" (BenchConfig, as config.stored.stored_config reads a stored one) -> the
     estimate's model states of one rank of a stored config (a records.ModelStates, split device / host)."""
     refusals: str
     """"module:function" (BenchConfig, concern) raising ConfigError for what this engine cannot run

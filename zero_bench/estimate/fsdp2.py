@@ -120,7 +120,7 @@ def layer_phases(L: int) -> dict[Phase, int]:
 
 
 def stored_states(s: BenchConfig) -> ModelStates:
-    """model_states for a stored config as the report reads it (config.schema.stored_config): the
+    """model_states for a stored config as the report reads it (config.stored.stored_config): the
     fsdp2 spec's stored_states. Sharded over the shard group (hybrid sharding: dp_shard ranks)."""
     return model_states(s.layout, s.precision, s.offload, states=s.states)
 

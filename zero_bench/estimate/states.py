@@ -119,7 +119,7 @@ def model_states_bytes(num_params: float, zero_stage: int, layout: RankLayout, p
 
 
 def stored_states(s: BenchConfig) -> ModelStates:
-    """model_states_bytes for a stored config as the report reads it (config.schema.stored_config):
+    """model_states_bytes for a stored config as the report reads it (config.stored.stored_config):
     the deepspeed spec's stored_states, so the report asks the engine's spec, not its name. The
     paper's P: the whole model's parameters / tp."""
     layout = s.layout

@@ -7,7 +7,7 @@ and time to train (costs.py). Every file is written to a temporary name beside t
 over it, so a crash mid-export leaves the previous report intact.
 
 rows.py: stores -> one Row per configuration, each read as a BenchConfig by one reader (bench_of:
-config.schema.stored_config); tables.py: Rows -> DataFrames; views.py: the stakeholder's views of
+config.stored.stored_config); tables.py: Rows -> DataFrames; views.py: the stakeholder's views of
 them; recommend.py, costs.py, predicted.py: recommendation, cost, predicted vs measured; xlsx.py, layout.py, formats.py,
 sheet_charts.py: the workbook; markdown.py, charts.py, files.py: .md / .csv, PNG charts, atomic writes.
 """

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from zero_bench.config.schema import BenchConfig, stored_config
+from zero_bench.config.schema import BenchConfig
+from zero_bench.config.stored import stored_config
 from zero_bench.estimate import Estimate, estimate
 from zero_bench.models.description import describes
 from zero_bench.records import Dimension, Mode, SearchResult, SearchStatus, Status, TrialResult
@@ -72,7 +73,7 @@ class Row:
 
 
 def bench_of(config: dict) -> BenchConfig:
-    """A stored config as every part of the report reads it: config.schema.stored_config, once per
+    """A stored config as every part of the report reads it: config.stored.stored_config, once per
     config (the schema takes milliseconds, and the report asks for each row's several times)."""
     return _read(json.dumps(config, sort_keys=True, default=str))
 
