@@ -35,6 +35,7 @@ class Phase(StrEnum):
 class Buffer:
     """Memory an engine allocates beyond the model states and the activations, per rank."""
     name: str
+    """As `zero_bench estimate json=true` lists it (buffers_detail)."""
     bytes: int
     phases: tuple[Phase, ...]
     """The phases it is alive in."""
@@ -62,6 +63,7 @@ class Prediction:
     states: ModelStates
     """The model states, split device / host (estimate/states.py, estimate/fsdp2.py)."""
     buffers: list[Buffer]
+    """Each with the phases it is alive in (a phase the engine names: tests/unit/test_prediction.py)."""
     phases: dict[Phase, PhaseBytes]
     """The engine's phases, in its order: each one's gradients and activation bytes per sample."""
     activations: dict
