@@ -17,9 +17,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "zero_bench"
 NAME = r"""(EngineName\.(deepspeed|fsdp2)|["'](deepspeed|fsdp2)["'])"""
 BRANCH = re.compile(rf"(==|!=|\bin\b)\s*[([{{]?\s*{NAME}|{NAME}\s*(==|!=)|EngineName\.(deepspeed|fsdp2)")
 ALLOWED = {  # (file, the line stripped): the enum and the default's one declaration
-    ("config/schema.py", 'deepspeed = "deepspeed"  # DeepSpeed ZeRO 0-3 (deepspeed.initialize)'),
-    ("config/schema.py", 'fsdp2 = "fsdp2"  # PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), ZeRO 2/3 semantics'),
-    ("config/schema.py", "DEFAULT_ENGINE = EngineName.deepspeed"),
+    ("config/choices.py", 'deepspeed = "deepspeed"  # DeepSpeed ZeRO 0-3 (deepspeed.initialize)'),
+    ("config/choices.py", 'fsdp2 = "fsdp2"  # PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), ZeRO 2/3 semantics'),
+    ("config/choices.py", "DEFAULT_ENGINE = EngineName.deepspeed"),
 }
 
 

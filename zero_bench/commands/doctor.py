@@ -233,7 +233,7 @@ def prebuild_ops(bench, say=print) -> list[str]:
     if fallback:
         say(f"zero_bench: {torch_adamw_line(fallback)}")
     built = []
-    needed = needed_ops(bench) if bench.hardware.device == "gpu" else NVME_OP
+    needed = needed_ops(bench) if bench.hardware.device == Device.gpu else NVME_OP
     for name, why in needed.items():
         if installed_ops.get(name) or jit_cached(name):
             continue

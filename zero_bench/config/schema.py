@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from zero_bench.config.checked import known_only, migrated, structured
+from zero_bench.config.choices import (DEFAULT_ENGINE, Device, EngineName, Launcher, Loss, ModuleLoading, OffloadDevice,
+                                        Precision, Recompute, States, Strategy)
+from zero_bench.config.command import ReportConfig, SearchConfig
 from zero_bench.config.layout import RankLayout
 from zero_bench.engines.specs import tag
 from zero_bench.errors import ConfigError
@@ -29,75 +32,6 @@ _CHECKOUT = Path(__file__).resolve().parents[2]  # zero_bench/config/schema.py -
 CONF_DIR = _CHECKOUT / "conf"
 DS_TEMPLATES = _CHECKOUT / "ds_configs"
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-class Device(StrEnum):
-    auto = "auto"  # CUDA when torch sees a GPU, else DeepSpeed's CPU accelerator
-    cpu = "cpu"  # DeepSpeed's CPU accelerator, gloo
-    gpu = "gpu"  # CUDA, NCCL, NVML sampling
-
-
-class Precision(StrEnum):
-    auto = "auto"  # CPU: bf16 where native (zero_bench/devices/cpu_features.py), else fp32; GPU: bf16, else fp16
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"  # GPU only: dynamic loss scaling, skipped steps recorded
-
-
-class Recompute(StrEnum):
-    none = "none"
-    selective = "selective"  # core attention
-    full = "full"  # each layer's input kept, the layer recomputed in backward
-    block = "block"  # the first recompute_layers layers as full, the others keep everything
-    op = "op"  # torchtitan's per-op selective policy: odd matmuls and attention kernels kept
-
-
-class States(StrEnum):
-    mixed = "mixed"  # fp32 master weights, fp32 AdamW moments (what precision=bf16/fp16 trained before)
-    bf16 = "bf16"  # pure bf16: weights, gradients and AdamW moments in bf16, no fp32 copy
-    adam8bit = "adam8bit"  # 8-bit AdamW moments (torchao's AdamW8bit); estimate only
-
-
-class Loss(StrEnum):
-    megatron = "megatron"  # megatron's vocab-parallel cross entropy, fp32 inside
-    bf16 = "bf16"  # torch's cross entropy on the logits as made (16-bit with bf16)
-    fp32 = "fp32"  # logits upcast to fp32, then torch's cross entropy (Hugging Face, torchtitan)
-    chunked = "chunked"  # output layer + loss a chunk of tokens at a time, checkpointed (Liger, torchtune)
-
-
-class EngineName(StrEnum):
-    deepspeed = "deepspeed"  # DeepSpeed ZeRO 0-3 (deepspeed.initialize)
-    fsdp2 = "fsdp2"  # PyTorch FSDP2 (torch.distributed.fsdp.fully_shard), ZeRO 2/3 semantics
-
-
-# The engine a config without `engine` runs: its configs keep the keys and labels they had before
-# there was a choice. What else differs by engine: zero_bench/engines/specs.py.
-DEFAULT_ENGINE = EngineName.deepspeed
-
-
-class Launcher(StrEnum):
-    pdsh = "pdsh"
-    openmpi = "openmpi"
-    mvapich = "mvapich"
-    slurm = "slurm"
-    mpich = "mpich"
-    impi = "impi"
-
-
-class ModuleLoading(StrEnum):
-    lazy = "lazy"  # CUDA >= 11.7 with torch >= 1.13: kernels load when first used (the default)
-    eager = "eager"  # every kernel at start, as before CUDA 11.7 (the reference table's software)
-
-
-class OffloadDevice(StrEnum):
-    none = "none"  # every state on the device
-    cpu = "cpu"  # host memory (what offload=true has always meant)
-    nvme = "nvme"  # files under nvme_path through DeepSpeed's async_io swapper (ZeRO-Infinity), ZeRO-3
-
-
-class Strategy(StrEnum):
-    fit = "fit"  # grow by measured memory per sample
-    doubling = "doubling"  # plain doubling + bisection
 
 
 # -- the schema ------------------------------------------------------------------------------------
@@ -439,51 +373,6 @@ def make_label(model: str, tp: int, dp: int, zero: Any, offload: Any, precision:
     tail = f" {tag(engine)}" if tag(engine) else ""
     rung = "+nvme" if offload == "nvme" else ("+offload" if offload else "")
     return f"{model} tp{tp} dp{dp} zero{zero}{rung} {precision}{tail}"
-
-
-@dataclass
-class SearchConfig:
-    """How `zero_bench maxbatch` and `zero_bench maxseq` search (the `search:` section); min, max and
-    granularity are maxbatch's micro-batches, the seq_* keys maxseq's sequence lengths."""
-    min: int = 1
-    """Smallest micro-batch tried."""
-    max: int = 4096
-    """Largest micro-batch tried."""
-    granularity: int = 1
-    """The boundary is confirmed to this step: b fits and b + granularity does not, both fresh."""
-    max_trials: int = 24
-    """Trials one invocation may run (a resumed search gets a new allowance)."""
-    strategy: Strategy = Strategy.fit
-    """fit: grow by measured memory per sample; doubling: plain doubling + bisection."""
-    multi: bool = True
-    """Bracket with several ascending sizes per launch (the answer is still decided fresh)."""
-    cpu_budget_gb: float = 0.75
-    """Per-rank budget on CPU when hardware.memory_gb is null (host RAM would take hours)."""
-    pool: bool = True
-    """Start the ranks once per search and fork a fresh process per trial (zero_bench.trial.pool);
-    false: a deepspeed launch per trial. Either way each trial's ranks are fresh processes."""
-    seq_min: Optional[int] = None
-    """maxseq: shortest model.seq_len tried; null: one step of the granularity."""
-    seq_max: int = 1048576
-    """maxseq: longest model.seq_len tried (1M tokens: the longest contexts fine-tuned in 2026)."""
-    seq_granularity: Optional[int] = None
-    """maxseq: the boundary is confirmed to this many tokens (s fits, s + this does not, both
-    fresh); must be a multiple of tp x sp. null: tp x sp rounded up to a multiple of 256."""
-
-
-@dataclass
-class ReportConfig:
-    """`zero_bench report` (the `report:` section)."""
-    runs: Optional[str] = None
-    """A store, a run or sweep directory, or a glob of stores; None: `store`."""
-    out: str = "reports/zero_bench.xlsx"
-    """The workbook; the .csv, .md and its charts are written beside it."""
-    compare: Optional[str] = None
-    """Another store (directory, glob) or report .xlsx to put side by side."""
-    price_per_device_hour: Optional[float] = None
-    """What one device (GPU, or CPU rank) costs per hour, in any currency; None: no cost columns."""
-    train_tokens: Optional[float] = None
-    """Tokens of a training run to size (e.g. 1e12): its time and, with a price, its cost; None: not shown."""
 
 
 @dataclass

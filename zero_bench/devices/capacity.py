@@ -136,7 +136,7 @@ def growing_peak(rec: RankRecord, device: str) -> Optional[int]:
     or a record without per-phase figures): the compared peak."""
     peak = compared_peak(rec, device)
     grow = [b for b in (rec.phase_live_bytes.get(ph) for ph in GROWING_PHASES) if b]
-    if device != "cpu" or not peak or not rec.peak_live_bytes or not grow:
+    if device != Device.cpu or not peak or not rec.peak_live_bytes or not grow:
         return peak
     return peak - max(0, rec.peak_live_bytes - max(grow))
 
