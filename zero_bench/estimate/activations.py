@@ -87,6 +87,7 @@ from typing import Mapping, Optional
 
 from zero_bench.config.schema import Device, Recompute
 from zero_bench.models import ModelConfig
+from zero_bench.models.description import native_gqa
 from zero_bench.units import BYTES
 
 
@@ -106,10 +107,6 @@ def sdpa_kernel(m: ModelConfig, device: str) -> str:
     memory-efficient: nothing s x s) or math (CPU with dropout: torch's CPU flash has no dropout)."""
     return "math" if device == Device.cpu and m.dropout > 0 else "flash"
 
-
-def _native_gqa(precision: str, device: str) -> bool:
-    # models/sdpa.py native_gqa: CPU flash and CUDA flash (16-bit) take fewer K/V heads.
-    return device == Device.cpu or precision in ("bf16", "fp16")
 
 
 def norm_bytes(m: ModelConfig, precision: str, device: str) -> float:
@@ -190,7 +187,7 @@ def core_attention_terms(m: ModelConfig, tp: int, precision: str, device: str, f
         # torch's math kernel (float intermediates): Q, K and V expanded to a/t heads, softmax,
         # dropout mask, dropped probabilities; its [b, n, s, d] output is copied to [s, b, h].
         return {"qkv": 3 * q * 4, "internal": 3 * A * 4, "context": q * B}
-    kv_kept = kv if (_native_gqa(precision, device) or x["rep"] == 1) else q
+    kv_kept = kv if (native_gqa(device, precision) or x["rep"] == 1) else q
     return {"qkv": (q + 2 * kv_kept) * B, "internal": 4 * x["heads"], "context": q * B}
 
 

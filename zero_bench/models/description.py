@@ -42,6 +42,14 @@ ENUMS = {"activation": Activation, "normalization": Normalization, "position_emb
 FLOATS = ("rope_base", "rope_scaling_factor", "dropout", "norm_eps", "moe_aux_loss_coeff")
 
 
+
+def native_gqa(device: str, precision: str) -> bool:
+    """Whether the attention kernel torch picks takes K/V with fewer heads than Q (enable_gqa): the
+    CPU flash kernel in every precision, CUDA's flash kernel in 16 bits; CUDA's memory-efficient
+    kernel (fp32) would fall back to the math kernel, so K/V are expanded first. The one rule:
+    models/sdpa.py runs by it and estimate/activations.py counts the copies it implies."""
+    return device == "cpu" or precision in ("bf16", "fp16")
+
 @dataclass
 class ModelConfig:
     """A decoder-only transformer (conf/model/*.yaml, or a Hugging Face config.json through

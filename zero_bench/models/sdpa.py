@@ -33,10 +33,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from zero_bench.models.description import native_gqa as gqa_rule
+
 
 def native_gqa(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernel torch picks for this device and dtype takes K/V with fewer heads."""
-    return device.type == "cpu" or dtype in (torch.float16, torch.bfloat16)
+    """Whether the kernel torch picks for this device and dtype takes K/V with fewer heads
+    (models/description.py's rule, which the estimate reads too)."""
+    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
+    return gqa_rule(device.type, precision)
 
 
 class SDPAttention(MegatronModule):
