@@ -36,7 +36,8 @@ TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
 # What identifies "the same configuration" across stores (the Compare and Scaling sheets).
 CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
               "expert parallel", "engine", "ZeRO Stage", "ZeRO++", "CPU Offload", "precision", "recompute", "ds preset",
-              "compile", "grad accum", "device", "search"]  # "search": only where maxseq's rows are
+              "compile", "grad accum", "device", "search", "sequence parallel", "tiled MLP",
+              "checkpoint offload"]  # "search": only where maxseq's rows are; the long-sequence keys where used
 # maxseq's rows (shown where the store holds one): what was searched, and the longest sequence
 SEQ_COLUMNS = ["search", "Max seq len"]
 
@@ -73,6 +74,9 @@ class Setup:
     zeropp: str = "none"  # ZeRO++ as labels name it without "zeropp=" (qwz+hpz2); none for records before it
     offload_device: str = "none"  # the offload rung (none / cpu / nvme); records before it: from `offload`
     sequence_parallel: bool = False  # parallel.sequence_parallel; false for tp > 1 stored before it
+    sp: int = 1  # Ulysses (parallel.sp); 1 for records stored before it
+    tiled_mlp: Optional[str] = None  # tiled_mlp: a count of tiles, "auto", or None (untiled)
+    recompute_offload: bool = False  # checkpointed layer inputs kept in host memory
 
     @property
     def world(self) -> int:
@@ -114,7 +118,8 @@ def setup_of(c: dict) -> Setup:
                  compile=b.compile, engine=str(b.engine), states=str(b.states),
                  recompute_layers=b.recompute_layers, dp_shard=par.dp_shard, ep=par.ep,
                  zeropp=b.zeropp.tag().removeprefix("zeropp=") or "none", offload_device=str(b.rung),
-                 sequence_parallel=par.sequence_parallel)
+                 sequence_parallel=par.sequence_parallel, sp=par.sp, tiled_mlp=b.tiled_mlp,
+                 recompute_offload=b.recompute_offload)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -195,6 +200,11 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
         cols.insert(cols.index("model parallel") + 1, "expert parallel")
     if (df["ZeRO++"] != "none").any():  # shown where some row runs ZeRO++ (zeropp.*)
         cols.insert(cols.index("ZeRO Stage") + 1, "ZeRO++")
+    if (df["sequence parallel"] > 1).any():  # shown where some row splits its sequences (Ulysses)
+        cols.insert(cols.index("model parallel") + 1, "sequence parallel")
+    for col in ("checkpoint offload", "tiled MLP"):  # where some row runs ALST's memory savers
+        if (df[col] != "No").any():
+            cols.insert(cols.index("recompute") + 1, col)
     if any(r.dimension == Dimension.SEQ for r in rows):
         at = cols.index("Max Global BSZ")
         cols[at:at] = SEQ_COLUMNS
@@ -217,7 +227,8 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     m = s.model
     rec = {"Model": m.get("name"), "num_layers": m.get("num_layers"), "hidden_size": m.get("hidden_size"),
            "num_heads": m.get("num_heads"), "# gpus": s.world, "data parallel": s.dp, "model parallel": s.tp,
-           "expert parallel": s.ep, "engine": s.engine, "ZeRO Stage": s.zero, "ZeRO++": s.zeropp,
+           "expert parallel": s.ep, "sequence parallel": s.sp, "engine": s.engine, "ZeRO Stage": s.zero,
+           "ZeRO++": s.zeropp, "tiled MLP": s.tiled_mlp or "No", "checkpoint offload": "Yes" if s.recompute_offload else "No",
            "CPU Offload": _offload_text(s), "offload": offload_rung(s),
            "precision": s.precision, "recompute": s.recompute, "ds preset": s.ds_preset,
            "compile": "Yes" if s.compile else "No",
