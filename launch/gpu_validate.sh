@@ -37,10 +37,13 @@ fsdp2         80  any   max-batch search, FSDP2 zero=3
 verdicts      20  any   each search: boundary confirmed, one pool, real CUDA OOM; the estimate against it, term by term
 report        25  any   reports/gpu/<device>/ written (the first time)
 tp2           30  2gpu  2+ GPUs: gpt-tiny tp=2 over NCCL
+ulysses       30  2gpu  2+ GPUs: llama-tiny parallel.sp=2, ZeRO-3, bf16: the two ranks split each 16K-token sequence (DeepSpeed's all-to-all over NCCL)
+ulysses-sp1   30  2gpu  2+ GPUs: the same run at sp=1: every step's loss and gradient norm beside sp=2's; sp=2's peak beside the estimate
 dp2           80  2gpu  2+ GPUs: a 2-rank ZeRO-3 search
 ep2-zero2     30  2gpu  2+ GPUs: moe-tiny ep=2, DeepSpeed ZeRO-2 (megatron's alltoall dispatcher over NCCL)
 ep2-fsdp2     30  2gpu  2+ GPUs: moe-tiny ep=2, FSDP2 zero=3, recompute=op
 zeropp2       90  2gpu  2+ GPUs: ZeRO++ qwZ + hpZ 2, ZeRO-3 over NCCL: int8 all-gathers (DeepSpeed's quantizer JIT-built first; qgZ needs 2 nodes)
+maxseq-tiled  45  gpu   maxseq search, llama-tiny ZeRO-1 bf16 with tiled_mlp=auto and recompute=full + recompute_offload, emulated 3 GiB card, to 4,096 tokens: boundary, real CUDA OOM, estimate
 op-zero1      25  gpu   recipe: per-op recompute (torch's selective checkpoint, CUDA's flash kernel), ZeRO-1
 moe-fsdp2-op  25  gpu   recipe: the mixture of experts, FSDP2, per-op recompute
 bf16-states   25  gpu   recipe: pure bf16 states, ZeRO-2
@@ -225,6 +228,14 @@ write_report report
 # -- then, as time allows: two GPUs, the recipes, the other ZeRO stages, the report again ---------
 if [ "$NGPU" -ge 2 ]; then
   trial tp2 $HW model=gpt-tiny parallel=tp2 batch.micro=2 steps.warmup=1 steps.timed=2
+  # Ulysses: each 16K-token sequence split over the two GPUs (parallel.sp=2), then the same run at
+  # sp=1 (the worker gives both ranks the same tokens): bf16 losses and gradient norms within 1 %
+  SP="$HW parallel=dp2 model=llama-tiny model.seq_len=16384 precision=bf16 zero=3 batch.micro=1 steps.warmup=1 steps.timed=2"
+  trial ulysses $SP parallel.sp=2
+  if [ "$RC" = 0 ]; then
+    trial ulysses-sp1 $SP
+    relay < <(timeout 60 "$PY" launch/validate_query.py "$STORE" ulysses 1)
+  fi
   # shellcheck disable=SC2086
   step dp2 "$OUT/dp2.log" "${ZB[@]}" maxbatch $HW parallel=dp2 $MODEL $CAP zero=3 steps.warmup=1 steps.timed=2 \
     hydra.run.dir="$OUT/dp2" "store=$STORE"
@@ -239,6 +250,20 @@ if [ "$NGPU" -ge 2 ]; then
   trial zeropp2 $HW parallel=dp2 model=llama-tiny precision=bf16 zero=3 zeropp.qwz=true zeropp.hpz=2 \
     batch.micro=2 steps.warmup=1 steps.timed=2
 elif [ "$MODE" = gpu ]; then say SKIP 2-gpu "one GPU only"; fi
+
+if [ "$MODE" = gpu ]; then
+  # the longest sequence with ALST's memory savers on one GPU: under an emulated 3 GiB card the
+  # estimate stops llama-tiny (ZeRO-1, bf16) near 10K tokens without them, 18K tiled, 35K offloaded,
+  # 53K with both; to 4,096 tokens and one timed step, so its ~4 fresh trials fit the budget
+  SEQCAP=3072
+  step maxseq-tiled "$OUT/maxseq-tiled.log" "${ZB[@]}" maxseq $HW $DP model=llama-tiny precision=bf16 zero=1 \
+    tiled_mlp=auto recompute=full recompute_offload=true hardware.memory_mib=$SEQCAP search.seq_granularity=4096 \
+    steps.warmup=1 steps.timed=1 hydra.run.dir="$OUT/maxseq-tiled" "store=$STORE"
+  if ran; then
+    say INFO maxseq-tiled "search exit $RC ($(elapsed))"
+    relay < <(timeout 60 "$PY" launch/validate_query.py "$STORE" all "$SEQCAP" 15 | grep 'recompute_offload')
+  fi
+fi
 
 if [ "$MODE" = gpu ]; then  # one trial each of the 2026 recipes (their memory beside the estimate: the report)
   RECIPE="$HW $DP batch.micro=2 steps.warmup=1 steps.timed=2"

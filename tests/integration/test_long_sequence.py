@@ -9,13 +9,20 @@ pool (as test_compile.py shares one):
   torch checkpoint (recompute=block), and both together under ZeRO-3 with recompute=full, give the
   untiled, un-offloaded losses at every step.
 8192 tokens, not 16K: CPU attention at 16K costs 22 s per layer and step on one core (measured),
-which would put this file past its share of the suite; the MLP's share of a layer is the same."""
+which would put this file past its share of the suite; the MLP's share of a layer is the same.
+- 16,384 tokens on a llama-tiny reshaped so that attention is cheap on CPU (hidden 64 in 2 heads)
+  and the MLP dear (ffn 2048): under a per-rank budget they train at parallel.sp=2 with the tiled
+  MLP and stop past the budget at sp=1 untiled (issue 45 item 7; benchmarks/long_sequence_sp.py
+  prints the four combinations)."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
+from zero_bench.config.configure import validate_static
+from zero_bench.config.schema import HardwareConfig, ParallelConfig
+from zero_bench.devices.capacity import trial_peak
 from zero_bench.estimate import activation_bytes_per_sample
 from zero_bench.estimate.activations import sequence_args
 from zero_bench.records import Entry
@@ -76,3 +83,27 @@ def test_tiled_and_offloaded_trials_give_the_plain_losses(trials, name):
     want, got = ref.ranks[0].losses, r.ranks[0].losses
     assert len(got) == len(want) >= 3, (want, got)
     assert got == pytest.approx(want, rel=1e-5), (name, want, got)
+
+
+# benchmarks/long_sequence_sp.py's shape; measured here (2-core Xeon, fp32): 915 MiB peak RSS per rank
+# at sp=2 tiled (58 s with the pool's start), 2,317 MiB at sp=1 untiled; sp=2 untiled stops past
+# 1,280 MiB too, sp=1 tiled fits at 915
+LONGEST = dataclasses.replace(model("llama-tiny"), num_layers=2, hidden_size=64, num_heads=2, num_query_groups=2,
+                              ffn_hidden_size=2048, seq_len=16384)
+BUDGET_GB = 1.25
+
+
+def test_16k_tokens_fit_the_budget_split_and_tiled_and_not_whole(pools, tmp_path):
+    out = {}
+    budget = HardwareConfig(device="cpu", memory_gb=BUDGET_GB)
+    for name, kw in (("sp2_tiled", dict(parallel=ParallelConfig(tp=1, dp=2, sp=2), tiled_mlp="auto")), ("sp1", {})):
+        cfg = steps(cpu_cfg("llama-tiny", model=LONGEST, hardware=budget, **kw), 1)
+        validate_static(cfg)  # what a command line meets: sp with the tiled MLP is allowed
+        (out[name],) = run_launch(cfg, [Entry(1, "measure")], tmp_path / name, LaunchOptions(pools=pools))
+    split, whole = out["sp2_tiled"], out["sp1"]
+    print(f"16K tokens: sp=2 tiled {split.status}, peak {trial_peak(split.ranks, 'cpu') / 2**20:.0f} MiB per rank; "
+          f"sp=1 untiled {whole.status}: {whole.reason}")
+    assert split.status == "ok", split.reason
+    assert trial_peak(split.ranks, "cpu") <= BUDGET_GB * 2**30
+    assert split.ranks[0].losses == pytest.approx(split.ranks[1].losses, rel=1e-6)  # one sequence, one loss
+    assert whole.status == "oom" and "budget" in whole.reason, (whole.status, whole.reason)

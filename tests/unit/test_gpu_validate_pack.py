@@ -106,6 +106,7 @@ def test_the_budgets_project_a_pack_within_eight_minutes_on_one_h100():
     runs = re.search(r"runs: (.*)", out.stdout).group(1).split()
     assert runs[:8] == ["gpu", "calibrate", "calibrated", "zero3", "fsdp2-check", "fsdp2", "verdicts", "report"]
     assert "op-zero1" in runs and runs[-1] == "final-report"
+    assert runs.index("report") < runs.index("maxseq-tiled") < runs.index("op-zero1")  # issue 45's search, budgeted
 
 
 def test_every_step_the_pack_runs_has_a_budget():
@@ -135,6 +136,9 @@ case "$*" in
   *"smoke_query.py - device"*) echo "gpu$4 smi(used,total)=1600,81559 v1_used=1600 (MiB)";;
   *"last_ok"*) echo "1 GPU-fake-$(( FAKE_NGPU - 1 )) 0.1234 1";;
   *"gpu_mem"*) echo "rank0 GPU-fake-$(( FAKE_NGPU - 1 )) v1_used=1 v2_used=1 (MiB)";;
+  *"validate_query.py"*" ulysses "*) echo "PASS ulysses Llama-tiny tp1 dp2 zero3 bf16 sp=2 seq 16384 vs sp=1: 3 steps";;
+  *"validate_query.py"*" 3072 "*)
+    echo "PASS search Llama-tiny tp1 dp1 zero1 bf16 recompute=full tiled_mlp=auto recompute_offload: max seq len 61440";;
 esac
 """
 
@@ -163,6 +167,13 @@ def test_on_one_gpu_the_zero3_search_answers_the_smoke_tests_trial_checks_then_t
     searches = [c for c in calls if "maxbatch" in c.split()]
     assert all("model.attention=sdpa" in c.split() and "hardware.memory_mib=24576" in c.split() for c in searches)
     assert (tmp_path / "reports" / "pack.txt").exists() and (tmp_path / "reports" / "timings.txt").exists()
+    # issue 45: the longest sequence with the tiled MLP and checkpoint offload, after the report, before the recipes
+    seq = calls[index(calls, "maxseq")].split()
+    assert {"tiled_mlp=auto", "recompute=full", "recompute_offload=true", "hardware.memory_mib=3072"} <= set(seq)
+    assert index(calls, "report") < index(calls, "maxseq") < index(calls, "recompute=op")
+    assert index(calls, "launch/validate_query.py", "3072") > index(calls, "maxseq")  # its verdicts at its card
+    assert v["maxseq-tiled"].startswith("INFO maxseq-tiled search exit 0")
+    assert v["search"].startswith("PASS search Llama-tiny tp1 dp1 zero1 bf16 recompute=full tiled_mlp=auto")  # relayed
 
 
 def test_on_two_gpus_the_nccl_checks_come_before_the_recipes(tmp_path):
@@ -174,3 +185,12 @@ def test_on_two_gpus_the_nccl_checks_come_before_the_recipes(tmp_path):
     assert index(calls, "parallel=tp2") < index(calls, "parallel=dp2", "maxbatch") < index(calls, "states=bf16")
     # ZeRO++'s quantized all-gathers (refused on CPU) over 2 GPUs, hpZ beside them
     assert v["zeropp2"].startswith("PASS") and index(calls, "zeropp.qwz=true", "zeropp.hpz=2") < index(calls, "states=bf16")
+    # issue 45: Ulysses over the two GPUs, then the same run at sp=1, their losses compared, before the 2-rank search
+    pair = [i for i, c in enumerate(calls) if "model.seq_len=16384" in c.split()]
+    assert len(pair) == 2 and "parallel.sp=2" in calls[pair[0]].split() and "parallel.sp" not in calls[pair[1]]
+    sp2, sp1 = pair
+    same = [w for w in calls[sp2].split() if w != "parallel.sp=2" and not w.startswith("hydra.run.dir=")]
+    assert same == [w for w in calls[sp1].split() if not w.startswith("hydra.run.dir=")]  # the same run but for sp
+    assert index(calls, "parallel=tp2") < sp2 < index(calls, "parallel=dp2", "maxbatch")
+    assert sp1 < index(calls, "launch/validate_query.py", "ulysses") < index(calls, "parallel=dp2", "maxbatch")
+    assert v["ulysses"].startswith("PASS ulysses Llama-tiny tp1 dp2 zero3 bf16 sp=2")

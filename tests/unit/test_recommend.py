@@ -184,3 +184,42 @@ def test_the_offload_ladder_names_the_first_rung_that_fits_more_and_its_cost():
         "Offload ladder: ZeRO-3 fits up to 8 samples (3.21 samples/s); ZeRO-3 + offload (+params) fits no more (6); "
         "ZeRO-3 + NVMe offload (+params) is the first rung that fits 10 and runs 19 % slower."]
     assert all(p.kind != "ladder" for p in recommend(DEMO)[0].picks)
+
+
+def test_the_longest_sequence_names_the_winners_sp_tiling_and_checkpoint_offload():
+    """Issue 45: "at 8 GPUs, sp 8 with tiled MLP and checkpoint offload trains N tokens per
+    sequence". Three stored maxseq answers of Llama-tiny on 8 GPUs (ZeRO-3): sp=8 tiled with checkpoint
+    offload fits 131,072 tokens, sp=1 tiled and offloaded 65,536, sp=1 plain 16,384; read through
+    the report's own Details frame (the settings come from each stored config, not from this test)."""
+    from zero_bench.config.configure import from_cfg
+    from zero_bench.records import Dimension, TrialResult
+    from zero_bench.report.rows import Row
+    from zero_bench.report.tables import Peaks, summary_frame
+
+    offload = ["recompute=full", "recompute_offload=true"]
+    rows = []
+    tiled = ["tiled_mlp=auto", *offload]
+    for seq, keys in ((131072, ["parallel.sp=8", *tiled]), (65536, tiled), (16384, [])):
+        cfg = from_cfg(compose(["hardware=gpu", "parallel=dp8", "model=llama-tiny", "zero=3", "batch.micro=1",
+                                f"model.seq_len={seq}", *keys]), here=False)
+        m = TrialResult(search_key="seq-x", trial_key=cfg.trial_key(), label=cfg.label(), micro=1,
+                        global_batch=cfg.global_batch, status="ok", mode="measure", time_per_step_s=2.0,
+                        samples_per_s=cfg.global_batch / 2.0, tokens_per_s=cfg.global_batch / 2.0 * seq,
+                        config=cfg.to_dict())
+        rows.append(Row(config=cfg.to_dict(), label=cfg.label(), key=f"seq-{seq}", status="done", note="",
+                        source="s.sqlite", measure=m, max_global_batch=cfg.global_batch, max_micro=1,
+                        dimension=Dimension.SEQ, max_seq_len=seq))
+    details = summary_frame(rows, Peaks(env={}))
+    (advice,) = recommend(details)
+    first = advice.picks[0].sentence
+    assert first.startswith("At 8 GPUs, ZeRO-3 recompute full at sp 8 with tiled MLP and checkpoint offload trains "
+                            "131,072 tokens per sequence (micro 1)"), first
+    # the others by what sets them apart
+    assert first.endswith(", 2.00x ZeRO-3 recompute full sp1 tiled MLP checkpoint offload (65,536), "
+                          "8.00x ZeRO-3 recompute none sp1 (16,384)."), first
+    (tiled,) = recommend(details.iloc[1:])
+    assert tiled.picks[0].sentence.startswith("At 8 GPUs, ZeRO-3 recompute full at sp 1 with tiled MLP and "
+                                              "checkpoint offload trains 65,536"), tiled.picks[0].sentence
+    (plain,) = recommend(details.iloc[2:])  # a winner that runs neither saver says so
+    assert plain.picks[0].sentence.startswith("At 8 GPUs, ZeRO-3 at sp 1 without tiled MLP or checkpoint offload "
+                                              "trains 16,384"), plain.picks[0].sentence

@@ -111,3 +111,73 @@ def test_all_answers_the_three_queries_in_one_process(tmp_path):
     assert [x.split(" ")[1] for x in lines[:2]] == ["search", "pool"]
     assert any(x.split(" ")[1] == "estimate" for x in lines[2:])
     assert lines == query(store, "searches") + query(store, "pools", "24576") + query(store, "terms", "15")
+
+
+# -- the pack's Ulysses pair (issue 45 item 8) ----------------------------------------------------------
+
+def ulysses_pair(store_path: Path, sp2_losses: list, *, with_sp1: bool = True, sp2_batch: int = 1) -> str:
+    """Llama-tiny at 16K tokens on 2 GPUs, `zero_bench run` at sp=2 (and at sp=1 when with_sp1):
+    rank 0's losses as given at sp=2, [10.0, 9.0, 8.0] at sp=1; gradient norms equal. Returns the
+    sp=2 label."""
+    from zero_bench.config.configure import compose, from_cfg
+
+    store = Store(store_path)
+    label = ""
+    for sp, losses in ((2, sp2_losses), (1, [10.0, 9.0, 8.0])):
+        if sp == 1 and not with_sp1:
+            continue
+        cfg = from_cfg(compose(["hardware=gpu", "parallel=dp2", "model=llama-tiny", "model.seq_len=16384",
+                                      "precision=bf16", "zero=3", "batch.micro=1", f"parallel.sp={sp}"]), here=False)
+        t = measured(cfg, 1, 1.0, [3300, 3300])
+        t.global_batch = sp2_batch if sp == 2 else 2
+        for r in t.ranks:
+            r.losses, r.grad_norms, r.nvml_peak_bytes = list(losses), [1.5, 1.25, 1.0], 3300 * MiB
+        store.add_trial(t)
+        label = label or t.label
+    return label
+
+
+def test_ulysses_passes_sp1s_losses_within_the_tolerance_and_fails_outside(tmp_path):
+    """sp=2's losses 0.5 % off sp=1's at the last step: PASS at 1 %, FAIL at 0.25 %; the sp=2 peak
+    beside its estimate follows (the `terms` line of its row)."""
+    label = ulysses_pair(tmp_path / "u.sqlite", [10.0, 9.0, 8.04])
+    assert label.endswith(" sp=2")
+    lines = query(tmp_path / "u.sqlite", "ulysses", "1")
+    assert lines[0].startswith(f"PASS ulysses {label} seq 16384 vs sp=1: 3 steps, losses within 0.5 %, "
+                               "gradient norms within 0 % (tolerance 1 %); global batch 1 against 2"), lines[0]
+    (peak,) = [x for x in lines if "device peak" in x]
+    assert peak.startswith(f"PASS estimate {label} micro 1: device peak") and "measured 3300 MiB" in peak, peak
+    assert query(tmp_path / "u.sqlite", "ulysses", "0.25")[0].startswith(f"FAIL ulysses {label}")
+
+
+def test_ulysses_fails_a_global_batch_not_split_over_the_group_or_steps_missing(tmp_path):
+    ulysses_pair(tmp_path / "b.sqlite", [10.0, 9.0, 8.0], sp2_batch=2)  # each rank counted its shard a sample
+    line = query(tmp_path / "b.sqlite", "ulysses")[0]
+    assert line.startswith("FAIL ulysses") and "global batch 2 against 2 (want 1)" in line, line
+    ulysses_pair(tmp_path / "s.sqlite", [10.0, 9.0])
+    assert query(tmp_path / "s.sqlite", "ulysses")[0].startswith("FAIL ulysses")
+
+
+def test_ulysses_without_its_sp1_run_says_it_ran_and_without_any_fails(tmp_path):
+    label = ulysses_pair(tmp_path / "one.sqlite", [10.0, 9.0, 8.0], with_sp1=False)
+    assert query(tmp_path / "one.sqlite", "ulysses")[0] == (
+        f"INFO ulysses {label} seq 16384: ran 3 steps, last loss 8.0; no sp=1 trial of it to compare with")
+    empty = tmp_path / "none.sqlite"
+    Store(empty)
+    assert query(empty, "ulysses") == [f"FAIL ulysses no measured trial with parallel.sp > 1 in {empty}"]
+
+
+def test_a_maxseq_search_says_its_longest_sequence(tmp_path):
+    from zero_bench.config.configure import compose, from_cfg
+
+    cfg = from_cfg(compose(["hardware=gpu", "parallel=dp1", "model=llama-tiny", "model.seq_len=61440",
+                                  "precision=bf16", "zero=1", "tiled_mlp=auto", "recompute=full",
+                                  "recompute_offload=true", "batch.micro=1"]), here=False)
+    store = Store(tmp_path / "q.sqlite")
+    m = measured(cfg, 1, 1.0, [3000], total_mib=3072)
+    store.add_trial(m)
+    store.put_search(SearchResult(search_key="seq-0123456789abcdef", label=cfg.label(), status="done", max_micro=1,
+                                  max_global_batch=1, config=cfg.to_dict(), measure=m, dimension="seq",
+                                  max_seq_len=61440, first_fail_seq_len=65536))
+    (line,) = query(tmp_path / "q.sqlite", "searches")
+    assert line.startswith(f"PASS search {cfg.label()}: max seq len 61440 (micro 1)"), line

@@ -218,11 +218,11 @@ def check_bench(b: BenchConfig) -> None:
 
 def check_ulysses(b: BenchConfig) -> None:
     """parallel.sp > 1 with what its trials have shown equal to sp = 1 (DeepSpeed ZeRO 1-3 and FSDP2,
-    sdpa and unfused attention, GQA, RoPE); combinations no trial has compared yet are refused."""
+    sdpa and unfused attention, GQA, RoPE, tiled_mlp over the rank's seq_len / sp tokens);
+    combinations no trial has compared yet are refused."""
     untried = (("parallel.tp", b.parallel.tp > 1, "parallel.tp=1"),
                ("compile", b.compile, "compile=false"),
-               ("recompute", b.recompute == Recompute.op, "recompute=none, selective, full or block"),
-               ("tiled_mlp", b.tiled_mlp is not None, "leave tiled_mlp out"))
+               ("recompute", b.recompute == Recompute.op, "recompute=none, selective, full or block"))
     for key, bad, allowed in untried:
         if bad:
             raise ConfigError(f"parallel.sp={b.parallel.sp}: not compared with sp=1 together with {key} yet; allowed "

@@ -7,7 +7,9 @@ their max batch,
 - fastest: the most samples/s at its own max batch (ties: the larger batch), compared with the others;
 - cheapest (with a price): the lowest cost per 1M tokens (ties: the faster), compared with the others.
 Each is one sentence with its numbers. maxseq's rows (`search` = maxseq) are judged apart, by one rule:
-- longest sequence: the highest Max seq len (ties: the more tokens/s), compared with the others.
+- longest sequence: the highest Max seq len (ties: the more tokens/s), compared with the others; the
+  winner named with its long-sequence settings (sp degree, tiled MLP, checkpoint offload) wherever the
+  report shows them, as an engineer planning a long fine-tune would set them.
 """
 from __future__ import annotations
 
@@ -30,7 +32,11 @@ NAMED = {"engine": lambda v: f"on {SPECS.get(v, SPECS[DEFAULT_ENGINE]).title}",
          "CPU Offload": lambda v: {"No": "", "Yes": "+ offload", "NVMe": "+ NVMe offload"}.get(
              v, f"+ {'NVMe ' if v.startswith('NVMe') else ''}offload {v.split(' ', 1)[-1]}".strip()),
          "precision": str, "recompute": lambda v: f"recompute {v}", "compile": lambda v: "compiled" if v == "Yes" else
-         "eager", "ds preset": str, "grad accum": lambda v: f"grad accum {v:g}"}
+         "eager", "ds preset": str, "grad accum": lambda v: f"grad accum {v:g}",
+         "sequence parallel": lambda v: f"sp{v:g}", "tiled MLP": lambda v: "" if v == "No" else _tiled(v),
+         "checkpoint offload": lambda v: "checkpoint offload" if v == "Yes" else ""}
+# the long-sequence keys (report/tables.py's columns, shown where some row uses them)
+LONG = ("sequence parallel", "tiled MLP", "checkpoint offload")
 UNITS = {"cpu": "CPU ranks", "gpu": "GPUs"}
 WHY = {"estimated_oom": "does not fit, estimated", "does_not_fit": "does not fit", "oom": "out of memory",
        "cannot_initialize": "cannot initialize", "incomplete": "search incomplete"}
@@ -108,15 +114,15 @@ def _why(status) -> str:
     return WHY.get(str(status), str(status).replace("_", " "))
 
 
-def config_names(g: pd.DataFrame, unique_among=None) -> dict:
-    """Index -> a short name: "ZeRO-<stage>" plus each key that varies within the group; the full
-    labels where two of `unique_among` (default: all) would share a name."""
-    varying = [k for k in NAMED if k in g.columns and g[k].nunique(dropna=False) > 1]
+def config_names(g: pd.DataFrame, unique_among=None, keys: dict = NAMED) -> dict:
+    """Index -> a short name: "ZeRO-<stage>" plus each of `keys` that varies within the group; the
+    full labels where two of `unique_among` (default: all) would share a name."""
+    varying = [k for k in keys if k in g.columns and g[k].nunique(dropna=False) > 1]
     names = {}
     for i, row in g.iterrows():
         stage = row.get("ZeRO Stage")
         parts = [f"ZeRO-{stage:g}" if isinstance(stage, (int, float)) and not pd.isna(stage) else "ZeRO-?"]
-        parts += [NAMED[k](row[k]) for k in varying if not pd.isna(row[k])]
+        parts += [keys[k](row[k]) for k in varying if not pd.isna(row[k])]
         names[i] = " ".join(p for p in parts if p)
     compared = [names[i] for i in (g.index if unique_among is None else unique_among)]
     if len(set(compared)) < len(compared):
@@ -195,19 +201,40 @@ def ladder(ok: pd.DataFrame, names: dict) -> Optional[Pick]:
 
 
 def longest_seq(ok: pd.DataFrame, names: dict) -> Pick:
-    """ "At 8 GPUs, ZeRO-3 trains 65,536 tokens per sequence (micro 1), 2.00x ZeRO-1 (32,768)." """
+    """ "At 8 GPUs, ZeRO-3 at sp 8 with tiled MLP and checkpoint offload trains 65,536 tokens per
+    sequence (micro 1), 2.00x ZeRO-3 sp1 (32,768)." """
     speed = ok[TPS] if TPS in ok.columns else pd.Series(0.0, index=ok.index)
     order = ok.assign(_tps=speed.fillna(0.0)).sort_values([SEQ, "_tps"], ascending=False).index
     w = ok.loc[order[0]]
+    base = config_names(ok, unique_among=[order[0]], keys={k: f for k, f in NAMED.items() if k not in LONG})
+    winner = " ".join(x for x in (base[order[0]], long_context(w)) if x)
     unit = UNITS.get(str(w.get("device", "")), "devices")
     n, micro = w.get("# gpus"), w.get("micro batch")
     where = f"At {int(n)} {unit}, " if n is not None and not pd.isna(n) else ""
     at = f" (micro {int(micro)})" if micro is not None and not pd.isna(micro) else ""
     rate = f" at {fmt(w[TPS])} tokens/s" if TPS in ok.columns and not pd.isna(w[TPS]) else ""
-    text = f"{where}{names[order[0]]} trains {w[SEQ]:,.0f} tokens per sequence{at}{rate}"
+    text = f"{where}{winner} trains {w[SEQ]:,.0f} tokens per sequence{at}{rate}"
     others = [f"{w[SEQ] / ok.at[i, SEQ]:.2f}x {names[i]} ({ok.at[i, SEQ]:,.0f})"
               for i in order[1:1 + MOST_COMPARED]]
     return Pick("longest sequence", str(w["config"]), text + (", " + ", ".join(others) if others else "") + ".")
+
+
+def long_context(row: pd.Series) -> str:
+    """ "at sp 8 with tiled MLP and checkpoint offload": the row's long-sequence settings among those
+    the frame has a column for (a report where no row uses a setting does not name it); the savers
+    it runs, or "without" those it could have."""
+    sp = row.get("sequence parallel")
+    on, off = [], []
+    for col in ("tiled MLP", "checkpoint offload"):
+        v = row.get(col)
+        if v is not None and not pd.isna(v):
+            (off if v == "No" else on).append(_tiled(v) if col == "tiled MLP" else col)
+    savers = f"with {' and '.join(on)}" if on else (f"without {' or '.join(off)}" if off else "")
+    return " ".join(x for x in (f"at sp {sp:g}" if sp is not None and not pd.isna(sp) else "", savers) if x)
+
+
+def _tiled(v) -> str:
+    return "tiled MLP" if str(v) in ("auto", "No") else f"tiled MLP ({v} tiles)"
 
 
 def _only(row: pd.Series, name: str) -> Pick:

@@ -33,7 +33,8 @@ TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
 # What identifies "the same configuration" across stores (the Compare and Scaling sheets).
 CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
               "expert parallel", "engine", "ZeRO Stage", "ZeRO++", "CPU Offload", "precision", "recompute", "ds preset",
-              "compile", "grad accum", "device", "search"]  # "search": only where maxseq's rows are
+              "compile", "grad accum", "device", "search", "sequence parallel", "tiled MLP",
+              "checkpoint offload"]  # "search": only where maxseq's rows are; the long-sequence keys where used
 # maxseq's rows (shown where the store holds one): what was searched, and the longest sequence
 SEQ_COLUMNS = ["search", "Max seq len"]
 
@@ -144,6 +145,11 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
         cols.insert(cols.index("model parallel") + 1, "expert parallel")
     if (df["ZeRO++"] != "none").any():  # shown where some row runs ZeRO++ (zeropp.*)
         cols.insert(cols.index("ZeRO Stage") + 1, "ZeRO++")
+    if (df["sequence parallel"] > 1).any():  # shown where some row splits its sequences (Ulysses)
+        cols.insert(cols.index("model parallel") + 1, "sequence parallel")
+    for col in ("checkpoint offload", "tiled MLP"):  # where some row runs ALST's memory savers
+        if (df[col] != "No").any():
+            cols.insert(cols.index("recompute") + 1, col)
     if any(r.dimension == Dimension.SEQ for r in rows):
         at = cols.index("Max Global BSZ")
         cols[at:at] = SEQ_COLUMNS
@@ -166,8 +172,9 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     par, (params, active) = s.parallel, _params(s)
     rec = {"Model": s.model.name, "num_layers": _shape(s, "num_layers"), "hidden_size": _shape(s, "hidden_size"),
            "num_heads": _shape(s, "num_heads"), "# gpus": par.world_size, "data parallel": par.dp,
-           "model parallel": par.tp, "expert parallel": par.ep, "engine": str(s.engine), "ZeRO Stage": s.zero,
-           "ZeRO++": zeropp_text(s),
+           "model parallel": par.tp, "expert parallel": par.ep, "sequence parallel": par.sp, "engine": str(s.engine),
+           "ZeRO Stage": s.zero, "ZeRO++": zeropp_text(s), "tiled MLP": s.tiled_mlp or "No",
+           "checkpoint offload": "Yes" if s.recompute_offload else "No",
            "CPU Offload": _offload_text(s), "offload": offload_rung(s), "precision": str(s.precision),
            "recompute": str(s.recompute), "ds preset": s.ds_preset, "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.batch.grad_accum,
