@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -244,6 +245,25 @@ def megatron_one_rank(store: Path):
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+# (config, plan) -> (results, run_dir) of the session's launches through measured_once
+_measured: dict = {}
+
+
+def measured_once(cfg: BenchConfig, plan: list, run_dir: Path, pools) -> tuple[list, Path]:
+    """run_launch(cfg, plan) as a child of `pools`, once per session: a module asking for a trial
+    another module already ran (the same resolved config and plan: e.g. llama-tiny ZeRO-1 at micro 2,
+    the reference of both the model tests and the sequence-parallel ones) gets that trial's results
+    and run folder instead of a second launch that would measure the same figures. Each module run
+    alone still launches all of its own. (results, the folder they were written to)."""
+    from zero_bench.trial.launch import LaunchOptions, run_launch
+
+    key = (json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str),
+           tuple((e.micro, str(e.mode)) for e in plan))
+    if key not in _measured:
+        _measured[key] = (run_launch(cfg, plan, run_dir, LaunchOptions(pools=pools)), run_dir)
+    return _measured[key]
 
 
 @pytest.fixture(scope="module")
