@@ -23,7 +23,7 @@ from zero_bench.store import Store
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.pool import PoolSlot
 
-from conftest import cpu_cfg, model
+from conftest import cpu_cfg, measured_once, model
 
 pytestmark = pytest.mark.slow
 
@@ -73,8 +73,8 @@ def runs(tmp_path_factory):
                 **{f"deep_{n}": dict(engine="fsdp2", model=DEEP, **kw) for n, kw in PEAKS.items()}}
         for name, kw in todo.items():
             cfg = cpu_cfg(**kw)
-            (res,) = run_launch(cfg, [Entry(2, "measure")], tmp / name, LaunchOptions(pools=pools))
-            out[name] = (cfg, res, tmp / name)
+            (res,), run_dir = measured_once(cfg, [Entry(2, "measure")], tmp / name, pools)
+            out[name] = (cfg, res, run_dir)
         yield out, pools, tmp
 
 
