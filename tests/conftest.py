@@ -266,13 +266,31 @@ def measured_once(cfg: BenchConfig, plan: list, run_dir: Path, pools) -> tuple[l
     return _measured[key]
 
 
-@pytest.fixture(scope="module")
-def pools(tmp_path_factory):
-    """One pool for a module's trials: each a fresh child forked from it, as a search runs them, its
-    figures a launch of its own's (tests/integration/test_pool_cpu.py), without a launch's ~9 s of
-    imports each. A test that runs `python -m zero_bench` closes it first (it holds the machine
-    lock); tests about how a launch of its own ends launch without it."""
+_session_slot: list = []  # the session's PoolSlot, once a module asked for `pools`
+
+
+@pytest.fixture(scope="session")
+def session_pools(tmp_path_factory):
     from zero_bench.trial.pool import PoolSlot
 
     with PoolSlot(tmp_path_factory.mktemp("pool")) as slot:
+        _session_slot.append(slot)
         yield slot
+
+
+@pytest.fixture(scope="module")
+def pools(session_pools):
+    """One pool for a module's trials: each a fresh child forked from it, as a search runs them, its
+    figures a launch of its own's (tests/integration/test_pool_cpu.py), without a launch's ~9 s of
+    imports each. A test that runs `python -m zero_bench` closes it first (it holds the machine
+    lock); tests about how a launch of its own ends launch without it. The slot is the session's:
+    where the next module's first test asks for `pools` too, the pool's ranks serve it on (one
+    launch's start-up less, ~10 s here); at every other module boundary it is closed
+    (pytest_runtest_teardown), so nothing between modules finds a pool, as with one per module."""
+    return session_pools
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _session_slot and (nextitem is None or (nextitem.module is not item.module
+                                               and "pools" not in nextitem.fixturenames)):
+        _session_slot[0].close()
