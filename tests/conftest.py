@@ -154,6 +154,15 @@ def cpu_cfg(name: str = "gpt-tiny", **kw) -> BenchConfig:
     return resolve(dataclasses.replace(base, **kw), here=False)
 
 
+def compile_case(**kw) -> BenchConfig:
+    """gpt-mini at micro 2 for torch.compile's checks (tests/integration/test_compile.py's cases, whose
+    ZeRO-2 trial is also the reference setup's compiled one): one timed step; compiled trials run two
+    more (their compile and recompile: trial/worker.py), so the eager reference warms up for two to
+    give as many losses."""
+    b = cpu_cfg("gpt-mini", **kw)
+    return dataclasses.replace(b, steps=dataclasses.replace(b.steps, warmup=0 if b.compile else 2, timed=1))
+
+
 FRESH_MICROS = (6, 7)
 
 
