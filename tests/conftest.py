@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -153,6 +154,15 @@ def cpu_cfg(name: str = "gpt-tiny", **kw) -> BenchConfig:
     return resolve(dataclasses.replace(base, **kw), here=False)
 
 
+def compile_case(**kw) -> BenchConfig:
+    """gpt-mini at micro 2 for torch.compile's checks (tests/integration/test_compile.py's cases, whose
+    ZeRO-2 trial is also the reference setup's compiled one): one timed step; compiled trials run two
+    more (their compile and recompile: trial/worker.py), so the eager reference warms up for two to
+    give as many losses."""
+    b = cpu_cfg("gpt-mini", **kw)
+    return dataclasses.replace(b, steps=dataclasses.replace(b.steps, warmup=0 if b.compile else 2, timed=1))
+
+
 FRESH_MICROS = (6, 7)
 
 
@@ -246,13 +256,50 @@ def megatron_one_rank(store: Path):
         torch.distributed.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def pools(tmp_path_factory):
-    """One pool for a module's trials: each a fresh child forked from it, as a search runs them, its
-    figures a launch of its own's (tests/integration/test_pool_cpu.py), without a launch's ~9 s of
-    imports each. A test that runs `python -m zero_bench` closes it first (it holds the machine
-    lock); tests about how a launch of its own ends launch without it."""
+# (config, plan) -> (results, run_dir) of the session's launches through measured_once
+_measured: dict = {}
+
+
+def measured_once(cfg: BenchConfig, plan: list, run_dir: Path, pools) -> tuple[list, Path]:
+    """run_launch(cfg, plan) as a child of `pools`, once per session: a module asking for a trial
+    another module already ran (the same resolved config and plan: e.g. llama-tiny ZeRO-1 at micro 2,
+    the reference of both the model tests and the sequence-parallel ones) gets that trial's results
+    and run folder instead of a second launch that would measure the same figures. Each module run
+    alone still launches all of its own. (results, the folder they were written to)."""
+    from zero_bench.trial.launch import LaunchOptions, run_launch
+
+    key = (json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str),
+           tuple((e.micro, str(e.mode)) for e in plan))
+    if key not in _measured:
+        _measured[key] = (run_launch(cfg, plan, run_dir, LaunchOptions(pools=pools)), run_dir)
+    return _measured[key]
+
+
+_session_slot: list = []  # the session's PoolSlot, once a module asked for `pools`
+
+
+@pytest.fixture(scope="session")
+def session_pools(tmp_path_factory):
     from zero_bench.trial.pool import PoolSlot
 
     with PoolSlot(tmp_path_factory.mktemp("pool")) as slot:
+        _session_slot.append(slot)
         yield slot
+
+
+@pytest.fixture(scope="module")
+def pools(session_pools):
+    """One pool for a module's trials: each a fresh child forked from it, as a search runs them, its
+    figures a launch of its own's (tests/integration/test_pool_cpu.py), without a launch's ~9 s of
+    imports each. A test that runs `python -m zero_bench` closes it first (it holds the machine
+    lock); tests about how a launch of its own ends launch without it. The slot is the session's:
+    where the next module's first test asks for `pools` too, the pool's ranks serve it on (one
+    launch's start-up less, ~10 s here); at every other module boundary it is closed
+    (pytest_runtest_teardown), so nothing between modules finds a pool, as with one per module."""
+    return session_pools
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _session_slot and (nextitem is None or (nextitem.module is not item.module
+                                               and "pools" not in nextitem.fixturenames)):
+        _session_slot[0].close()

@@ -5,15 +5,11 @@ gradient hooks fired in other orders and filled other reduce buckets) and ZeRO-3
 output layer a (0,)-shaped tied weight (issue 43 item 1)."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from zero_bench.records import Entry
-from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
-from conftest import cpu_cfg
+from conftest import compile_case, measured_once
 
 pytestmark = pytest.mark.slow
 
@@ -21,22 +17,15 @@ CASES = {"zero0": dict(zero=0), "zero1": dict(zero=1), "zero2": dict(zero=2), "z
          "fsdp2_zero3": dict(engine="fsdp2", zero=3)}
 
 
-def gpt_mini(**kw):
-    """micro 2, one timed step; compiled trials run two more steps (their compile and recompile:
-    trial/worker.py), so the eager reference warms up for two to give as many losses."""
-    b = cpu_cfg("gpt-mini", **kw)
-    return dataclasses.replace(b, steps=dataclasses.replace(b.steps, warmup=0 if b.compile else 2, timed=1))
-
-
 @pytest.fixture(scope="module")
-def trials(tmp_path_factory):
-    """One pool: the eager reference (ZeRO-2; fp32 losses are the same at every stage) and the five
-    compiled trials, each a fresh child."""
+def trials(tmp_path_factory, pools):
+    """One pool (conftest.pools): the eager reference (ZeRO-2; fp32 losses are the same at every stage) and the five
+    compiled trials, each a fresh child (conftest.measured_once: test_reference_setup.py's compiled
+    trial is this module's ZeRO-2 one)."""
     out = {}
-    with PoolSlot(tmp_path_factory.mktemp("pool")) as pools:
-        for name, kw in [("eager", dict(zero=2))] + [(n, dict(kw, compile=True)) for n, kw in CASES.items()]:
-            (out[name],) = run_launch(gpt_mini(**kw), [Entry(2, "measure")], tmp_path_factory.mktemp(name),
-                                      LaunchOptions(pools=pools))
+    for name, kw in [("eager", dict(zero=2))] + [(n, dict(kw, compile=True)) for n, kw in CASES.items()]:
+        (out[name],), _ = measured_once(compile_case(**kw), [Entry(2, "measure")], tmp_path_factory.mktemp(name),
+                                        pools)
     return out
 
 

@@ -20,7 +20,6 @@ from zero_bench.estimate import CPU_RANK_OVERHEAD, estimate
 from zero_bench.estimate.fsdp2 import model_states
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg
 
@@ -79,9 +78,9 @@ def slope_micros(b) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+def measured(tmp_path_factory, pools):
     """Each configuration's two probes run one after the other in one trial, a fresh child forked from
-    the module's pool (one deepspeed launch for the seven, as a search runs its trials): a forked
+    the pool (conftest.pools: one deepspeed launch for the seven, as a search runs its trials): a forked
     child's figures are a launch of its own's (tests/integration/test_pool_cpu.py: peak RSS within 1 %,
     live tensors within 0.1 %, model states and losses identical), and the pool saves six launches'
     start-up (~9 s of imports each) that none of these figures depends on."""
@@ -89,13 +88,12 @@ def measured(tmp_path_factory):
     configs = {z: cpu_cfg("gpt-small", zero=z) for z in range(4)}
     configs.update({name: cpu_cfg("gpt-small", zero=int(name[-1]), engine="fsdp2") for name in FSDP2})
     configs["llama"] = cpu_cfg("llama-tiny", zero=2)
-    with PoolSlot(tmp_path_factory.mktemp("pool")) as pools:
-        for key, b in configs.items():
-            micros = sorted(set(MICROS) | set(slope_micros(b)))
-            res = run_launch(b, [Entry(m, "probe") for m in micros], tmp_path_factory.mktemp(f"z{key}"),
-                             LaunchOptions(pools=pools))
-            assert [r.status for r in res] == ["ok"] * len(micros), [(r.status, r.reason) for r in res]
-            out[key] = (b, dict(zip(micros, res)))
+    for key, b in configs.items():
+        micros = sorted(set(MICROS) | set(slope_micros(b)))
+        res = run_launch(b, [Entry(m, "probe") for m in micros], tmp_path_factory.mktemp(f"z{key}"),
+                         LaunchOptions(pools=pools))
+        assert [r.status for r in res] == ["ok"] * len(micros), [(r.status, r.reason) for r in res]
+        out[key] = (b, dict(zip(micros, res)))
     return out
 
 

@@ -22,9 +22,8 @@ from zero_bench.models.params import layer_numels, num_params, params_per_shard
 from zero_bench.records import Entry, Fault, SearchStatus
 from zero_bench.store import Store
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
-from conftest import cpu_cfg, model
+from conftest import cpu_cfg, measured_once, model
 
 pytestmark = pytest.mark.slow
 
@@ -61,22 +60,24 @@ SAME_LOSS = 2e-6
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, pools):
     """gpt-tiny and llama-tiny, fp32, micro 2, one measured entry each: ZeRO-3 on DeepSpeed, then
-    the FSDP2 variants."""
+    the FSDP2 variants, children of one pool (conftest.pools; pools.started counts the session's)."""
     tmp = tmp_path_factory.mktemp("fsdp2")
-    with PoolSlot(tmp / "pool") as pools:
-        out = {}
-        todo = {"deepspeed_zero3": dict(zero=3), "deepspeed_llama_zero3": dict(name="llama-tiny", zero=3),
-                # ZeRO++ hpZ beside the ZeRO-3 run it is compared with: one more child of this pool
-                "deepspeed_llama_zero3_hpz2": dict(name="llama-tiny", zero=3, zeropp=ZeroppConfig(hpz=2)),
-                **{n: dict(engine="fsdp2", **kw) for n, kw in FSDP2.items()},
-                **{f"deep_{n}": dict(engine="fsdp2", model=DEEP, **kw) for n, kw in PEAKS.items()}}
-        for name, kw in todo.items():
-            cfg = cpu_cfg(**kw)
-            (res,) = run_launch(cfg, [Entry(2, "measure")], tmp / name, LaunchOptions(pools=pools))
-            out[name] = (cfg, res, tmp / name)
-        yield out, pools, tmp
+    before = pools.started
+    out = {}
+    todo = {"deepspeed_zero3": dict(zero=3), "deepspeed_llama_zero3": dict(name="llama-tiny", zero=3),
+            # ZeRO++ hpZ beside the ZeRO-3 run it is compared with: one more child of this pool
+            "deepspeed_llama_zero3_hpz2": dict(name="llama-tiny", zero=3, zeropp=ZeroppConfig(hpz=2)),
+            **{n: dict(engine="fsdp2", **kw) for n, kw in FSDP2.items()},
+            **{f"deep_{n}": dict(engine="fsdp2", model=DEEP, **kw) for n, kw in PEAKS.items()}}
+    for name, kw in todo.items():
+        cfg = cpu_cfg(**kw)
+        (res,), run_dir = measured_once(cfg, [Entry(2, "measure")], tmp / name, pools)
+        out[name] = (cfg, res, run_dir)
+    started = pools.started
+    assert started - before <= 1  # one pool for all: the previous module's, or one started here
+    yield out, pools, tmp, started
 
 
 @pytest.mark.parametrize("name", list(FSDP2))
@@ -173,7 +174,7 @@ def test_no_rank_ever_holds_the_unsharded_model(runs):
     (389 MiB in fp32, where the old build held all of it and more) the build's peak RSS stays near
     the estimate's (the root whole, every shard, one layer whole: 269 MiB; 261 measured) and well
     below the unsharded model. build_bytes is VmHWM's rise, an upper bound (worker.build_peak)."""
-    _, pools, tmp = runs
+    _, pools, tmp, _ = runs
     wide = dataclasses.replace(model("gpt-tiny"), hidden_size=1024, num_heads=8, num_layers=8, name="GPT-wide")
     cfg = cpu_cfg(engine="fsdp2", zero=3, model=wide)
     (res,) = run_launch(cfg, [Entry(1, "probe")], tmp / "wide", LaunchOptions(pools=pools))
@@ -185,12 +186,12 @@ def test_no_rank_ever_holds_the_unsharded_model(runs):
 
 
 def test_a_killed_fsdp2_rank_is_oom_and_the_pool_goes_on(runs):
-    _, pools, tmp = runs
+    _, pools, tmp, started = runs
     cfg = cpu_cfg(engine="fsdp2", zero=3)
     res = run_launch(cfg, [Entry(1), Entry(2)], tmp / "kill", LaunchOptions(pools=pools, fault=Fault(
         kind="kill", rank=1, min_micro=2)))
     assert [r.status for r in res] == ["ok", "oom"], [r.reason for r in res]
-    assert pools.started == 1  # both engines' trials were children of one pool
+    assert pools.started == started  # both engines' trials were children of one pool, which went on
 
 
 def test_sweep_over_engines_searches_each_and_reports_one_row_per_engine(tmp_path):

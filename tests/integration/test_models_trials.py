@@ -18,9 +18,8 @@ from zero_bench.estimate.fsdp2 import model_states as fsdp2_states
 from zero_bench.records import Entry
 from zero_bench.search.maxbatch import SearchOptions, run_search
 from zero_bench.store import Store
-from zero_bench.trial.launch import LaunchOptions, run_launch
 
-from conftest import cpu_cfg, model
+from conftest import cpu_cfg, measured_once, model
 from zero_bench.models.params import layer_numels, num_params, params_per_shard
 
 pytestmark = pytest.mark.slow
@@ -59,7 +58,7 @@ def measured(model_name: str, variants: dict, pools, tmp_path_factory) -> dict:
     out = {}
     for name, kw in variants.items():
         cfg = cpu_cfg(model_name, **kw)
-        (res,) = run_launch(cfg, [Entry(2, "measure")], tmp_path_factory.mktemp(name), LaunchOptions(pools=pools))
+        (res,), _ = measured_once(cfg, [Entry(2, "measure")], tmp_path_factory.mktemp(name), pools)
         out[name] = (cfg, res)
     return out
 

@@ -5,7 +5,6 @@ zero.Init, torch.compile, and the new keys in a report built from those trials. 
 are in docs/verified.md."""
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from zero_bench.records import Entry
 from zero_bench.store import Store
 from zero_bench.trial.launch import LaunchOptions, run_launch
 
-from conftest import cpu_cfg
+from conftest import compile_case, cpu_cfg, measured_once
 
 pytestmark = pytest.mark.slow
 
@@ -74,8 +73,10 @@ def preset(tmp_path_factory, pools):
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory, pools):
-    b = dataclasses.replace(cpu_cfg(compile=True), steps=dataclasses.replace(cpu_cfg().steps, warmup=1, timed=2))
-    (r,) = run_launch(b, [Entry(2, "measure")], tmp_path_factory.mktemp("compiled"), LaunchOptions(pools=pools))
+    """test_compile.py's compiled ZeRO-2 trial (gpt-mini, micro 2): in a whole run, that module's
+    launch (conftest.measured_once), not a second cold compile of another model."""
+    (r,), _ = measured_once(compile_case(zero=2, compile=True), [Entry(2, "measure")],
+                            tmp_path_factory.mktemp("compiled"), pools)
     return r
 
 

@@ -17,7 +17,7 @@ from zero_bench.estimate import activation_bytes_per_sample
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
 
-from conftest import cpu_cfg
+from conftest import cpu_cfg, measured_once
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +45,8 @@ def trials(pools, tmp_path_factory):
     """(model, variant) -> one measured micro-2 trial (fp32: 1 warm-up, 2 timed, 1 profiled step)."""
     out = {}
     for (name, variant), kw in TRIALS.items():
-        (out[name, variant],) = run_launch(cpu_cfg(name, **kw), [Entry(2, "measure")],
-                                           tmp_path_factory.mktemp(f"{name}-{variant}"), LaunchOptions(pools=pools))
+        (out[name, variant],), _ = measured_once(cpu_cfg(name, **kw), [Entry(2, "measure")],
+                                                 tmp_path_factory.mktemp(f"{name}-{variant}"), pools)
     return out
 
 

@@ -13,7 +13,6 @@ import pytest
 from zero_bench.estimate import estimate
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, model
 
@@ -30,15 +29,14 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, pools):
     """name -> (config, result): micro 2, one measured entry each, children of one pool."""
     tmp = tmp_path_factory.mktemp("states")
     out = {}
-    with PoolSlot(tmp / "pool") as pools:
-        for name, kw in VARIANTS.items():
-            cfg = cpu_cfg(model=SHORT, precision="bf16", **kw)
-            (out[name],) = [(cfg, r) for r in run_launch(cfg, [Entry(2, "measure")], tmp / name,
-                                                         LaunchOptions(pools=pools))]
+    for name, kw in VARIANTS.items():
+        cfg = cpu_cfg(model=SHORT, precision="bf16", **kw)
+        (out[name],) = [(cfg, r) for r in run_launch(cfg, [Entry(2, "measure")], tmp / name,
+                                                     LaunchOptions(pools=pools))]
     return out
 
 

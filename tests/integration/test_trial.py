@@ -12,7 +12,7 @@ from zero_bench.config.schema import ParallelConfig
 from zero_bench.records import Entry, Fault
 from zero_bench.trial.launch import LaunchOptions, run_launch
 
-from conftest import cpu_cfg, model
+from conftest import cpu_cfg, measured_once, model
 from zero_bench.models.params import num_params, params_per_shard
 
 pytestmark = pytest.mark.slow
@@ -34,8 +34,7 @@ def runs(tmp_path_factory, pools):
     out = {}
     for name, kw in VARIANTS.items():
         cfg = cpu_cfg(**kw)
-        run_dir = tmp_path_factory.mktemp(name)
-        (res,) = run_launch(cfg, [Entry(2, "measure")], run_dir, LaunchOptions(pools=pools))
+        (res,), run_dir = measured_once(cfg, [Entry(2, "measure")], tmp_path_factory.mktemp(name), pools)
         out[name] = (cfg, res, run_dir)
     return out
 

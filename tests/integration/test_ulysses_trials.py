@@ -12,7 +12,6 @@ import pytest
 from zero_bench.config.schema import ParallelConfig
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg
 
@@ -24,15 +23,14 @@ CASES = {"llama_zero1": ("llama-tiny", dict(zero=1)), "qwen3_fsdp2": ("qwen3-tin
 
 
 @pytest.fixture(scope="module")
-def trials(tmp_path_factory):
-    """One pool, each trial a fresh child: every case at sp=1 and sp=2, micro 1."""
+def trials(tmp_path_factory, pools):
+    """One pool (conftest.pools), each trial a fresh child: every case at sp=1 and sp=2, micro 1."""
     out = {}
-    with PoolSlot(tmp_path_factory.mktemp("pool")) as pools:
-        for name, (model, kw) in CASES.items():
-            for sp in (1, 2):
-                b = cpu_cfg(model, parallel=ParallelConfig(dp=2, sp=sp), **kw)
-                (out[name, sp],) = run_launch(b, [Entry(1, "measure")], tmp_path_factory.mktemp(f"{name}{sp}"),
-                                              LaunchOptions(pools=pools))
+    for name, (model, kw) in CASES.items():
+        for sp in (1, 2):
+            b = cpu_cfg(model, parallel=ParallelConfig(dp=2, sp=sp), **kw)
+            (out[name, sp],) = run_launch(b, [Entry(1, "measure")], tmp_path_factory.mktemp(f"{name}{sp}"),
+                                          LaunchOptions(pools=pools))
     return out
 
 
