@@ -127,13 +127,14 @@ def attention_inputs_bytes(m: ModelConfig, tp: int, precision: str) -> float:
     return B * (qkv_out + (x["q"] + x["kv"] if m.position_embedding == "rope" else 0))
 
 
-def qkv_output_kept(m: ModelConfig, tp: int) -> bool:
+def qkv_output_kept(m: ModelConfig, tp: int, ulysses_sp: int = 1) -> bool:
     """Whether the core attention already keeps the whole QKV output alive (unfused MHA: V, a view
-    of it, is saved by the bmm); sdpa and unfused GQA keep copies."""
-    return m.attention == "unfused" and _dims(m, tp)["rep"] == 1
+    of it, is saved by the bmm); sdpa and unfused GQA keep copies, and at Ulysses' sp > 1 every
+    attention keeps the all-to-all's outputs (estimate/ulysses.py)."""
+    return m.attention == "unfused" and _dims(m, tp)["rep"] == 1 and ulysses_sp == 1
 
 
-def qk_norm_terms(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
+def qk_norm_terms(m: ModelConfig, tp: int, precision: str, device: str, ulysses_sp: int = 1) -> dict:
     """Bytes per token the query and key norms keep (qk_norm; 0 without): {"qk_norm": their own
     tensors, "qk_norm_qkv_output": the QKV output that K's saved input, a view of it, pins where
     nothing else keeps it}. The key is a view of the QKV output; the query too with one head per
@@ -152,7 +153,7 @@ def qk_norm_terms(m: ModelConfig, tp: int, precision: str, device: str) -> dict:
         pins = not upcast
     else:
         own, pins = (B * q if q_copy else 0) + (4 if m.normalization == "rmsnorm" else 8) * rows, True
-    pinned = B * (q + 2 * kv) if pins and not qkv_output_kept(m, tp) else 0
+    pinned = B * (q + 2 * kv) if pins and not qkv_output_kept(m, tp, ulysses_sp) else 0
     return {"qk_norm": own, "qk_norm_qkv_output": pinned}
 
 
@@ -232,11 +233,14 @@ def seq_shard(tp: int, sequence_parallel: bool) -> int:
 
 
 def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu",
-                moe: bool = False, fusions: bool = False, tiles: int = 0, sequence_parallel: bool = False) -> dict:
+                moe: bool = False, fusions: bool = False, tiles: int = 0, sequence_parallel: bool = False,
+                ulysses_sp: int = 1) -> dict:
     """Bytes per token one layer keeps for backward without recompute, by term (moe: an MoE layer;
     fusions: megatron's jit fusions asked for, the BenchConfig key; False counts the eager ops;
     tiles: tiled_mlp's tiles, 0 untiled: the tiled MLP keeps only its input, fc1_input;
-    sequence_parallel: the norms', dropouts' and linears' inputs' terms hold 1/t of the tokens)."""
+    sequence_parallel: the norms', dropouts' and linears' inputs' terms hold 1/t of the tokens;
+    ulysses_sp > 1: per local token, with the all-to-all's attention_qkv and ulysses_context,
+    estimate/ulysses.py)."""
     B, x = BYTES[precision], _dims(m, tp)
     h, f, n = x["h"], x["f"], seq_shard(tp, sequence_parallel)
     mb = _mask_bytes(B, device) if m.dropout > 0 else 0
@@ -244,13 +248,19 @@ def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: st
     fused = swiglu_fused(m, device, fusions)
     mlp = (moe_terms(m, tp, precision, fused) if moe else
            {"fc1_input": B * h / n, "mlp": 0 if tiles else mlp_bytes(m, f, B, fused)})
+    exchanged = {}
+    if ulysses_sp > 1:
+        from zero_bench.estimate.ulysses import attention_terms
+
+        exchanged = attention_terms(m, tp, precision, device, ulysses_sp)
     return {
         "input_norm": norm_bytes(m, precision, device) / n,
         "qkv_input": B * h / n,
-        **qk_norm_terms(m, tp, precision, device),
-        "attention_qkv": core["qkv"],
+        **qk_norm_terms(m, tp, precision, device, ulysses_sp),
+        "attention_qkv": exchanged.pop("attention_qkv", core["qkv"]),
         "attention_internal": core["internal"],
         "attention_context": core["context"],
+        **exchanged,
         "attention_dropout_mask": mb * h / n,
         "pre_mlp_norm": norm_bytes(m, precision, device) / n,
         **mlp,
@@ -259,7 +269,7 @@ def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: st
 
 
 ATTENTION_KEYS = ("input_norm", "qkv_input", "qk_norm", "qk_norm_qkv_output", "attention_qkv", "attention_internal",
-                  "attention_context", "attention_dropout_mask")
+                  "attention_context", "ulysses_context", "attention_dropout_mask")
 
 
 def mlp_part(terms: dict) -> float:
@@ -384,19 +394,20 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
         return L * kept, last - kept, 0.0
     if recompute == Recompute.selective:
         # the checkpoint's inputs (attention_inputs_bytes) hold the QKV output the key norm pins
-        terms = kinds[-1][1]
-        recomputed = terms["attention_qkv"] + terms["attention_internal"]
+        terms = kinds[-1][1]  # Ulysses: the checkpoint wraps the exchanges, its context copy is rebuilt too
+        recomputed = terms["attention_qkv"] + terms["attention_internal"] + terms.get("ulysses_context", 0)
         dropped = recomputed + terms["qk_norm_qkv_output"] - attention_inputs_bytes(m, tp, precision)
         return sum(n * (sum(t.values()) - dropped) for n, t, _ in kinds), recomputed, 0.0
     return sum(n * sum(t.values()) for n, t, _ in kinds), 0.0, 0.0
 
 
 def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str, fusions: bool = False, tiles: int = 0,
-                sequence_parallel: bool = False) -> list:
+                sequence_parallel: bool = False, ulysses_sp: int = 1) -> list:
     """[(layers, terms, MoE)] per kind of layer, the last layer's kind last (dense models: one kind)."""
     flags = m.moe_layers
     order = [not flags[-1], flags[-1]]
-    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe, fusions, tiles, sequence_parallel), moe)
+    return [(flags.count(moe), layer_terms(m, tp, precision, device, moe, fusions, tiles, sequence_parallel,
+                                           ulysses_sp), moe)
             for moe in order if moe in flags]
 
 
@@ -452,7 +463,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     """
     m, s, B, h = model, model.seq_len, BYTES[precision], model.hidden_size
     sp = sequence_parallel and tp > 1
-    kinds = layer_kinds(m, tp, precision, device, fusions, tiles, sp)
+    kinds = layer_kinds(m, tp, precision, device, fusions, tiles, sp, ulysses_sp)
     terms = kinds[-1][1]  # the last layer's, whose backward the moments below are about
     ck, L = checkpointing or {}, m.num_layers
     if recompute == Recompute.block and recompute_layers >= L:
@@ -477,9 +488,17 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     # The last layer's backward: the output side (logits, final norm, output-layer input) is gone.
     released = logits + head["final_norm"] + head["output_layer_input"]
     grads = backward_transients(m, tp, precision, device, min(tiles, s), fusions)
-    # linear_proj's input is freed after its backward, unless the flash kernel saved the same tensor.
+    exchange = 0.0
+    if ulysses_sp > 1:  # one all-to-all in flight beside the attention's backward (estimate/ulysses.py)
+        from zero_bench.estimate.ulysses import exchange_bytes
+
+        exchange = exchange_bytes(m, tp, precision)
+        grads["attention"] = max(grads["attention"], exchange)
+    # linear_proj's input is freed after its backward, unless the flash kernel saved the same tensor
+    # (at Ulysses' sp > 1 it is the all-to-all's copy, ulysses_context, whatever the kernel).
     flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash"
-    context = 0 if (flash and recompute != Recompute.selective) else terms["attention_context"]
+    context = (terms.get("ulysses_context", 0) if (flash and recompute != Recompute.selective)
+               else terms["attention_context"])
     rebuilt_mlp = recomputed if recompute in (Recompute.full, Recompute.op) else 0.0
     incoming = B * h  # the gradient of the layer's output, flowing into its backward
     moments = {
@@ -497,8 +516,10 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     out = {"per_layer": sum(terms.values()), "layers": layers, "recomputed": recomputed, "embedding": embedding,
            "logits": logits, "logits_transient": transient, "scratch": scratch, "host": host, "saved": saved,
            **moments, "total": max(moments.values())}
+    if ulysses_sp > 1:
+        out["ulysses_exchange"] = exchange
     # Ulysses (sp > 1): a rank keeps seq_len / sp tokens of each sequence; after the all-to-all its
     # attention holds every token of heads / sp heads, the same bytes per local token (the unfused
-    # scores a * s per token: "A" stays the whole sequence's). First order: the all-to-all's copies
-    # (linear_proj's input is no longer the core attention's own output) are not counted.
+    # scores a * s per token: "A" stays the whole sequence's), plus what the exchange changes in the
+    # layer's terms (estimate/ulysses.py: the context copy, repeated K/V) and its transient.
     return {k: int(round(v * s / ulysses_sp)) for k, v in out.items()}

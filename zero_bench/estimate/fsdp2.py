@@ -159,7 +159,8 @@ def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
     # recompute_offload: the inputs on the host, which on CPU is the memory measured
     layers_here = act["layers"] + (act["host"] if on_cpu else 0)
     kept = layers_here / L  # per layer, after recompute's savings
-    logits = m.seq_len * m.padded_vocab(tp) // tp * LOGITS_BYTES[bench.precision]
+    # a rank's logits are its own tokens' (Ulysses' sp > 1: seq_len / sp of each sequence)
+    logits = layout.local_seq_len * m.padded_vocab(tp) // tp * LOGITS_BYTES[bench.precision]
     phases = {Phase.backward_start: PhaseBytes(0, int(layers_here + act["embedding"] + logits)),
               **{n: PhaseBytes(int((L - 1 - i) * layer_grads),
                                int((i + 1) * kept + act["recomputed"] + act["embedding"])) for n, i in layers.items()},
