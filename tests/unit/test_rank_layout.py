@@ -191,11 +191,19 @@ def test_ulysses_layout_and_what_it_is_not_run_with():
     assert (lay.sequences, lay.local_seq_len) == (1, model("llama-tiny").seq_len // 4)
     base = ["model=llama-tiny", "hardware.device=cpu", "parallel.dp=2", "parallel.sp=2"]
     assert from_cfg(compose(base), here=False).layout.sp == 2
-    for extra, key in ((["compile=true"], "compile"), (["recompute=op"], "recompute")):
-        with pytest.raises(ConfigError) as err:
-            from_cfg(compose(base + extra), here=False)
-        assert str(err.value).startswith("parallel.sp=2: not compared with sp=1 together with " + key), str(err.value)
-    assert from_cfg(compose(base + ["tiled_mlp=2"]), here=False).tiled_mlp == "2"  # compared: test_ulysses_trials
+    with pytest.raises(ConfigError) as err:
+        from_cfg(compose(base + ["compile=true"]), here=False)
+    assert str(err.value).startswith("parallel.sp=2: not compared with sp=1 together with compile"), str(err.value)
+    # compared: test_ulysses_trials
+    assert from_cfg(compose(base + ["tiled_mlp=2"]), here=False).tiled_mlp == "2"
+    assert from_cfg(compose(base + ["recompute=op"]), here=False).recompute == "op"
+    # MoE at ep 1: equal to sp=1 without the load-balancing loss, which megatron computes per rank
+    moe = ["model=moe-tiny", "hardware.device=cpu", "parallel.dp=2", "parallel.sp=2"]
+    with pytest.raises(ConfigError) as err:
+        from_cfg(compose(moe), here=False)
+    assert str(err.value).startswith("parallel.sp=2: model.moe_aux_loss_coeff=0.01 balances each rank's"), str(err.value)
+    assert "\n" not in str(err.value)
+    assert from_cfg(compose(moe + ["model.moe_aux_loss_coeff=0"]), here=False).layout.sp == 2
     with pytest.raises(ConfigError, match="^parallel.sp=2: model.seq_len=255 must be divisible by tp x sp"):
         from_cfg(compose(base + ["model.seq_len=255"]), here=False)
 
