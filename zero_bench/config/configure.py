@@ -220,9 +220,9 @@ def check_ulysses(b: BenchConfig) -> None:
     """parallel.sp > 1 with what its trials have shown equal to sp = 1 (DeepSpeed ZeRO 1-3 and FSDP2,
     sdpa and unfused attention, GQA, RoPE, tiled_mlp over the rank's seq_len / sp tokens, every
     recompute policy: recompute=op's selective checkpoint recomputes the all-to-alls, which it does
-    not keep, in backward on every rank alike); combinations no trial has compared yet are refused."""
-    untried = (("parallel.tp", b.parallel.tp > 1, "parallel.tp=1"),
-               ("compile", b.compile, "compile=false"))
+    not keep, in backward on every rank alike; compile=true, DeepSpeed's whole-model and FSDP2's
+    per-layer compile); combinations no trial has compared yet are refused."""
+    untried = (("parallel.tp", b.parallel.tp > 1, "parallel.tp=1"),)
     for key, bad, allowed in untried:
         if bad:
             raise ConfigError(f"parallel.sp={b.parallel.sp}: not compared with sp=1 together with {key} yet; allowed "
