@@ -221,19 +221,13 @@ def check_ulysses(b: BenchConfig) -> None:
     sdpa and unfused attention, GQA, RoPE, tiled_mlp over the rank's seq_len / sp tokens, every
     recompute policy: recompute=op's selective checkpoint recomputes the all-to-alls, which it does
     not keep, in backward on every rank alike; compile=true, DeepSpeed's whole-model and FSDP2's
-    per-layer compile); combinations no trial has compared yet are refused."""
+    per-layer compile; a mixture of experts at ep 1, its load-balancing loss over the sequence:
+    models/ulysses.py aux_loss_over_sequence); combinations no trial has compared yet are refused."""
     untried = (("parallel.tp", b.parallel.tp > 1, "parallel.tp=1"),)
     for key, bad, allowed in untried:
         if bad:
             raise ConfigError(f"parallel.sp={b.parallel.sp}: not compared with sp=1 together with {key} yet; allowed "
                               f"with parallel.sp > 1: {allowed}")
-    # megatron's router (moe/router.py _apply_aux_loss) counts tokens per expert over its tp_cp group,
-    # which does not hold Ulysses' ranks: each rank balances its own seq_len / sp tokens. Measured on
-    # moe-tiny (ZeRO-1, fp32): the gradient norm 3e-4 off sp=1's at the first step, 0.0 without it.
-    if b.model.is_moe and b.model.moe_aux_loss_coeff > 0:
-        raise ConfigError(f"parallel.sp={b.parallel.sp}: model.moe_aux_loss_coeff={b.model.moe_aux_loss_coeff} "
-                          "balances each rank's seq_len / sp tokens, not the sequence's, so the gradients differ "
-                          "from sp=1's; allowed with parallel.sp > 1: model.moe_aux_loss_coeff=0")
 
 
 def check_search(s: SearchConfig) -> None:

@@ -295,6 +295,7 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
     gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp))
     install_loss(gpt, cfg.loss)
     ulysses.rotary_at_offset(gpt)
+    ulysses.aux_loss_over_sequence(gpt)
     if cfg.recompute == Recompute.op:
         from zero_bench.models import op_recompute
 

@@ -104,6 +104,28 @@ def rotary_at_offset(gpt: torch.nn.Module) -> None:
     rope.forward = at_offset
 
 
+def aux_loss_over_sequence(gpt: torch.nn.Module) -> None:
+    """megatron's load-balancing loss (moe/router.py _apply_aux_loss) over the whole sequence, as at
+    sp = 1. megatron counts the tokens per expert over the router's tp_cp group (its sequence and
+    context parallelism): handed this rank's sequence-parallel group instead, the counts are the
+    sequence's and the rank's loss is its tokens' share of the sequence's (the shares sum to it).
+    Each rank backpropagates its local mean loss, sp times its share of the sequence's mean (the
+    module docstring), so the share is weighted by sp too: the coefficient, for that call only."""
+    if _SP == 1:
+        return
+    for router in (mod for mod in gpt.modules() if hasattr(mod, "_apply_aux_loss")):
+        apply, coeff, own = router._apply_aux_loss, router.get_aux_loss_coeff, router.tp_cp_group
+
+        def over_sequence(*args, _apply=apply, _coeff=coeff, _own=own, _router=router, **kwargs):
+            _router.tp_cp_group, _router.get_aux_loss_coeff = _GROUP, lambda kind: _coeff(kind) * _SP
+            try:
+                return _apply(*args, **kwargs)
+            finally:
+                _router.tp_cp_group, _router.get_aux_loss_coeff = _own, _coeff
+
+        router._apply_aux_loss = over_sequence
+
+
 class _Heads(torch.nn.Module):
     """The core attention as DistributedAttention wants it: output [S, b, heads, d] (megatron's
     returns [S, b, heads * d])."""
