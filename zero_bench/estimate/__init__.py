@@ -24,6 +24,7 @@ nvme.py is NVMe offload's split (states on disk, the swappers' pinned host buffe
 zeropp.py is ZeRO++'s terms (hpZ's second partition, qwZ's and qgZ's quantized buffers, the paper's
 communication ratio).
 seq.py is the predicted longest sequence at a micro-batch (the same estimate at each length; maxseq's seed).
+ulysses.py is what Ulysses' all-to-all changes in a layer's activations at parallel.sp > 1 (activations.py adds it).
 traced.py is the traced prediction beside the formula (`traced=true`): the real engine's step
 traced under FakeTensorMode on a fake world, with torch's FSDPMemTracker.
 

@@ -25,7 +25,7 @@ ctx holds the group and the indices only); what changes is which tensors the mod
 Selective recompute checkpoints the whole DistributedAttention (it is megatron's core_attention
 module): the checkpoint keeps sp = 1's inputs (pre-exchange Q, K, V) and linear_proj's input, and
 the exchanges run again in backward, so the context copy is rebuilt with the rest.
-Measured on CPU tensor by tensor (tests/unit/test_ulysses_memory.py: two gloo ranks, the storages
+Measured on CPU tensor by tensor (tests/unit/test_ulysses_ranks.py: two gloo ranks, the storages
 the forward saves at sp = 2 against sp = 1's half, to the byte).
 """
 from __future__ import annotations
