@@ -223,3 +223,5 @@ def test_ulysses_estimate_keeps_a_ranks_share_of_each_sequence():
         copy = m.num_layers * (m.seq_len // 2) * m.num_heads * m.kv_channels * B if attention == "sdpa" else 0
         assert two.activations["total"] == pytest.approx(one.activations["total"] / 2 + copy, abs=2)
         assert two.states == one.states
+        # a group of sp ranks trains one sequence: the global batch is micro x dp / sp (schema's global_batch)
+        assert two.row()["max_global_batch"] == two.row()["max_micro"] * 2 // 2

@@ -95,6 +95,7 @@ class Estimate:
     capacity: Optional[int] = None
     engine: str = DEFAULT_ENGINE
     ep: int = 1  # expert-parallel degree: params_per_shard holds the rank's num_experts / ep experts
+    sp: int = 1  # Ulysses' degree: sp data-parallel ranks share each sequence (dp / sp sequences a micro-step)
     zeropp: str = ""  # ZeroppConfig.tag(): "" without ZeRO++
     overhead_low: Optional[int] = None  # GPU: outside the allocator at the low end of the published ranges
     fragmentation: float = 1.0  # GPU: reserved / allocated at the peak (the caching allocator)
@@ -234,7 +235,7 @@ class Estimate:
             "buffers": self.buffers_total, "act_per_sample": self.act_per_sample,
             "overhead": self.overhead, "peak_micro1": self.peak_bytes(1),
             "host_needed": self.host_bytes(m or 1), "capacity": self.capacity,
-            "max_micro": m, "max_global_batch": None if m is None else m * self.dp,
+            "max_micro": m, "max_global_batch": None if m is None else m * self.dp // self.sp,
             "max_micro_low_overhead": self.max_micro_range()[1] if self.overhead_low is not None else None,
             **({"nvme_states": self.nvme_bytes, "disk_needed": self.disk_bytes()} if self.swap_buffer_bytes else {}),
         }
@@ -250,7 +251,7 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
                     offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=layout.dp, tp=layout.tp,
                     num_params=num_params(bench.model), params_per_shard=layout.held_params, prediction=prediction,
                     local_ranks=local_ranks(bench), engine=bench.engine, zeropp=bench.zeropp.tag(),
-                    capacity=capacity if capacity is not None else search_capacity(bench), ep=layout.ep,
+                    capacity=capacity if capacity is not None else search_capacity(bench), ep=layout.ep, sp=layout.sp,
                     **fixed_terms(bench))
 
 
