@@ -195,3 +195,31 @@ def test_the_report_has_the_column_and_the_sentence():
     assert advice.heading == "M on 8 GPUs, longest sequence"
     assert advice.picks[0].sentence == ("At 8 GPUs, ZeRO-3 trains 65,536 tokens per sequence (micro 1) at 8,000 "
                                         "tokens/s, 2.00x ZeRO-1 (32,768).")
+
+
+def test_with_checkpoint_offload_the_line_names_the_host_ram_at_the_longest_sequence():
+    """recompute_offload moves every layer's input to the host, so at the predicted longest sequence
+    the node's RAM is the next wall: the line gives it, and it is the estimate's own host figure there."""
+    from zero_bench.config.configure import compose, from_cfg
+    from zero_bench.estimate import estimate
+    from zero_bench.estimate.seq import host_at
+    from zero_bench.estimate.table import estimate_report
+
+    keys = ["model=llama3-8b", "parallel=dp8", "parallel.sp=8", "hardware=h100_80gb", "zero=3", "offload=true",
+            "offload_param=false", "recompute=full", "search.seq_max=4194304"]
+    explicit = frozenset({"model", "parallel", "parallel.sp", "hardware", "zero", "offload", "offload_param",
+                          "recompute", "recompute_offload"})
+
+    def line(*more):
+        out = estimate_report(compose([*keys, *more]), explicit)
+        return next(x for x in out.splitlines() if x.startswith("max seq len"))
+
+    assert "host RAM" not in line()  # the inputs stay on the device: the host holds the optimizer only
+    with_offload = line("recompute_offload=true")
+    s = int(with_offload.split(": zero3+offload ")[1].split(" ")[0].replace(",", ""))
+    bench = from_cfg(compose([*keys, "recompute_offload=true"]), here=False)
+    host = host_at(bench, s, 1)
+    assert with_offload.endswith(f"{s:,} (host RAM {host / 2**30:,.0f} GiB per node)")
+    # the checkpoints grow with the sequence, the optimizer's host states do not
+    assert host > host_at(bench, s // 2, 1) > estimate(with_seq_len(bench, s // 2)).states.host * 8
+    assert host_at(dataclasses.replace(bench, recompute_offload=False), s, 1) is None
