@@ -223,3 +223,23 @@ def test_with_checkpoint_offload_the_line_names_the_host_ram_at_the_longest_sequ
     # the checkpoints grow with the sequence, the optimizer's host states do not
     assert host > host_at(bench, s // 2, 1) > estimate(with_seq_len(bench, s // 2)).states.host * 8
     assert host_at(dataclasses.replace(bench, recompute_offload=False), s, 1) is None
+
+
+def test_each_of_alsts_savers_lengthens_the_predicted_sequence_in_the_published_order():
+    """ALST's 8 x H100 ablation for Llama-3.1-8B (benchmarks/heldout_long_context.py has the figures
+    and the source): 160K without sp < 1.1M at sp 8 < 1.2M with the tiled MLP < 2.4M with checkpoint
+    offload < 3.8M with both. The estimate keeps that order: each saver removes a term it counts."""
+    from zero_bench.config.configure import compose, from_cfg, search_from_cfg
+
+    common = ["model=llama3-8b", "hardware=h100_80gb", "zero=3", "offload=true", "offload_param=false",
+              "recompute=full", "loss=chunked", "parallel=dp8", "search.seq_max=8388608"]
+
+    def longest(*keys):
+        cfg = compose([*common, *keys])
+        bench = from_cfg(cfg, here=False)
+        return longest_seq(bench, 1, seq_grid(search_from_cfg(cfg), bench.layout))
+
+    order = [longest(), longest("parallel.sp=8"), longest("parallel.sp=8", "tiled_mlp=auto"),
+             longest("parallel.sp=8", "recompute_offload=true"),
+             longest("parallel.sp=8", "tiled_mlp=auto", "recompute_offload=true")]
+    assert order == sorted(order) and len(set(order)) == 5, order
