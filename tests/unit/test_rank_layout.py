@@ -211,3 +211,21 @@ def test_ulysses_estimate_keeps_a_ranks_share_of_each_sequence():
         one, two = est(f"model.attention={attention}"), est(f"model.attention={attention}", "parallel.sp=2")
         assert two.activations["total"] == pytest.approx(one.activations["total"] / 2, abs=2)
         assert two.states == one.states
+
+
+def test_ulysses_with_tensor_parallelism_splits_what_megatron_left_on_each_rank():
+    """tp=2 x sp=2 (compared with sp=1 in tests/integration/test_ulysses_tp.py): the sequence must
+    divide by tp x sp, the heads per tensor rank by sp; a rank keeps half of tp=2's activations
+    (Megatron's sequence parallelism already split the norms' and residuals' share over tp)."""
+    from zero_bench.estimate import estimate
+
+    base = ["model=llama-tiny", "hardware.device=cpu", "parallel.tp=2", "parallel.dp=2"]
+    one = from_cfg(compose(base), here=False)
+    two = from_cfg(compose(base + ["parallel.sp=2"]), here=False)
+    assert two.layout.sequence_parallel and (two.layout.sp, two.layout.sequences) == (2, 1)
+    assert estimate(two).activations["total"] == pytest.approx(estimate(one).activations["total"] / 2, abs=2)
+    with pytest.raises(ConfigError, match="^parallel.sp=2: model.seq_len=258 must be divisible by tp x sp = 4"):
+        from_cfg(compose(base + ["parallel.sp=2", "model.seq_len=258"]), here=False)
+    with pytest.raises(ConfigError, match="^parallel.sp=4: must divide the attention heads per tensor-parallel rank"):
+        from_cfg(compose(["model=llama-tiny", "hardware.device=cpu", "parallel.tp=2", "parallel.dp=4",
+                          "parallel.sp=4", "model.num_heads=4"]), here=False)  # 2 heads per tensor rank

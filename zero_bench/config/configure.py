@@ -218,10 +218,10 @@ def check_bench(b: BenchConfig) -> None:
 
 def check_ulysses(b: BenchConfig) -> None:
     """parallel.sp > 1 with what its trials have shown equal to sp = 1 (DeepSpeed ZeRO 1-3 and FSDP2,
-    sdpa and unfused attention, GQA, RoPE, tiled_mlp over the rank's seq_len / sp tokens);
+    sdpa and unfused attention, GQA, RoPE, tiled_mlp over the rank's seq_len / sp tokens, tp = 2 with
+    Megatron's sequence parallelism: tests/integration/test_ulysses_tp.py);
     combinations no trial has compared yet are refused."""
-    untried = (("parallel.tp", b.parallel.tp > 1, "parallel.tp=1"),
-               ("compile", b.compile, "compile=false"),
+    untried = (("compile", b.compile, "compile=false"),
                ("recompute", b.recompute == Recompute.op, "recompute=none, selective, full or block"))
     for key, bad, allowed in untried:
         if bad:
