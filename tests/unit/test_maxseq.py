@@ -243,3 +243,29 @@ def test_each_of_alsts_savers_lengthens_the_predicted_sequence_in_the_published_
              longest("parallel.sp=8", "recompute_offload=true"),
              longest("parallel.sp=8", "tiled_mlp=auto", "recompute_offload=true")]
     assert order == sorted(order) and len(set(order)) == 5, order
+
+
+def test_the_details_sheet_puts_the_estimates_longest_sequence_beside_the_measured_one():
+    """A stored maxseq answer's row carries the estimate's longest sequence for the same stored
+    configuration and micro-batch (maxseq's default grid): predicted beside measured; a max-batch row
+    has none, and a configuration with no known capacity leaves it empty."""
+    import pandas as pd
+
+    from zero_bench.config.configure import compose, from_cfg
+    from zero_bench.report.rows import Row
+    from zero_bench.report.tables import SEQ_ESTIMATE, Peaks, summary_frame
+
+    def row(keys, seq, dim=Dimension.SEQ):
+        cfg = from_cfg(compose(["model=llama3-8b", "parallel=dp8", "zero=3", "batch.micro=1",
+                                f"model.seq_len={seq}", *keys]), here=False)
+        return cfg, Row(config=cfg.to_dict(), label=cfg.label(), key=f"{dim}-{seq}-{len(keys)}", status="done",
+                        note="", source="s.sqlite", measure=None, max_global_batch=cfg.global_batch, max_micro=1,
+                        dimension=dim, max_seq_len=seq if dim == Dimension.SEQ else None)
+
+    h100, r1 = row(["hardware=h100_80gb"], 16384)
+    _, r2 = row(["hardware=gpu"], 8192)  # no capacity known
+    _, r3 = row(["hardware=h100_80gb", "recompute=full"], 8192, Dimension.BATCH)
+    df = summary_frame([r1, r2, r3], Peaks(env={})).set_index("search key")
+    assert SEQ_ESTIMATE in df.columns
+    assert df.at[r1.key, SEQ_ESTIMATE] == longest_seq(h100, 1, seq_grid(SearchConfig(), h100.layout)) > 8192
+    assert pd.isna(df.at[r2.key, SEQ_ESTIMATE]) and pd.isna(df.at[r3.key, SEQ_ESTIMATE])
