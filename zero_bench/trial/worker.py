@@ -234,10 +234,12 @@ class Rank:
         return tuple(ulysses.local_block(t) for t in (inputs, pos, labels))
 
     def _causal_mask(self):
-        # megatron's default mask is built with device="cuda"; pass our own (True = masked out).
-        if self._mask is None:
-            s = self.cfg.model.seq_len
-            self._mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
+        # megatron's default mask is built with device="cuda"; pass our own (True = masked out),
+        # once; none for sdpa, which never reads it (models/sdpa.py causal_mask)
+        if self._mask is None and self.cfg.model.attention != "sdpa":
+            from zero_bench.models.sdpa import causal_mask
+
+            self._mask = causal_mask(self.cfg.model.attention, self.cfg.model.seq_len, self.device)
         return self._mask
 
     def _sync(self) -> None:
