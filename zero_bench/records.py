@@ -249,7 +249,8 @@ class RankRecord:
     time_per_step: Optional[float] = None
     step_seconds: Optional[float] = None  # on STEP: that step's seconds
     time_note: str = ""  # why time_per_step is None (e.g. every timed fp16 step overflowed)
-    peak_rss_bytes: Optional[int] = None  # ru_maxrss of the rank process
+    peak_rss_bytes: Optional[int] = None  # the rank process's RSS peak (ru_maxrss); CPU: up to the end of its
+    # profiled step, the profiler's own bookkeeping after it left out (trial/worker.py profiled_step)
     runtime_bytes: Optional[int] = None  # the process before the model is built: RSS on CPU, outside the
     # allocator on GPU (interpreter, torch, deepspeed, megatron-core, the process group; the CUDA context)
     peak_live_bytes: Optional[int] = None  # live tensor bytes of one profiled step (CPU) / torch peak (GPU)

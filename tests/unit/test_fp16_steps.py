@@ -169,3 +169,24 @@ def test_no_loss_scale_without_fp16(tmp_path):
     r = rank(OverflowingEngine(overflows=0, fp16=False), StepsConfig(warmup=1, timed=2, probe=1), tmp_path)
     rec = r.run_entry(2, Mode.MEASURE)
     assert rec.loss_scale is None and rec.skipped_steps == 0 and len(rec.step_times) == 2
+
+
+class TransientInTheStep(OverflowingEngine):
+    """Each step's RSS peak is a freed 64 MiB tensor (mmap'd: back to the OS as it is freed)."""
+
+    def step(self, batches, mask, marks):
+        x = torch.ones(16 << 20)
+        del x
+        return super().step(batches, mask, marks)
+
+
+def test_the_peak_rss_holds_the_profiled_steps_transient_and_the_mark_is_set_back_after_it(tmp_path):
+    """CPU peak RSS: VmHWM read at the end of the profiled step (the profiler's bookkeeping after it
+    is not the training's), then set back, so later entries start from their own steps."""
+    if not worker.reset_rss_high_water():
+        pytest.skip("this kernel refuses /proc/self/clear_refs")
+    r = rank(TransientInTheStep(overflows=0, fp16=False), StepsConfig(warmup=0, timed=1, probe=1), tmp_path)
+    rec = r.run_entry(2, Mode.MEASURE)
+    now = worker.rss_now()
+    assert rec.peak_rss_bytes >= now + 60 * 2**20
+    assert worker.rss_high_water() < now + 16 * 2**20

@@ -195,3 +195,77 @@ def test_the_report_has_the_column_and_the_sentence():
     assert advice.heading == "M on 8 GPUs, longest sequence"
     assert advice.picks[0].sentence == ("At 8 GPUs, ZeRO-3 trains 65,536 tokens per sequence (micro 1) at 8,000 "
                                         "tokens/s, 2.00x ZeRO-1 (32,768).")
+
+
+def test_with_checkpoint_offload_the_line_names_the_host_ram_at_the_longest_sequence():
+    """recompute_offload moves every layer's input to the host, so at the predicted longest sequence
+    the node's RAM is the next wall: the line gives it, and it is the estimate's own host figure there."""
+    from zero_bench.config.configure import compose, from_cfg
+    from zero_bench.estimate import estimate
+    from zero_bench.estimate.seq import host_at
+    from zero_bench.estimate.table import estimate_report
+
+    keys = ["model=llama3-8b", "parallel=dp8", "parallel.sp=8", "hardware=h100_80gb", "zero=3", "offload=true",
+            "offload_param=false", "recompute=full", "search.seq_max=4194304"]
+    explicit = frozenset({"model", "parallel", "parallel.sp", "hardware", "zero", "offload", "offload_param",
+                          "recompute", "recompute_offload"})
+
+    def line(*more):
+        out = estimate_report(compose([*keys, *more]), explicit)
+        return next(x for x in out.splitlines() if x.startswith("max seq len"))
+
+    assert "host RAM" not in line()  # the inputs stay on the device: the host holds the optimizer only
+    with_offload = line("recompute_offload=true")
+    s = int(with_offload.split(": zero3+offload ")[1].split(" ")[0].replace(",", ""))
+    bench = from_cfg(compose([*keys, "recompute_offload=true"]), here=False)
+    host = host_at(bench, s, 1)
+    assert with_offload.endswith(f"{s:,} (host RAM {host / 2**30:,.0f} GiB per node)")
+    # the checkpoints grow with the sequence, the optimizer's host states do not
+    assert host > host_at(bench, s // 2, 1) > estimate(with_seq_len(bench, s // 2)).states.host * 8
+    assert host_at(dataclasses.replace(bench, recompute_offload=False), s, 1) is None
+
+
+def test_each_of_alsts_savers_lengthens_the_predicted_sequence_in_the_published_order():
+    """ALST's 8 x H100 ablation for Llama-3.1-8B (benchmarks/heldout_long_context.py has the figures
+    and the source): 160K without sp < 1.1M at sp 8 < 1.2M with the tiled MLP < 2.4M with checkpoint
+    offload < 3.8M with both. The estimate keeps that order: each saver removes a term it counts."""
+    from zero_bench.config.configure import compose, from_cfg, search_from_cfg
+
+    common = ["model=llama3-8b", "hardware=h100_80gb", "zero=3", "offload=true", "offload_param=false",
+              "recompute=full", "loss=chunked", "parallel=dp8", "search.seq_max=8388608"]
+
+    def longest(*keys):
+        cfg = compose([*common, *keys])
+        bench = from_cfg(cfg, here=False)
+        return longest_seq(bench, 1, seq_grid(search_from_cfg(cfg), bench.layout))
+
+    order = [longest(), longest("parallel.sp=8"), longest("parallel.sp=8", "tiled_mlp=auto"),
+             longest("parallel.sp=8", "recompute_offload=true"),
+             longest("parallel.sp=8", "tiled_mlp=auto", "recompute_offload=true")]
+    assert order == sorted(order) and len(set(order)) == 5, order
+
+
+def test_the_details_sheet_puts_the_estimates_longest_sequence_beside_the_measured_one():
+    """A stored maxseq answer's row carries the estimate's longest sequence for the same stored
+    configuration and micro-batch (maxseq's default grid): predicted beside measured; a max-batch row
+    has none, and a configuration with no known capacity leaves it empty."""
+    import pandas as pd
+
+    from zero_bench.config.configure import compose, from_cfg
+    from zero_bench.report.rows import Row
+    from zero_bench.report.tables import SEQ_ESTIMATE, Peaks, summary_frame
+
+    def row(keys, seq, dim=Dimension.SEQ):
+        cfg = from_cfg(compose(["model=llama3-8b", "parallel=dp8", "zero=3", "batch.micro=1",
+                                f"model.seq_len={seq}", *keys]), here=False)
+        return cfg, Row(config=cfg.to_dict(), label=cfg.label(), key=f"{dim}-{seq}-{len(keys)}", status="done",
+                        note="", source="s.sqlite", measure=None, max_global_batch=cfg.global_batch, max_micro=1,
+                        dimension=dim, max_seq_len=seq if dim == Dimension.SEQ else None)
+
+    h100, r1 = row(["hardware=h100_80gb"], 16384)
+    _, r2 = row(["hardware=gpu"], 8192)  # no capacity known
+    _, r3 = row(["hardware=h100_80gb", "recompute=full"], 8192, Dimension.BATCH)
+    df = summary_frame([r1, r2, r3], Peaks(env={})).set_index("search key")
+    assert SEQ_ESTIMATE in df.columns
+    assert df.at[r1.key, SEQ_ESTIMATE] == longest_seq(h100, 1, seq_grid(SearchConfig(), h100.layout)) > 8192
+    assert pd.isna(df.at[r2.key, SEQ_ESTIMATE]) and pd.isna(df.at[r3.key, SEQ_ESTIMATE])

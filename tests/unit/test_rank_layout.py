@@ -191,10 +191,11 @@ def test_ulysses_layout_and_what_it_is_not_run_with():
     assert (lay.sequences, lay.local_seq_len) == (1, model("llama-tiny").seq_len // 4)
     base = ["model=llama-tiny", "hardware.device=cpu", "parallel.dp=2", "parallel.sp=2"]
     assert from_cfg(compose(base), here=False).layout.sp == 2
-    with pytest.raises(ConfigError) as err:
-        from_cfg(compose(["model=llama-tiny", "hardware.device=cpu", "parallel.tp=2", "parallel.dp=2",
-                          "parallel.sp=2"]), here=False)
-    assert str(err.value).startswith("parallel.sp=2: not compared with sp=1 together with parallel.tp"), str(err.value)
+    tp2 = ["model=llama-tiny", "hardware.device=cpu", "parallel.tp=2", "parallel.dp=2", "parallel.sp=2"]
+    for extra, key in ((["compile=true"], "compile at parallel.tp=2"), (["recompute=op"], "recompute=op at parallel.tp=2")):
+        with pytest.raises(ConfigError) as err:  # compared at tp 1 only
+            from_cfg(compose(tp2 + extra), here=False)
+        assert str(err.value).startswith("parallel.sp=2: not compared with sp=1 together with " + key), str(err.value)
     # compared: test_ulysses_trials; compile by hand (docs/long-context.md)
     assert from_cfg(compose(base + ["tiled_mlp=2"]), here=False).tiled_mlp == "2"
     assert from_cfg(compose(base + ["recompute=op"]), here=False).recompute == "op"
@@ -225,3 +226,25 @@ def test_ulysses_estimate_keeps_a_ranks_share_of_each_sequence():
         assert two.states == one.states
         # a group of sp ranks trains one sequence: the global batch is micro x dp / sp (schema's global_batch)
         assert two.row()["max_global_batch"] == two.row()["max_micro"] * 2 // 2
+
+
+def test_ulysses_with_tensor_parallelism_splits_what_megatron_left_on_each_rank():
+    """tp=2 x sp=2 (compared with sp=1 in tests/integration/test_ulysses_tp.py): the sequence must
+    divide by tp x sp, the heads per tensor rank by sp; a rank keeps half of tp=2's activations
+    (Megatron's sequence parallelism already split the norms' and residuals' share over tp)."""
+    from zero_bench.estimate import estimate
+
+    base = ["model=llama-tiny", "hardware.device=cpu", "parallel.tp=2", "parallel.dp=2"]
+    one = from_cfg(compose(base), here=False)
+    two = from_cfg(compose(base + ["parallel.sp=2"]), here=False)
+    assert two.layout.sequence_parallel and (two.layout.sp, two.layout.sequences) == (2, 1)
+    # and what the all-to-all adds (estimate/ulysses.py), per tensor rank: the context copy beside the flash
+    # kernel's output, and K and V kept twice (one key/value head per tensor rank, repeated for sp=2)
+    m, B = two.model, BYTES[two.precision]
+    copy = m.num_layers * (m.seq_len // 2) * (m.num_heads // 2 + 2 * m.query_groups // 2) * m.kv_channels * B
+    assert estimate(two).activations["total"] == pytest.approx(estimate(one).activations["total"] / 2 + copy, abs=2)
+    with pytest.raises(ConfigError, match="^parallel.sp=2: model.seq_len=258 must be divisible by tp x sp = 4"):
+        from_cfg(compose(base + ["parallel.sp=2", "model.seq_len=258"]), here=False)
+    with pytest.raises(ConfigError, match="^parallel.sp=4: must divide the attention heads per tensor-parallel rank"):
+        from_cfg(compose(["model=llama-tiny", "hardware.device=cpu", "parallel.tp=2", "parallel.dp=4",
+                          "parallel.sp=4", "model.num_heads=4"]), here=False)  # 2 heads per tensor rank

@@ -173,7 +173,9 @@ def test_estimate_traced_json_has_each_configurations_trace():
     assert [x["name"] for x in t["terms"]] == [*TERMS, "peak (live tensors)"]
     assert t["peak_bytes"] / MiB == pytest.approx(MEASURED_PEAK_MIB[("gpt-tiny", "bf16", 3, 2)], rel=0.01)
     (warning,) = t["warnings"]
-    assert "on activations + temporaries +17.6 %" in warning
+    # +17.6 % before the formula counted unfused attention's causal mask (64 x 64 bool, the tracker
+    # does not see the step's own input tensors: its "Inputs" stay 0)
+    assert "on activations + temporaries +17.9 %" in warning
     fp32 = json.loads(report(*cfg, "precision=fp32", "traced=true", "json=true"))
     assert fp32["configs"][0]["traced"]["warnings"] == []
     assert "traced" not in json.loads(report("hardware=cpu", "model=gpt-tiny", "engine=fsdp2", "zero=3",

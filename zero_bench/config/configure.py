@@ -218,12 +218,16 @@ def check_bench(b: BenchConfig) -> None:
 
 def check_ulysses(b: BenchConfig) -> None:
     """parallel.sp > 1 with what its trials have shown equal to sp = 1 (DeepSpeed ZeRO 1-3 and FSDP2,
-    sdpa and unfused attention, GQA, RoPE, tiled_mlp over the rank's seq_len / sp tokens, every
-    recompute policy: recompute=op's selective checkpoint recomputes the all-to-alls, which it does
-    not keep, in backward on every rank alike; compile=true, DeepSpeed's whole-model and FSDP2's
-    per-layer compile; a mixture of experts at ep 1, its load-balancing loss over the sequence:
-    models/ulysses.py aux_loss_over_sequence); combinations no trial has compared yet are refused."""
-    untried = (("parallel.tp", b.parallel.tp > 1, "parallel.tp=1"),)
+    sdpa and unfused attention, GQA, RoPE, tiled_mlp over the rank's seq_len / sp tokens, tp = 2 with
+    Megatron's sequence parallelism: tests/integration/test_ulysses_tp.py; at tp 1 every recompute
+    policy, recompute=op's selective checkpoint recomputing the all-to-alls, which it does not keep, in
+    backward on every rank alike; at tp 1 compile=true, DeepSpeed's whole-model and FSDP2's per-layer
+    compile; a mixture of experts at ep 1, its load-balancing loss over the sequence: models/ulysses.py
+    aux_loss_over_sequence); combinations no trial has compared yet are refused."""
+    tp = b.parallel.tp
+    untried = ((f"compile at parallel.tp={tp}", b.compile and tp > 1, "compile=false, or parallel.tp=1"),
+               (f"recompute=op at parallel.tp={tp}", b.recompute == Recompute.op and tp > 1,
+                "recompute=none, selective, full or block, or parallel.tp=1"))
     for key, bad, allowed in untried:
         if bad:
             raise ConfigError(f"parallel.sp={b.parallel.sp}: not compared with sp=1 together with {key} yet; allowed "

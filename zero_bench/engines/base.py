@@ -23,7 +23,7 @@ class Engine(Protocol):
     hpz_secondary: dict
     """ZeRO++ hpZ's second partitions in the last step, bytes: {"bwd_end", "after_step"}; {} without hpZ."""
 
-    def step(self, batches: list[Batch], mask: torch.Tensor, marks: Callable[[str], None]) -> list[float]:
+    def step(self, batches: list[Batch], mask: Optional[torch.Tensor], marks: Callable[[str], None]) -> list[float]:
         """One optimizer step over the micro-batches (gradient accumulation); their losses. Calls
         marks("forward"), marks("backward"), marks("step") as it goes."""
 

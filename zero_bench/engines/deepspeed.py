@@ -53,7 +53,7 @@ class DeepSpeedEngine:
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters,
                                                    config=ds_config, mpu=mpu)
 
-    def step(self, batches: list, mask: torch.Tensor, marks: Callable[[str], None]) -> list[float]:
+    def step(self, batches: list, mask: Optional[torch.Tensor], marks: Callable[[str], None]) -> list[float]:
         losses = []
         for inputs, pos, labels in batches:  # DeepSpeed applies the update at the last micro-step
             marks("forward")

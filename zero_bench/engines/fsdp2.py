@@ -94,7 +94,7 @@ class Fsdp2Engine:
         self.grads_at_step = 0  # bytes of sharded gradients the last step read
         self.last_grad_norm: Optional[float] = None
 
-    def step(self, batches: list, mask: torch.Tensor, marks: Callable[[str], None]) -> list[float]:
+    def step(self, batches: list, mask: Optional[torch.Tensor], marks: Callable[[str], None]) -> list[float]:
         losses = []
         for inputs, pos, labels in batches:
             marks("forward")

@@ -17,7 +17,7 @@ from zero_bench.config.schema import BenchConfig, Device, Loss
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes, sequence_args
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
 from zero_bench.estimate.nvme import nvme_split
-from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction
+from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction, causal_mask
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.records import ModelStates
 from zero_bench.units import BYTES
@@ -57,6 +57,7 @@ def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
               Phase.bwd_end: PhaseBytes(int(grads)),
               Phase.step: PhaseBytes(int(0 if bench.zero == 1 and not bench.offload else grads))}
     buffers = deepspeed_buffers(bench, ds)
+    buffers += causal_mask(m, phases)
     if bench.loss == Loss.chunked:
         buffers.append(Buffer("loss_chunk", loss_chunk_bytes(m, bench.precision), (Phase.act,),
                               "loss=chunked: one chunk's logits"))

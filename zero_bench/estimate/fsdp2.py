@@ -50,7 +50,7 @@ from typing import Mapping, Optional
 from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig, Device, Loss
 from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes, sequence_args
-from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction
+from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction, causal_mask
 from zero_bench.estimate.states import master_bytes, moment_bytes
 from zero_bench.models.params import ROOT, Param
 from zero_bench.records import ModelStates
@@ -165,6 +165,7 @@ def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
               **{n: PhaseBytes(int((L - 1 - i) * layer_grads),
                                int((i + 1) * kept + act["recomputed"] + act["embedding"])) for n, i in layers.items()},
               Phase.step: PhaseBytes(int(dev_grads * states.grads))}
+    buffers += causal_mask(m, phases)
     P = R + sum(p.numel for ps in g.values() for p in ps)
     return Prediction(states=states, buffers=buffers, phases=phases, activations=act,
                       act_per_sample=phases[Phase.backward_start].per_sample,

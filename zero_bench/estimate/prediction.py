@@ -92,3 +92,13 @@ class Prediction:
     def buffers_detail(self) -> dict:
         """name -> {"bytes", "phases"}: the JSON output's buffers_detail."""
         return {b.name: b.as_dict() for b in self.buffers}
+
+
+def causal_mask(model, phases) -> list[Buffer]:
+    """The causal mask a trial's step hands the model (models/sdpa.py causal_mask, which the worker
+    and the traced step call): unfused attention masks its scores with one [1, 1, s, s] bool
+    tensor, s^2 bytes per rank whatever tp, sp or the micro-batch (the mask broadcasts), alive from
+    the first forward on; sdpa takes is_causal and gets none. Both engines list it."""
+    if model.attention == "sdpa":
+        return []
+    return [Buffer("causal_mask", model.seq_len ** 2, tuple(phases), "unfused attention's [1, 1, s, s] bool mask")]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zero_bench.config.schema import BenchConfig, SearchConfig
+from zero_bench.config.schema import BenchConfig, Device, SearchConfig
 from zero_bench.estimate import estimate
 from zero_bench.models.description import PositionEmbedding
 from zero_bench.records import Seed
@@ -31,6 +31,15 @@ def peak_at(bench: BenchConfig, seq_len: int, micro: int) -> tuple[int, Optional
     """(predicted per-rank peak, capacity) at this sequence length and micro-batch."""
     e = estimate(with_seq_len(bench, seq_len))
     return e.peak_bytes(micro), e.capacity
+
+
+def host_at(bench: BenchConfig, seq_len: int, micro: int) -> Optional[int]:
+    """Host RAM one node needs at this sequence length, where it grows with the sequence: on GPU with
+    recompute_offload (every checkpointed layer input of every rank of the node, plus the offloaded
+    states). None elsewhere (on CPU the host is the device the capacity is about)."""
+    if not bench.recompute_offload or bench.hardware.device == Device.cpu:
+        return None
+    return estimate(with_seq_len(bench, seq_len)).host_bytes(micro)
 
 
 def longest_seq(bench: BenchConfig, micro: int, grid: SearchConfig) -> Optional[int]:

@@ -15,7 +15,7 @@ from zero_bench.config.configure import from_cfg, search_from_cfg, validate_stat
 from zero_bench.config.schema import BenchConfig, ConfigError, Device, OffloadDevice
 from zero_bench.engines.specs import spec
 from zero_bench.estimate import Estimate, estimate, zeropp
-from zero_bench.estimate.seq import longest_seq, seq_top
+from zero_bench.estimate.seq import host_at, longest_seq, seq_top
 from zero_bench.models.description import summary
 from zero_bench.models.params import active_params, num_params
 from zero_bench.records import SearchStatus
@@ -88,6 +88,10 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     grid = seq_grid(search_from_cfg(cfg), bench.layout)
     rows = [{**e.row(), "measured_max_micro": measured_max_micro(cfg.get("store"), v),
              "max_seq_len": longest_seq(v, seq_micro, grid)} for v, e in ests]
+    for r, (v, _) in zip(rows, ests):
+        host = host_at(v, r["max_seq_len"], seq_micro) if r["max_seq_len"] else None
+        if host is not None:  # the offloaded checkpoints: the node's RAM is the next wall
+            r["max_seq_host_needed"] = host
     micro = bench.batch.micro
     at = [{"config": r["config"], **e.at_micro(micro)} for r, (_, e) in zip(rows, ests)]
     first = ests[0][1] if ests else None
@@ -289,6 +293,7 @@ def seq_line(bench: BenchConfig, rows: list[dict], micro: int, grid) -> str:
     learned = (f"; learned positions: up to their table, model.seq_len={bench.model.seq_len:,}"
                if top < grid.max else "")
     each = " | ".join(f"{r['config']} {_count(r['max_seq_len']) if not r['max_seq_len'] else format(r['max_seq_len'], ',')}"
+                      + (f" (host RAM {r['max_seq_host_needed'] / GiB:,.0f} GiB per node)" if "max_seq_host_needed" in r else "")
                       for r in rows)
     return (f"max seq len at micro {micro} (predicted, multiples of {grid.granularity} from {grid.min:,} to "
             f"{top:,}{learned}): {each}")

@@ -285,7 +285,9 @@ def _step(bench: BenchConfig, model, optimizer, clip: float, micro: int, tracker
 
     m = bench.model
     tracker.stage = "forward"
-    mask = torch.triu(torch.ones(m.seq_len, m.seq_len, dtype=torch.bool), diagonal=1)[None, None]
+    from zero_bench.models.sdpa import causal_mask
+
+    mask = causal_mask(m.attention, m.seq_len, "cpu")
     for i in range(bench.batch.grad_accum):
         if i:  # the tracker refuses a second root forward with its per-module stats kept (the peak stays)
             tracker.reset_mod_stats()

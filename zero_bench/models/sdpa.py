@@ -43,6 +43,19 @@ def native_gqa(device: torch.device, dtype: torch.dtype) -> bool:
     return gqa_rule(device.type, precision)
 
 
+def causal_mask(attention: str, seq_len: int, device) -> Optional[Tensor]:
+    """The attention mask a training step hands megatron's GPTModel (trial/worker.py, the traced
+    step in estimate/traced.py): None for sdpa, whose is_causal=True replaces it (this module), so
+    no s x s tensor exists that the attention never reads: at 16,384 tokens the bool mask held
+    256 MiB per rank and building it through a second s x s tensor (torch.triu(torch.ones))
+    put the rank's RSS peak 512 MiB above the process (measured on CPU, issue 45). Unfused
+    attention masks its scores with it: [1, 1, s, s] bool, made in place (one s x s allocation),
+    s^2 bytes per rank that the estimate counts (estimate/activations.py causal_mask_bytes)."""
+    if attention == "sdpa":
+        return None
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu_(1)[None, None]
+
+
 class SDPAttention(MegatronModule):
     """torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=...)."""
 

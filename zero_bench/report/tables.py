@@ -37,6 +37,8 @@ CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data
               "checkpoint offload"]  # "search": only where maxseq's rows are; the long-sequence keys where used
 # maxseq's rows (shown where the store holds one): what was searched, and the longest sequence
 SEQ_COLUMNS = ["search", "Max seq len"]
+# Details only: the estimate's longest sequence for the same configuration, beside the measured one
+SEQ_ESTIMATE = "Max seq len (estimate)"
 
 
 def batch_rows(df: pd.DataFrame) -> pd.DataFrame:
@@ -152,7 +154,7 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
             cols.insert(cols.index("recompute") + 1, col)
     if any(r.dimension == Dimension.SEQ for r in rows):
         at = cols.index("Max Global BSZ")
-        cols[at:at] = SEQ_COLUMNS
+        cols[at:at] = SEQ_COLUMNS + [SEQ_ESTIMATE]
     cols += REPEAT_COLUMNS if any(len(r.repeats) > 1 for r in rows) else []
     if df.get(ESTIMATE_COLUMNS[1]) is not None and df[ESTIMATE_COLUMNS[1]].notna().any():
         cols += ESTIMATE_COLUMNS
@@ -179,6 +181,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
            "recompute": str(s.recompute), "ds preset": s.ds_preset, "compile": "Yes" if s.compile else "No",
            "Max Global BSZ": r.max_global_batch, "micro batch": r.max_micro, "grad accum": s.batch.grad_accum,
            "search": "maxseq" if r.dimension == Dimension.SEQ else "maxbatch", "Max seq len": r.max_seq_len,
+           SEQ_ESTIMATE: predicted_seq(s, r.max_micro) if r.dimension == Dimension.SEQ else None,
            "num params": params, "active params": active, "Notes": r.note, "status": r.status,
            "device": str(s.hardware.device), "config": r.label, "search key": r.key, "source": r.source}
     if r.measure is not None and r.measure.samples_per_s:
@@ -241,6 +244,19 @@ def measured_model_states(t: TrialResult) -> tuple[Optional[int], bool]:
     if not states:
         return None, False
     return max(s.total for s in states), any(s.grads for s in states)
+
+
+def predicted_seq(s: BenchConfig, micro: Optional[int]) -> Optional[int]:
+    """The estimate's longest sequence for this configuration at the micro-batch its maxseq held,
+    on maxseq's default grid (estimate/seq.py); None where it cannot say (no capacity, no estimate)."""
+    from zero_bench.config.schema import SearchConfig
+    from zero_bench.estimate.seq import longest_seq
+    from zero_bench.search.dimension import seq_grid
+
+    try:
+        return longest_seq(s, micro or 1, seq_grid(SearchConfig(), s.layout))
+    except Exception:  # noqa: BLE001 - a prediction must not stop the report
+        return None
 
 
 def estimated_model_states(s: BenchConfig, with_grads: bool = True) -> Optional[int]:

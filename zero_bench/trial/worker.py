@@ -146,10 +146,25 @@ def build_peak(on_cpu: bool) -> int:
     trial inherits its pool's mark; resetting it would change peak_rss_bytes), so the build's figure
     is an upper bound there: a build shown below a size stayed below it."""
     if on_cpu:
-        with open("/proc/self/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-        return kib * 1024
+        return rss_high_water()
     return torch.cuda.max_memory_allocated()
+
+
+def rss_high_water() -> int:
+    """This process's peak resident set so far (VmHWM; ru_maxrss reads the same mark)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+
+
+def reset_rss_high_water() -> bool:
+    """VmHWM (and ru_maxrss) set back to the resident set now (Linux 4.0+, /proc/PID/clear_refs "5");
+    False where the kernel refuses, the mark then stays where it was."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def rss_now() -> int:
@@ -217,6 +232,7 @@ class Rank:
         self.phase_live: dict = {}  # the last profiled step's live peak per phase (CPU)
         self.build_bytes: Optional[int] = None  # the build's peak above runtime_bytes (start())
         self.fixed_terms: dict = {}  # calibrate, GPU: FixedTermsProbe's figures (start()), on every END record
+        self.rss_peak: Optional[int] = None  # CPU: the process's RSS peak through the profiled steps (profiled_step)
         self._mask = None
 
     def _emit(self, record: RankRecord) -> None:
@@ -234,10 +250,12 @@ class Rank:
         return tuple(ulysses.local_block(t) for t in (inputs, pos, labels))
 
     def _causal_mask(self):
-        # megatron's default mask is built with device="cuda"; pass our own (True = masked out).
-        if self._mask is None:
-            s = self.cfg.model.seq_len
-            self._mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
+        # megatron's default mask is built with device="cuda"; pass our own (True = masked out),
+        # once; none for sdpa, which never reads it (models/sdpa.py causal_mask)
+        if self._mask is None and self.cfg.model.attention != "sdpa":
+            from zero_bench.models.sdpa import causal_mask
+
+            self._mask = causal_mask(self.cfg.model.attention, self.cfg.model.seq_len, self.device)
         return self._mask
 
     def _sync(self) -> None:
@@ -283,6 +301,10 @@ class Rank:
         first = len(self.marks.marks)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             secs, loss = self.step(micro)
+            # The step's peak is in; what follows is the profiler's own: stopping it and reading
+            # its events held 34 MiB above the step's RSS peak at 16K tokens with the tiled MLP
+            # (256 tiles per layer: events in proportion; measured with VmHWM, issue 45)
+            self.rss_peak = max(self.rss_peak or 0, rss_high_water())
         events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                         if e.name() == "[memory]")
         # Profiler clock and time.time() agree closely enough to name the phase of each event.
@@ -298,6 +320,8 @@ class Rank:
             phase = max(by_phase, key=by_phase.get)
             peak = by_phase[phase]
         self.phase_live = {ph: base + b for ph, b in by_phase.items()}
+        del events, prof
+        reset_rss_high_water()  # the next entry's peak starts from its own steps (rss_peak keeps this one's)
         return secs, loss, base + peak, phase
 
     def applied_profile(self, run: _EntrySteps, micro: int) -> tuple[float, int, str]:
@@ -312,8 +336,10 @@ class Rank:
         return secs, peak_live, phase
 
     def memory_now(self) -> dict:
-        out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-               "host": os.uname().nodename}
+        # CPU: the peak up to the end of the profiled step, not the profiler's bookkeeping after it
+        rss = self.rss_peak if self.on_cpu and self.rss_peak else (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        out = {"peak_rss_bytes": rss, "host": os.uname().nodename}
         if not self.on_cpu:
             out["torch_peak_allocated"] = torch.cuda.max_memory_allocated()
             out["torch_peak_reserved"] = torch.cuda.max_memory_reserved()
