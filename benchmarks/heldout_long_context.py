@@ -77,7 +77,7 @@ def predicted(r: Recipe) -> tuple[int, int | None, int | None]:
 def main() -> None:
     print(f"ALST's recipes ({SOURCE}), Llama-3.1-8B, H100 80GB, micro 1: the longest sequence published "
           "vs the estimate's")
-    print(f"{"savers":<58} {'published':>10} {'estimate':>10} {'est/pub':>7} {'host GiB/node at est':>21} "
+    print(f"{'savers':<58} {'published':>10} {'estimate':>10} {'est/pub':>7} {'host GiB/node at est':>21} "
           f"{'at pub':>7}")
     for r in RECIPES:
         s, host, host_pub = predicted(r)
