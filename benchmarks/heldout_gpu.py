@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from unittest import mock
 
-from zero_bench.estimate import activations
+from zero_bench.estimate import attention
 from zero_bench.estimate.activations import activation_bytes_per_sample
 from zero_bench.models import ModelConfig
 
@@ -98,7 +98,7 @@ def predicted(row: Row, upcast: bool = False) -> float:
         return activation_bytes_per_sample(row.model, row.tp, row.precision, row.recompute, device="gpu",
                                            loss="megatron", fusions=True)
     if upcast:
-        with mock.patch.object(activations, "softmax_upcast", lambda precision, device, fusions=False: True):
+        with mock.patch.object(attention, "softmax_upcast", lambda precision, device, fusions=False: True):
             return row.micro * act()["total"]
     return row.micro * act()["total"]
 

@@ -211,7 +211,7 @@ def test_ulysses_estimate_keeps_a_ranks_share_of_each_sequence():
     """At sp=2 a rank keeps half of each sequence's activations (sdpa: every per-token term; the
     unfused scores: heads / 2 of them over the whole sequence) and what the all-to-all adds (sdpa's
     flash kernel: linear_proj's input is the exchange's copy, q bytes per local token and layer,
-    estimate/ulysses.py; measured in tests/unit/test_ulysses_ranks.py); the model states are sp=1's."""
+    estimate/ulysses.py; measured in tests/integration/test_ulysses_ranks.py); the model states are sp=1's."""
     from zero_bench.estimate import estimate
 
     def est(*extra):

@@ -14,7 +14,7 @@ Sources
   dropout, sdpa vs unfused attention) on this device, for recompute none / selective / full: see
   activations.py.
 - Buffers: DeepSpeed's own, sized from the ds_config a trial runs with (zero_bench.engines.ds_config.build).
-One module each: states.py, activations.py, buffers.py; deepspeed.py puts them together into
+One module each: states.py, activations.py (its attention terms in attention.py), buffers.py; deepspeed.py puts them together into
 engine=deepspeed's Prediction (prediction.py: the one record every engine returns: its states,
 typed buffers, and a Phase -> gradients and activation bytes per sample). engine=fsdp2 has its own
 states and phases (fsdp2.py: PyTorch FSDP2's memory model) in the same record. This module adds the

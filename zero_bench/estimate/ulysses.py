@@ -25,11 +25,12 @@ ctx holds the group and the indices only); what changes is which tensors the mod
 Selective recompute checkpoints the whole DistributedAttention (it is megatron's core_attention
 module): the checkpoint keeps sp = 1's inputs (pre-exchange Q, K, V) and linear_proj's input, and
 the exchanges run again in backward, so the context copy is rebuilt with the rest.
-Measured on CPU tensor by tensor (tests/unit/test_ulysses_ranks.py: two gloo ranks, the storages
+Measured on CPU tensor by tensor (tests/integration/test_ulysses_ranks.py: two gloo ranks, the storages
 the forward saves at sp = 2 against sp = 1's half, to the byte).
 """
 from __future__ import annotations
 
+from zero_bench.estimate.attention import core_attention_terms, dims, sdpa_kernel
 from zero_bench.models import ModelConfig
 from zero_bench.models.description import native_gqa
 from zero_bench.units import BYTES
@@ -44,9 +45,7 @@ def kv_repeat(m: ModelConfig, tp: int, sp: int) -> int:
 def attention_terms(m: ModelConfig, tp: int, precision: str, device: str, sp: int) -> dict:
     """{"attention_qkv", "ulysses_context"}: bytes per local token at sp > 1 (module docstring);
     attention_qkv replaces activations.core_attention_terms' at sp = 1."""
-    from zero_bench.estimate.activations import _dims, core_attention_terms, sdpa_kernel
-
-    B, x = BYTES[precision], _dims(m, tp)
+    B, x = BYTES[precision], dims(m, tp)
     q, kv = x["q"], x["kv"]
     core = core_attention_terms(m, tp, precision, device)
     if m.attention == "unfused":
@@ -62,6 +61,4 @@ def attention_terms(m: ModelConfig, tp: int, precision: str, device: str, sp: in
 
 def exchange_bytes(m: ModelConfig, tp: int, precision: str) -> float:
     """Bytes per local token one all-to-all holds at once (module docstring: exchange)."""
-    from zero_bench.estimate.activations import _dims
-
-    return 3 * _dims(m, tp)["q"] * BYTES[precision]
+    return 3 * dims(m, tp)["q"] * BYTES[precision]
