@@ -94,6 +94,7 @@ from zero_bench.units import BYTES
 from zero_bench.estimate.attention import (attention_inputs_bytes, core_attention_terms, dims, mask_bytes,  # noqa: F401
                                            norm_bytes, qk_norm_terms, qkv_output_kept, sdpa_kernel,
                                            softmax_upcast)
+from zero_bench.estimate.ulysses import attention_terms, exchange_bytes
 
 
 def swiglu_fused(m: ModelConfig, device: str, fusions: bool) -> bool:
@@ -152,11 +153,7 @@ def layer_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: st
     fused = swiglu_fused(m, device, fusions)
     mlp = (moe_terms(m, tp, precision, fused) if moe else
            {"fc1_input": B * h / n, "mlp": 0 if tiles else mlp_bytes(m, f, B, fused)})
-    exchanged = {}
-    if ulysses_sp > 1:
-        from zero_bench.estimate.ulysses import attention_terms
-
-        exchanged = attention_terms(m, tp, precision, device, ulysses_sp)
+    exchanged = attention_terms(m, tp, precision, device, ulysses_sp) if ulysses_sp > 1 else {}
     return {
         "input_norm": norm_bytes(m, precision, device) / n,
         "qkv_input": B * h / n,
@@ -394,8 +391,6 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     grads = backward_transients(m, tp, precision, device, min(tiles, s), fusions)
     exchange = 0.0
     if ulysses_sp > 1:  # one all-to-all in flight beside the attention's backward (estimate/ulysses.py)
-        from zero_bench.estimate.ulysses import exchange_bytes
-
         exchange = exchange_bytes(m, tp, precision)
         grads["attention"] = max(grads["attention"], exchange)
     # linear_proj's input is freed after its backward, unless the flash kernel saved the same tensor

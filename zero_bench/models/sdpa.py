@@ -50,7 +50,7 @@ def causal_mask(attention: str, seq_len: int, device) -> Optional[Tensor]:
     256 MiB per rank and building it through a second s x s tensor (torch.triu(torch.ones))
     put the rank's RSS peak 512 MiB above the process (measured on CPU, issue 45). Unfused
     attention masks its scores with it: [1, 1, s, s] bool, made in place (one s x s allocation),
-    s^2 bytes per rank that the estimate counts (estimate/activations.py causal_mask_bytes)."""
+    s^2 bytes per rank that the estimate counts (estimate/prediction.py causal_mask)."""
     if attention == "sdpa":
         return None
     return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu_(1)[None, None]
