@@ -187,7 +187,7 @@ def op_status() -> dict[str, dict]:
 # op name -> the accelerator's builder class (deepspeed/ops/op_builder)
 BUILDERS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder",
             "quantizer": "QuantizerBuilder", "async_io": "AsyncIOBuilder"}
-NVME_OP = {"async_io": "NVMe offload's swapper (libaio; JIT-built once)"}
+NVME_OP = {"async_io": "NVMe offload's swapper (libaio; JIT-built once, ~2 minutes on 2 cores)"}
 
 
 def needed_ops(bench) -> dict[str, str]:
@@ -224,7 +224,7 @@ def prebuild_ops(bench, say=print) -> list[str]:
     """Build the ops a GPU trial of `bench` needs, once, here: outside every trial's timeout, and a
     machine that cannot build them gets one line before any launch instead of failed trials."""
     if bench.hardware.device != Device.gpu and not bench.nvme:
-        return []  # CPU: make builds the shared-memory op (and async_io where libaio is) at install time
+        return []  # CPU: make builds the shared-memory op at install time (async_io: `make test`, or below)
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
 
