@@ -53,11 +53,13 @@ class ParallelConfig:
     tokens by all-to-all (megatron's alltoall dispatcher); the ranks that hold the same experts
     (dp / ep of them) shard those experts' states. Must divide dp and num_experts; tp 1; DeepSpeed
     ZeRO 1-2 (its expert-data-parallel groups) and FSDP2 zero 2-3."""
-    sequence_parallel: bool = True
+    sequence_parallel: Optional[bool] = None
     """Megatron's sequence parallelism at tp > 1 (Korthikanti et al. 2022), as Megatron and
     torchtitan users run tensor parallelism: the norms, dropouts and residuals hold seq_len / tp
     tokens per rank, gathered before and reduce-scattered after each tp-split matmul; seq_len must
-    be a multiple of tp. false: every tp rank holds the whole sequence there. Nothing at tp 1."""
+    be a multiple of tp. false: every tp rank holds the whole sequence there. Nothing at tp 1.
+    null: true at tp > 1, but false under ds_preset=megatron_deepspeed (its 2021 reference setup
+    predates it)."""
     sp: int = 1
     """Ulysses sequence-parallel degree (DeepSpeed's DistributedAttention): each group of sp
     consecutive data-parallel ranks splits every sequence (seq_len / sp tokens each) and exchanges
@@ -73,7 +75,7 @@ class ParallelConfig:
     @property
     def sequence_sharded(self) -> bool:
         """Whether megatron's sequence parallelism runs: asked for, and tp > 1 to shard over."""
-        return self.sequence_parallel and self.tp > 1
+        return bool(self.sequence_parallel) and self.tp > 1
 
 
 @dataclass
