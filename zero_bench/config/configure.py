@@ -354,7 +354,7 @@ def validate_static(b: BenchConfig) -> None:
     spec(b.engine).validate(b, Concern.engine)
     check_states(b)
     layout = b.layout
-    if layout.hybrid:  # FSDP2's hybrid sharding
+    if layout.dp_shard is not None:  # FSDP2's hybrid sharding (given at all: DeepSpeed would ignore even dp_shard=dp)
         spec(b.engine).validate(b, Concern.hybrid)
     if layout.ep > 1:  # megatron's expert parallelism
         spec(b.engine).validate(b, Concern.expert_parallel)
