@@ -74,8 +74,9 @@ class ParallelConfig:
 
     @property
     def sequence_sharded(self) -> bool:
-        """Whether megatron's sequence parallelism runs: asked for, and tp > 1 to shard over."""
-        return bool(self.sequence_parallel) and self.tp > 1
+        """Whether megatron's sequence parallelism runs: asked for or left out (configure.resolve
+        makes it false under a preset from before it), and tp > 1 to shard over."""
+        return self.sequence_parallel is not False and self.tp > 1
 
 
 @dataclass
@@ -353,7 +354,7 @@ class BenchConfig:
     def label(self) -> str:
         shard = self.parallel.dp_shard
         extras = [f"dp_shard={shard}" if shard and shard != self.parallel.dp else "",
-                  "sequence_parallel=false" if self.parallel.tp > 1 and not self.parallel.sequence_parallel else "",
+                  "sequence_parallel=false" if self.parallel.tp > 1 and not self.parallel.sequence_sharded else "",
                   f"ep={self.parallel.ep}" if self.parallel.ep > 1 else "",
                   f"sp={self.parallel.sp}" if self.parallel.sp > 1 else "",
                   f"states={self.states}" if self.states != States.mixed else "",
