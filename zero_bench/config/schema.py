@@ -161,7 +161,8 @@ class ZeroppConfig:
 @dataclass
 class BenchConfig:
     """One trial's configuration, everything but which batch sizes to try. Built by from_cfg, whose
-    result has device, precision and offload_param resolved (no "auto", no None)."""
+    result has device, precision, offload_param and, at tp > 1, parallel.sequence_parallel resolved
+    (no "auto", no None)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
