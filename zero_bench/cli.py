@@ -8,6 +8,7 @@ Hydra's multi-line error. Exit codes: zero_bench.commands.subcommands (and `zero
 """
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
 from typing import Optional
@@ -118,9 +119,20 @@ class Session:
 COMMAND_NAMES = ("run", "maxbatch", "maxseq", "report", "estimate", "doctor", "status", "calibrate")
 
 
+def unknown_command(word: str) -> ConfigError:
+    """A first word that is no command, no override and no flag: a mistyped command (Hydra would
+    print its override grammar's error about it)."""
+    close = difflib.get_close_matches(word, COMMAND_NAMES, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ";"
+    return ConfigError(f"unknown command '{word}'{hint} commands: {', '.join(COMMAND_NAMES)}")
+
+
 def parse(argv: list[str]) -> tuple[str, list[str]]:
-    """(sub-command, Hydra arguments)."""
+    """(sub-command, Hydra arguments). ConfigError for a first word that is neither a command nor
+    an override (key=value, ~key) nor a flag."""
     args = list(argv)
+    if args and args[0] not in COMMAND_NAMES and "=" not in args[0] and not args[0].startswith(("-", "~", "+")):
+        raise unknown_command(args[0])
     command = args.pop(0) if args and args[0] in COMMAND_NAMES else "run"
     if command == "status" and args and "=" not in args[0] and not args[0].startswith("-"):
         args[0] = f"status_dir={args[0]}"  # `zero_bench status <sweep dir>`
@@ -181,7 +193,10 @@ def show_resolved_job(command: str, flags: list[str], overrides: list[str]) -> b
 def main(argv: Optional[list[str]] = None) -> None:
     import hydra
 
-    command, args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        command, args = parse(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        fail(exc, BAD_INPUT)
     if any(a in ("--help", "-h") for a in args):
         print(help_text())
         return

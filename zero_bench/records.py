@@ -297,6 +297,8 @@ class RankRecord:
     # communicator, less other processes' (the CUDA context alone)
     nccl_world_bytes: Optional[int] = None  # outside-the-allocator growth from the context alone to after
     # the world group's first all-reduce: one communicator of the world's size, connected
+    nccl_all_to_all_bytes: Optional[int] = None  # outside-the-allocator growth over a new group of the world's
+    # ranks and its first all-to-all: one all-to-all communicator of the world's size (Ulysses', MoE's)
     cublas_workspace_bytes: Optional[int] = None  # torch's allocated bytes a linear layer's forward (this
     # thread's cuBLAS handle) and backward (autograd's thread's) left behind: their workspaces
     nvml_error: str = ""

@@ -27,7 +27,7 @@ NVME_MODEL = dataclasses.replace(model("gpt-mini"), hidden_size=512, seq_len=128
 
 def nvme_sub_groups() -> dict:
     """The CPU-offload reference runs with the sub-groups the nvme runs get (ds_config
-    scaled_swap_buffers): the optimizer then steps the same groups in the same order, and equal
+    scaled_sub_group): the optimizer then steps the same groups in the same order, and equal
     losses say the swapping itself is exact (with DeepSpeed's default, one sub-group, the
     reduction order alone moved one step's loss by 2e-7)."""
     from zero_bench.engines import ds_config

@@ -261,11 +261,37 @@ def test_probe_measures_the_context_the_world_communicator_and_cublas(gpus):
     probe = FixedTermsProbe(torch, 0)
     gpu = RankGpu(torch, 0, None, base=base, interval=0)
     assert gpu.others == 1 * GiB
-    dist = types.SimpleNamespace(get_world_size=lambda: 2, all_reduce=lambda t: grow(250 * MiB))
+    groups = []
+    dist = types.SimpleNamespace(get_world_size=lambda: 2, all_reduce=lambda t: grow(250 * MiB),
+                                 new_group=lambda ranks: groups.append(ranks) or grow(20 * MiB) or "a2a",
+                                 all_to_all_single=lambda out, inp, group: grow(90 * MiB if group == "a2a" else 0))
     got = probe.measure(gpu, dist, "bf16")
-    assert got == {"context_bytes": 300 * MiB, "nccl_world_bytes": 250 * MiB, "cublas_workspace_bytes": 64 * MiB}
+    assert got == {"context_bytes": 300 * MiB, "nccl_world_bytes": 250 * MiB, "nccl_all_to_all_bytes": 110 * MiB,
+                   "cublas_workspace_bytes": 64 * MiB}
+    assert groups == [[0, 1]]  # a group of its own over the world's ranks: its creation and first all-to-all
     alone = types.SimpleNamespace(get_world_size=lambda: 1, all_reduce=lambda t: grow(250 * MiB))
     assert probe.first_collective(gpu, alone, 300 * MiB) is None  # one rank: no communicator the estimate counts
+    assert probe.all_to_all_group(gpu, alone) is None
+
+
+def test_the_all_to_all_group_leaves_the_context_term_and_prices_the_ulysses_group():
+    """calibrate's all-to-all group: its bytes come out of the context term (no trial has that
+    group), and the estimate prices an all-to-all group of that size (Ulysses' sp group) with them,
+    the other groups with the world's all-reduce figure."""
+    b = bench("hardware=gpu", "zero=2", "model=llama-tiny", "parallel.dp=2", "parallel.sp=2")
+    ranks = [RankRecord(rank=r, event=Event.END, runtime_bytes=700 * MiB, context_bytes=300 * MiB,
+                        nccl_world_bytes=200 * MiB, nccl_all_to_all_bytes=120 * MiB, cublas_workspace_bytes=64 * MiB,
+                        outside_bytes=1200 * MiB, torch_peak_allocated=100 * MiB, torch_peak_reserved=110 * MiB)
+             for r in range(2)]
+    cal = from_result(b, result(ranks), "gpu|x", A100_NAME, {}, {})
+    assert (cal.nccl_all_to_all_bytes, cal.sp) == ({"2": 120 * MiB}, 2)
+    assert cal.context_bytes == 1200 * MiB - 3 * 200 * MiB - 120 * MiB  # world, dp, sp; and the probe's group
+    text = lines(cal, calibration.cache_path())
+    assert any(t.startswith("NCCL all-to-all group (2 ranks)") and "120.0 MiB" in t for t in text)
+    assert any("3 communicator(s) x NCCL's - the all-to-all group" in t for t in text)
+    from zero_bench.estimate import calibrated_gpu_terms
+
+    assert calibrated_gpu_terms(b, cal)["terms"]["NCCL buffers (calibrated)"] == 2 * 200 * MiB + 120 * MiB
 
 
 def test_calibrate_is_a_sub_command_with_a_small_default_model():

@@ -155,7 +155,13 @@ def test_cli_errors_are_one_line_without_traceback():
                       (["-m", "zero=0,7"], "zero=7: allowed values"),
                       (["repeats=0"], "repeats=0: must be an integer >= 1"),  # run does not use it: refused anyway
                       (["estimate", "search.max=0"], "search.max=0: must be an integer >= 1"),
-                      (["report", "report.nope=1"], "report.nope: unknown key")):
+                      (["report", "report.nope=1"], "report.nope: unknown key"),
+                      # was Hydra's override-grammar error
+                      (["mxbatch"], "unknown command 'mxbatch'; did you mean maxbatch? commands: run, maxbatch, "
+                                    "maxseq, report, estimate, doctor, status, calibrate"),
+                      # trained as if the key were absent (one group of all dp ranks, under DeepSpeed)
+                      (["engine=deepspeed", "parallel.dp_shard=2"], "parallel.dp_shard=2: hybrid sharding runs "
+                                                                    "with engine=fsdp2")):
         p = subprocess.run([sys.executable, "-m", "zero_bench", *args], capture_output=True, text=True)
         assert p.returncode == 2, (args, p.stderr)
         assert key in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
@@ -275,6 +281,19 @@ def test_cli_exit_codes_and_one_line_errors(tmp_path):
                            capture_output=True, text=True)
         assert p.returncode == code, (args, p.stderr)
         assert text in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_mistyped_command_is_named_with_the_nearest_and_the_list():
+    from zero_bench.cli import COMMAND_NAMES, parse
+
+    for word, near in (("mxbatch", "maxbatch"), ("estimat", "estimate"), ("stauts", "status")):
+        with pytest.raises(ConfigError) as e:
+            parse([word, "zero=1"])
+        assert str(e.value) == f"unknown command '{word}'; did you mean {near}? commands: {', '.join(COMMAND_NAMES)}"
+    with pytest.raises(ConfigError, match=r"^unknown command 'xyzzy'; commands: run, maxbatch"):
+        parse(["xyzzy"])
+    assert parse(["zero=1"]) == ("run", ["zero=1"]) and parse(["-m", "zero=0,1"])[0] == "run"
+    assert parse(["~ds_preset"]) == ("run", ["~ds_preset"]) and parse(["+ds.x=1"]) == ("run", ["+ds.x=1"])
 
 
 def test_help_lists_exit_codes_presets_and_every_key():

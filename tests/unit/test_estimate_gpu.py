@@ -23,6 +23,20 @@ def test_communicators_a_rank_joins():
     assert gpu.nccl_bytes(RankLayout(dp=2)) == 2 * 544 * 10**6 and gpu.nccl_bytes(RankLayout(dp=8)) == 2 * 688 * 10**6
 
 
+def test_the_ulysses_and_hpz_groups_are_communicators_too():
+    """config/layout.py builds the sp group (Ulysses' all-to-alls) and DeepSpeed hpZ's group of hpz
+    consecutive ranks (backward's all-gathers): each is an NCCL communicator of its own."""
+    assert gpu.communicators(RankLayout(dp=8, sp=4)) == [8, 8, 4]
+    assert [c.all_to_all for c in gpu.communicator_groups(RankLayout(dp=8, sp=4))] == [False, False, True]
+    assert gpu.communicators(RankLayout(dp=8), hpz=4) == [8, 8, 4]
+    h100 = ["model=llama3-8b", "parallel=dp8", "hardware=h100_80gb", "zero=3"]
+    plain = estimate(from_cfg(compose(h100), here=False))
+    for extra in (["parallel.sp=4"], ["zeropp.hpz=4"]):
+        e = estimate(from_cfg(compose([*h100, *extra]), here=False))
+        assert e.terms["NCCL buffers"] == plain.terms["NCCL buffers"] + 688 * 10**6, extra
+        assert e.overhead == plain.overhead + 688 * 10**6
+
+
 def test_module_loading_sets_the_context_and_both_ends_answer():
     eager, lazy = seed_row("parallel=dp8", "zero=1"), seed_row("parallel=dp8", "zero=1",
                                                                "hardware.cuda_module_loading=lazy")

@@ -234,6 +234,9 @@ def test_fsdp2_process_group_backend(monkeypatch, device, offload, backend):
 @pytest.mark.parametrize("overrides, message", [
     (["engine=fsdp2", "parallel.dp=4", "parallel.dp_shard=3"], "parallel.dp_shard=3: must divide parallel.dp=4"),
     (["parallel.dp=4", "parallel.dp_shard=2"], "parallel.dp_shard=2: hybrid sharding runs with engine=fsdp2"),
+    # one group of all dp ranks: DeepSpeed trained as if the key were absent
+    (["engine=deepspeed", "parallel.dp=2", "parallel.dp_shard=2"], "parallel.dp_shard=2: hybrid sharding runs with "
+                                                                   "engine=fsdp2"),
     (["engine=fsdp2", "parallel=tp2dp2", "parallel.dp_shard=1"], "parallel.dp_shard=1: hybrid sharding is modelled "
                                                                    "at parallel.tp=1"),
 ])

@@ -154,15 +154,17 @@ def test_on_gpu_the_swap_buffers_are_host_memory_not_the_devices():
     """Llama-3-8B, 8 x H100, ZeRO-3: NVMe leaves the device's peak as CPU offload has it and moves
     host memory to the disk. At DeepSpeed's defaults the pinned buffers are large, as its code has
     them: sub_group_size 1e9 makes one ~1e9-element sub-group, so the optimizer swapper pins 4 x it in
-    fp32 (16 GB); the parameter swapper 5 x 1e8 bf16 (1 GB); and the partition (1.0038e9) passing
+    fp32 (16 GB); the parameter swapper 5 x the largest partition (the embedding's eighth) in bf16; and the partition (1.0038e9) passing
     max_in_cpu (1e9) leaves a sub-group without a flat copy, so the swap-out buffer of that sub-group's
     whole parameters (ds_numel: ~8e9 x 2 bytes) is reserved too."""
     gpu = ["model=llama3-8b", "parallel=dp8", "hardware=h100_80gb", "zero=3"]
     cpu = estimate(from_cfg(compose([*gpu, "offload=true"]), here=False))
     nvme = estimate(from_cfg(compose([*gpu, "offload_device=nvme"]), here=False))
     assert nvme.peak_bytes(1) == cpu.peak_bytes(1)
-    assert 4 * 10**9 * 4 + 5 * 10**8 * 2 + 2 * 7.9e9 < nvme.swap_buffer_bytes < 1.01 * (4 * 1_003_782_656 * 4 + 10**9
-                                                                                         + 2 * 8_030_261_248)
+    embedding = -(-128_256 * 4096 // 8)  # the largest partition, the parameter swapper's buffer_size
+    assert nvme.prediction.nvme.param_buffers - 2 * 8_030_261_248 == 5 * embedding * 2
+    assert 4 * 10**9 * 4 + 5 * embedding * 2 + 2 * 7.9e9 < nvme.swap_buffer_bytes < 1.01 * (
+        4 * 1_003_782_656 * 4 + 5 * embedding * 2 + 2 * 8_030_261_248)
     assert nvme.host_bytes() == cpu.host_bytes() - 8 * (nvme.nvme_freed - nvme.swap_buffer_bytes)
 
 
@@ -203,3 +205,28 @@ def test_the_reports_offload_column_names_the_rung_for_old_and_new_records():
     for want, stored, cell in cases:
         s = stored_config({**old, **stored})
         assert (offload_rung(s), _offload_text(s)) == (want, cell), stored
+
+
+@pytest.mark.parametrize("dp", [4, 8])
+def test_on_gpu_the_parameter_swap_buffer_holds_the_largest_partition(dp):
+    """DeepSpeed's parameter swapper asserts every swapped partition fits one buffer at zero.Init
+    (partitioned_param_swapper.py get_buffer): Llama-3-8B's embedding (128256 x 4096 = 525 M
+    elements) over 4 ranks is 131 M, past DeepSpeed's default 1e8. The JSON sizes it on a GPU as on
+    CPU, DeepSpeed's config model takes it, and the estimate's pinned buffers count it."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    b = from_cfg(compose(["model=llama3-8b", f"parallel=dp{dp}", "hardware=h100_80gb", "zero=3",
+                          "offload_device=nvme"]), here=False)
+    z = ds_config.build(b)["zero_optimization"]
+    largest = -(-128_256 * 4096 // dp)
+    assert z["offload_param"]["buffer_size"] == largest
+    assert DeepSpeedZeroConfig(**z).offload_param.buffer_size == largest
+    split = estimate(b).prediction.nvme
+    assert split.param_buffers >= 5 * largest * 2  # buffer_count x buffer_size, bf16
+
+
+def test_a_users_parameter_swap_buffer_wins_on_every_device():
+    for device in (["hardware.device=cpu", "precision=fp32"], ["hardware=h100_80gb", "precision=bf16"]):
+        b = from_cfg(compose(["model=gpt-mini", "zero=3", "offload_device=nvme", *device,
+                              "+ds.zero_optimization.offload_param.buffer_size=300000000"]), here=False)
+        assert ds_config.build(b)["zero_optimization"]["offload_param"]["buffer_size"] == 300_000_000

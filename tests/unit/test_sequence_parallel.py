@@ -28,7 +28,7 @@ def test_on_by_default_at_tp_above_1_and_nothing_at_tp_1():
     assert bench("parallel=tp2").layout.seq_shard == 2
     assert not bench("parallel=tp2", "parallel.sequence_parallel=false").layout.sequence_parallel
     one = bench("parallel=dp2")
-    assert one.parallel.sequence_parallel and not one.layout.sequence_parallel and one.layout.seq_shard == 1
+    assert one.parallel.sequence_parallel is None and not one.layout.sequence_parallel and one.layout.seq_shard == 1
     with pytest.raises(ConfigError, match=r"^parallel\.sequence_parallel=true: .*parallel\.tp=1"):
         RankLayout(tp=1, sequence_parallel=True)
 
@@ -44,13 +44,39 @@ def test_a_sequence_tp_does_not_divide_is_refused_in_one_line():
 
 
 def test_deepspeeds_partitioned_activations_are_refused_with_it():
-    """partition_activations splits each checkpointed input as if it were the same on every tp rank."""
+    """partition_activations splits each checkpointed input as if it were the same on every tp rank:
+    asked for explicitly beside the megatron_deepspeed preset (whose own default is off), refused."""
     preset = ["model=gpt-mini", "parallel=tp2", "recompute=full", "ds_preset=megatron_deepspeed"]
+    on = "parallel.sequence_parallel=true"
     with pytest.raises(ConfigError, match=r"^parallel\.sequence_parallel=true: DeepSpeed's activation_checkpointing"):
-        bench(*preset)
+        bench(*preset, on)
     assert bench(*preset, "parallel.sequence_parallel=false")
-    assert bench(*preset, "+ds.activation_checkpointing.partition_activations=false").layout.sequence_parallel
-    assert bench("model=gpt-mini", "parallel=tp2", "ds_preset=megatron_deepspeed")  # no recompute: not called
+    assert bench(*preset, on, "+ds.activation_checkpointing.partition_activations=false").layout.sequence_parallel
+    assert bench("model=gpt-mini", "parallel=tp2", "ds_preset=megatron_deepspeed", on)  # no recompute: not called
+
+
+def test_the_reference_preset_runs_without_it_unless_asked():
+    """ds_preset=megatron_deepspeed reproduces the 2021 Megatron-DeepSpeed of the reference table,
+    which predates sequence parallelism: off there unless the key is given; on elsewhere at tp > 1.
+    It keeps the search key such a configuration had before the key existed."""
+    preset = ["model=gpt-mini", "parallel=tp2", "recompute=full", "ds_preset=megatron_deepspeed"]
+    b = bench(*preset)
+    assert b.parallel.sequence_parallel is False and not b.layout.sequence_parallel and b.layout.seq_shard == 1
+    assert b.search_key() == bench(*preset, "parallel.sequence_parallel=false").search_key()
+    assert bench("model=gpt-mini", "parallel=tp2", "recompute=full").layout.sequence_parallel  # default preset
+
+
+def test_the_documented_reference_estimate_answers_at_tp_8():
+    """docs/commands.md's reference command at mp8 (tp 8): it exited 2 on partition_activations."""
+    from zero_bench.estimate.table import estimate_report
+
+    args = ["model=gpt345m", "parallel=mp8", "hardware=a100_40gb", "precision=fp16", "recompute=full",
+            "ds_preset=megatron_deepspeed"]
+    out = estimate_report(compose(args), frozenset(a.split("=")[0] for a in args))
+    assert out.startswith("zero_bench estimate: GPT-345M") and "tp=8 dp=1" in out.splitlines()[0]
+    with pytest.raises(ConfigError, match=r"^parallel\.sequence_parallel=true: DeepSpeed's"):
+        estimate_report(compose([*args, "parallel.sequence_parallel=true"]),
+                        frozenset(a.split("=")[0] for a in [*args, "parallel.sequence_parallel=true"]))
 
 
 def test_records_from_before_the_key_keep_their_search_key_and_meaning():

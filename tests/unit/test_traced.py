@@ -109,6 +109,7 @@ def test_the_trace_leaves_the_process_as_it_found_it():
     (("compile=true",), "compile=true: traced=true traces the eager layers only"),
     (("precision=bf16", "states=adam8bit"), "states=adam8bit: traced=true runs the optimizer"),  # bf16 given: auto is fp32 on an AVX2 CPU
     ((f"parallel.dp={MAX_WORLD * 2}",), f"parallel.dp={MAX_WORLD * 2}: traced=true traces worlds of up to 16,384"),
+    (("model=llama-tiny", "parallel.sp=2"), "parallel.sp=2: traced=true cannot trace Ulysses"),
 ])
 def test_what_cannot_be_traced_is_one_line_naming_the_key(overrides, key):
     b = from_cfg(compose(["hardware=cpu", "engine=fsdp2", "model=gpt-tiny", *overrides]), here=False)
@@ -142,6 +143,23 @@ def test_an_unexpected_failure_is_one_line_naming_the_configuration(monkeypatch)
                                           r"\(RuntimeError: aten.foo has no fake implementation\)$"):
         trace(bench("model=gpt-tiny"))
     assert not torch.distributed.is_initialized()
+
+
+def test_an_empty_tracker_snapshot_is_an_error_not_a_peak_of_0(monkeypatch):
+    """A peak of 0 would 'fit' any capacity: the trace fails in one line instead."""
+    from zero_bench.estimate import traced
+
+    with pytest.raises(RuntimeError, match="recorded no peak"):
+        traced.peak_categories({})
+    with pytest.raises(RuntimeError, match="recorded no peak"):
+        traced.peak_categories({"cpu": {}})
+    assert traced.peak_categories({"cpu": {"Total": 5, "Parameter": 5}}) == {"Total": 5, "Parameter": 5}
+    tracker = traced._tracker_class()
+    monkeypatch.setattr(tracker, "get_tracker_snapshot", lambda self, kind="current": {})
+    monkeypatch.setattr(traced, "_tracker_class", lambda: tracker)
+    with pytest.raises(ConfigError, match=r"^traced=true: GPT-tiny .* could not be traced \(RuntimeError: the memory "
+                                          r"tracker recorded no peak"):
+        trace(bench("model=gpt-tiny"), 1)
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -185,6 +203,15 @@ def test_estimate_traced_json_has_each_configurations_trace():
 def test_estimate_traced_on_deepspeed_exits_with_one_line():
     with pytest.raises(ConfigError, match="^engine=deepspeed: traced=true cannot trace it"):
         report("hardware=cpu", "model=gpt-tiny", "traced=true")
+
+
+def test_estimate_traced_with_ulysses_exits_with_one_line_naming_the_keys():
+    """It ended in DeepSpeed's "DeepSpeed backend not set" AssertionError inside the trace."""
+    with pytest.raises(ConfigError) as err:
+        report("hardware=cpu", "model=llama-tiny", "engine=fsdp2", "zero=3", "parallel.sp=2", "traced=true")
+    msg = str(err.value)
+    assert msg.startswith("parallel.sp=2: traced=true cannot trace Ulysses") and "parallel.sp=1" in msg, msg
+    assert "\n" not in msg and "AssertionError" not in msg
 
 
 def test_gpu_offload_variants_are_named_not_traced_and_the_rest_traced():

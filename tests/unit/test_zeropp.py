@@ -60,6 +60,8 @@ def test_the_label_names_the_settings():
                                  "within a node); allowed: 1, 2"),
     (["zero=3", "parallel=dp4", "zeropp.hpz=3"], "zeropp.hpz=3: must divide the ranks per node (4"),
     (["zero=3", "parallel.tp=2", "parallel.dp=2", "zeropp.hpz=2"], "zeropp.hpz=2: DeepSpeed groups hpZ's ranks"),
+    (["zero=3", "parallel.tp=2", "parallel.dp=2", "zeropp.qgz=true"], "zeropp.qgz=true: DeepSpeed builds qgZ's "
+                                                                       "all-to-all groups from world ranks per node"),
     (["zero=3", "zeropp.hpz=0"], "zeropp.hpz=0: must be an integer >= 1"),
     (["zero=3", "zeropp.hpz=two"], "zeropp.hpz=two: must be an integer"),
     (["zero=3", "zeropp.foo=1"], "zeropp.foo"),

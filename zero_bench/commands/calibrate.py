@@ -7,8 +7,8 @@ one probe entry at batch.micro (steps.probe optimizer steps, then a profiled ste
 CPU: each rank's RSS before the model and its peak RSS less its peak live tensors (the estimate's
 fixed term), then, in this process under the machine lock, the matmul rate of each CPU precision.
 GPU: what calibration.FixedTermsProbe measures at each rank's start (the context alone, NCCL's
-world communicator, cuBLAS's workspaces), and at the entry's end the memory outside the allocator
-and torch's peak reserved / allocated.
+world communicator, a group of the world's ranks that runs an all-to-all, cuBLAS's workspaces), and
+at the entry's end the memory outside the allocator and torch's peak reserved / allocated.
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def from_result(bench: BenchConfig, res: TrialResult, key: str, device: str, sof
     ranks = res.ranks
     common = dict(key=key, kind=bench.hardware.device, device=device, date=time.strftime("%Y-%m-%d %H:%M"),
                   label=f"{bench.label()} micro={res.micro}", model=bench.model.name, engine=str(bench.engine),
-                  zero=bench.zero, tp=bench.parallel.tp, dp=bench.parallel.dp, ep=bench.parallel.ep, software=software,
+                  zero=bench.zero, tp=bench.parallel.tp, dp=bench.parallel.dp, ep=bench.parallel.ep,
+                  sp=bench.parallel.sp, hpz=bench.zeropp.hpz, software=software,
                   runtime_bytes=_largest(ranks, lambda r: r.runtime_bytes))
     if bench.hardware.device == Device.cpu:
         overhead = _largest(ranks, lambda r: None if r.peak_rss_bytes is None or r.peak_live_bytes is None
@@ -84,15 +85,19 @@ def from_result(bench: BenchConfig, res: TrialResult, key: str, device: str, sof
     context = _largest(ranks, lambda r: r.context_bytes)
     if outside is None or context is None:
         raise CalibrationFailed("the ranks recorded no CUDA context / memory outside the allocator")
-    # every communicator the launch's groups connected, the expert groups too (ep > 1): the estimate adds
-    # NCCL's bytes for each of them (estimate.calibrated_gpu_terms), so none may stay in the context term
-    comms = communicators(bench.layout)
+    # every communicator the launch's groups connected, the expert, Ulysses and hpZ groups too: the
+    # estimate adds NCCL's bytes for each of them (estimate.calibrated_gpu_terms), so none may stay in
+    # the context term; nor may the probe's own all-to-all group, which no trial has
+    comms = communicators(bench.layout, bench.zeropp.hpz)
+    a2a = _largest(ranks, lambda r: r.nccl_all_to_all_bytes)
+    world = str(bench.parallel.world_size)
     return Calibration(
         **common, module_loading=str(bench.hardware.cuda_module_loading), context_at_init_bytes=context,
-        nccl_bytes={} if nccl is None else {str(bench.parallel.world_size): nccl},
+        nccl_bytes={} if nccl is None else {world: nccl},
+        nccl_all_to_all_bytes={} if a2a is None else {world: a2a},
         cublas_workspace_bytes=_largest(ranks, lambda r: r.cublas_workspace_bytes), outside_bytes=outside,
         # what stays outside besides NCCL is the context with the kernels loaded so far (lazy loading)
-        context_bytes=max(0, outside - (nccl or 0) * len(comms)),
+        context_bytes=max(0, outside - (nccl or 0) * len(comms) - (a2a or 0)),
         peak_allocated_bytes=_largest(ranks, lambda r: r.torch_peak_allocated),
         peak_reserved_bytes=_largest(ranks, lambda r: r.torch_peak_reserved),
         fragmentation=_largest(ranks, lambda r: r.torch_peak_reserved / r.torch_peak_allocated
@@ -113,9 +118,12 @@ def terms(cal: Calibration) -> list[tuple[str, str, str]]:
                  "RSS at each rank's start, before its model is built (largest rank)"),
                 ("rank overhead (the estimate's term)", _mib(cal.overhead_bytes),
                  "peak RSS - peak live tensors at the entry's end (largest rank)"), *rates]
-    comms = len(communicators(RankLayout(tp=cal.tp, dp=cal.dp, ep=cal.ep)))
+    comms = len(communicators(RankLayout(tp=cal.tp, dp=cal.dp, ep=cal.ep, sp=cal.sp), cal.hpz))
     nccl = [(f"NCCL per communicator ({n} ranks)", _mib(b), "growth outside the allocator over the world "
              "group's first all-reduce") for n, b in cal.nccl_bytes.items()]
+    nccl += [(f"NCCL all-to-all group ({n} ranks)", _mib(b), "growth outside the allocator over a new group of "
+              "the world's ranks and its first all-to-all") for n, b in cal.nccl_all_to_all_bytes.items()]
+    probe = " - the all-to-all group" if cal.nccl_all_to_all_bytes else ""
     frag = "-" if cal.fragmentation is None else f"x{cal.fragmentation:.3f}"
     return [("CUDA context at init", _mib(cal.context_at_init_bytes),
              "CUDA's used right after it started, before any communicator, less other processes'"), *nccl,
@@ -123,7 +131,7 @@ def terms(cal: Calibration) -> list[tuple[str, str, str]]:
              "torch's allocated after a linear layer's forward and backward (main and autograd's thread)"),
             ("outside the allocator at the end", _mib(cal.outside_bytes), "CUDA's used - torch's reserved"),
             ("CUDA context and kernels (the estimate's term)", _mib(cal.context_bytes),
-             f"outside at the end - {comms} communicator(s) x NCCL's"),
+             f"outside at the end - {comms} communicator(s) x NCCL's{probe}"),
             ("allocator reserved / allocated", frag, f"{_mib(cal.peak_reserved_bytes)} / "
              f"{_mib(cal.peak_allocated_bytes)} at the entry's peak ({cal.model} ZeRO-{cal.zero})")]
 

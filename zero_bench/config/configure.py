@@ -299,7 +299,8 @@ def auto_precision(device: Device, engine: EngineName, here: bool = True) -> Pre
 
 def resolve(b: BenchConfig, here: bool = True) -> BenchConfig:
     """The one place "auto" and None become concrete: device (CUDA when torch sees it), precision
-    (auto_precision), offload_param (follows offload with ZeRO-3, and always with engine=fsdp2).
+    (auto_precision), offload_param (follows offload with ZeRO-3, and always with engine=fsdp2),
+    parallel.sequence_parallel (sequence_parallel).
     here=False (an estimate for another machine) keeps device=gpu without a visible GPU."""
     device = b.hardware.device
     if device == Device.auto:
@@ -313,9 +314,25 @@ def resolve(b: BenchConfig, here: bool = True) -> BenchConfig:
     offload = rung != OffloadDevice.none
     follows = offload and spec(b.engine).offload_param_follows(b.zero)
     offload_param = bool(follows) if b.offload_param is None else b.offload_param
+    parallel = dataclasses.replace(b.parallel, sequence_parallel=sequence_parallel(b))
     return dataclasses.replace(b, hardware=dataclasses.replace(b.hardware, device=Device(device)),
                                precision=precision, offload=offload, offload_param=offload_param,
-                               offload_device=rung)
+                               offload_device=rung, parallel=parallel)
+
+
+# Presets that reproduce a setup from before megatron's sequence parallelism (2022): the
+# megatron_deepspeed preset is the 2021 Megatron-DeepSpeed of the reference table, whose tp ranks
+# each held the whole sequence (and whose partitioned activation checkpoints assume they do).
+BEFORE_SEQUENCE_PARALLEL = ("megatron_deepspeed",)
+
+
+def sequence_parallel(b: BenchConfig) -> Optional[bool]:
+    """parallel.sequence_parallel as given; left out at tp > 1: on, but off under a preset from
+    before it. Left out at tp 1 it stays None (nothing to shard over), so that only a value the user
+    gave there is named as unread (honoured.py)."""
+    if b.parallel.sequence_parallel is not None or b.parallel.tp == 1:
+        return b.parallel.sequence_parallel
+    return b.ds_preset not in BEFORE_SEQUENCE_PARALLEL
 
 
 def offload_rung(b: BenchConfig) -> OffloadDevice:
@@ -337,7 +354,7 @@ def validate_static(b: BenchConfig) -> None:
     spec(b.engine).validate(b, Concern.engine)
     check_states(b)
     layout = b.layout
-    if layout.hybrid:  # FSDP2's hybrid sharding
+    if layout.dp_shard is not None:  # FSDP2's hybrid sharding (given at all: DeepSpeed would ignore even dp_shard=dp)
         spec(b.engine).validate(b, Concern.hybrid)
     if layout.ep > 1:  # megatron's expert parallelism
         spec(b.engine).validate(b, Concern.expert_parallel)

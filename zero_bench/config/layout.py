@@ -76,9 +76,9 @@ class RankLayout:
 
     @classmethod
     def of(cls, degrees: Any, model: Optional[ModelConfig]) -> "RankLayout":
-        """The layout of `degrees` (anything with tp, dp, dp_shard and ep: config.schema's
-        ParallelConfig) for `model`."""
-        sequence_parallel = bool(getattr(degrees, "sequence_parallel", False)) and degrees.tp > 1
+        """The layout of `degrees` (anything with tp, dp, dp_shard, ep and sequence_sharded:
+        config.schema's ParallelConfig) for `model`."""
+        sequence_parallel = bool(getattr(degrees, "sequence_sharded", False))
         return cls(tp=degrees.tp, dp=degrees.dp, dp_shard=degrees.dp_shard, ep=degrees.ep,
                    sequence_parallel=sequence_parallel, sp=getattr(degrees, "sp", 1), model=model)
 

@@ -53,11 +53,13 @@ class ParallelConfig:
     tokens by all-to-all (megatron's alltoall dispatcher); the ranks that hold the same experts
     (dp / ep of them) shard those experts' states. Must divide dp and num_experts; tp 1; DeepSpeed
     ZeRO 1-2 (its expert-data-parallel groups) and FSDP2 zero 2-3."""
-    sequence_parallel: bool = True
+    sequence_parallel: Optional[bool] = None
     """Megatron's sequence parallelism at tp > 1 (Korthikanti et al. 2022), as Megatron and
     torchtitan users run tensor parallelism: the norms, dropouts and residuals hold seq_len / tp
     tokens per rank, gathered before and reduce-scattered after each tp-split matmul; seq_len must
-    be a multiple of tp. false: every tp rank holds the whole sequence there. Nothing at tp 1."""
+    be a multiple of tp. false: every tp rank holds the whole sequence there. Nothing at tp 1.
+    null: true at tp > 1, but false under ds_preset=megatron_deepspeed (its 2021 reference setup
+    predates it)."""
     sp: int = 1
     """Ulysses sequence-parallel degree (DeepSpeed's DistributedAttention): each group of sp
     consecutive data-parallel ranks splits every sequence (seq_len / sp tokens each) and exchanges
@@ -72,8 +74,9 @@ class ParallelConfig:
 
     @property
     def sequence_sharded(self) -> bool:
-        """Whether megatron's sequence parallelism runs: asked for, and tp > 1 to shard over."""
-        return self.sequence_parallel and self.tp > 1
+        """Whether megatron's sequence parallelism runs: asked for or left out (configure.resolve
+        makes it false under a preset from before it), and tp > 1 to shard over."""
+        return self.sequence_parallel is not False and self.tp > 1
 
 
 @dataclass
@@ -158,7 +161,8 @@ class ZeroppConfig:
 @dataclass
 class BenchConfig:
     """One trial's configuration, everything but which batch sizes to try. Built by from_cfg, whose
-    result has device, precision and offload_param resolved (no "auto", no None)."""
+    result has device, precision, offload_param and, at tp > 1, parallel.sequence_parallel resolved
+    (no "auto", no None)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
@@ -351,7 +355,7 @@ class BenchConfig:
     def label(self) -> str:
         shard = self.parallel.dp_shard
         extras = [f"dp_shard={shard}" if shard and shard != self.parallel.dp else "",
-                  "sequence_parallel=false" if self.parallel.tp > 1 and not self.parallel.sequence_parallel else "",
+                  "sequence_parallel=false" if self.parallel.tp > 1 and not self.parallel.sequence_sharded else "",
                   f"ep={self.parallel.ep}" if self.parallel.ep > 1 else "",
                   f"sp={self.parallel.sp}" if self.parallel.sp > 1 else "",
                   f"states={self.states}" if self.states != States.mixed else "",

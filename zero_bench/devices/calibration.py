@@ -53,6 +53,12 @@ class Calibration:
     ep: int = 1
     """The launch's expert-parallel size: its expert groups are communicators of their own
     (estimate/gpu.communicators). Entries written before it was recorded ran ep=1."""
+    sp: int = 1
+    """The launch's Ulysses size: its sp group is a communicator of its own. Entries written before
+    it was recorded ran sp=1."""
+    hpz: int = 1
+    """The launch's ZeRO++ hpZ size: its hpZ group is a communicator of its own (hpz > 1). Entries
+    written before it was recorded ran hpz=1."""
     software: dict = field(default_factory=dict)
     """Versions in the key: torch, deepspeed, megatron-core (GPU: cuda, nccl, driver)."""
     runtime_bytes: Optional[int] = None
@@ -74,13 +80,18 @@ class Calibration:
     """GPU: group size (as text) -> bytes per communicator, the growth outside the allocator over the
     world group's first all-reduce (RankRecord.nccl_world_bytes); sizes of earlier calibrations under
     the same key are kept."""
+    nccl_all_to_all_bytes: dict = field(default_factory=dict)
+    """GPU: group size (as text) -> bytes of a group of its own that runs all-to-alls (Ulysses' sp
+    group, the MoE dispatcher's ep group), the growth outside the allocator over a new group of the
+    world's ranks and its first all-to-all (RankRecord.nccl_all_to_all_bytes); kept as nccl_bytes are."""
     cublas_workspace_bytes: Optional[int] = None
     """GPU: cuBLAS's workspaces of the main and autograd's threads (RankRecord.cublas_workspace_bytes)."""
     outside_bytes: Optional[int] = None
     """GPU: outside the allocator at the entry's end (context, kernels loaded so far, NCCL)."""
     context_bytes: Optional[int] = None
     """GPU: the CUDA context with the kernels the entry loaded: outside_bytes less NCCL's bytes for
-    the launch's communicators (estimate/gpu.communicators of its tp, dp and ep layout); the estimate's context term."""
+    the launch's communicators (estimate/gpu.communicators of its tp, dp, sp, ep and hpz layout) and
+    for the probe's all-to-all group; the estimate's context term."""
     peak_allocated_bytes: Optional[int] = None
     """GPU: torch's max allocated over the entry."""
     peak_reserved_bytes: Optional[int] = None
@@ -197,7 +208,9 @@ def save(cal: Calibration) -> Path:
     path = cache_path()
     data = _read_json(path)
     old = data.get(cal.key) or {}
-    cal = dataclasses.replace(cal, nccl_bytes={**(old.get("nccl_bytes") or {}), **cal.nccl_bytes})
+    cal = dataclasses.replace(cal, nccl_bytes={**(old.get("nccl_bytes") or {}), **cal.nccl_bytes},
+                              nccl_all_to_all_bytes={**(old.get("nccl_all_to_all_bytes") or {}),
+                                                     **cal.nccl_all_to_all_bytes})
     data[cal.key] = cal.to_dict()
     _write_json_atomic(path, data)
     if cal.key not in _read_json(path):
@@ -242,9 +255,10 @@ class FixedTermsProbe:
         self.used_at_init = int(total - free)
 
     def measure(self, gpu: Any, dist: Any, dtype: Any) -> dict:
-        """RankRecord's context_bytes, nccl_world_bytes and cublas_workspace_bytes."""
+        """RankRecord's context_bytes, nccl_world_bytes, nccl_all_to_all_bytes and cublas_workspace_bytes."""
         context = max(0, self.used_at_init - gpu.others)  # nothing was reserved yet
         return {"context_bytes": context, "nccl_world_bytes": self.first_collective(gpu, dist, context),
+                "nccl_all_to_all_bytes": self.all_to_all_group(gpu, dist),
                 "cublas_workspace_bytes": self.cublas_workspaces(dtype)}
 
     def first_collective(self, gpu: Any, dist: Any, context: int) -> Optional[int]:
@@ -258,6 +272,25 @@ class FixedTermsProbe:
         self.torch.cuda.synchronize(self.local_rank)
         del t
         return max(0, gpu.outside_now() - context)
+
+    def all_to_all_group(self, gpu: Any, dist: Any) -> Optional[int]:
+        """Outside-the-allocator bytes a group of its own holds once it has run an all-to-all, as
+        Ulysses' sp group and the MoE dispatcher's ep group do: NCCL connects every peer point to
+        point for it, not the rings and trees of the world's all-reduce. Measured on a new group of
+        the world's ranks (the only group every rank is sure to be in before the engine builds its
+        own), from before its creation to after its first all-to-all. The group stays: calibrate
+        takes these bytes out of the context term with the launch's own communicators'."""
+        n = dist.get_world_size()
+        if n < 2:
+            return None
+        before = gpu.outside_now()
+        group = dist.new_group(list(range(n)))
+        dev = self.torch.device("cuda", self.local_rank)
+        out, inp = self.torch.empty(n, device=dev), self.torch.empty(n, device=dev)
+        dist.all_to_all_single(out, inp, group=group)
+        self.torch.cuda.synchronize(self.local_rank)
+        del out, inp
+        return max(0, gpu.outside_now() - before)
 
     def cublas_workspaces(self, dtype: Any) -> int:
         """torch's allocated bytes a linear layer's forward and backward leave behind: the workspace

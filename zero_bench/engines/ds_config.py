@@ -123,29 +123,32 @@ def build(cfg: BenchConfig, nvme_path: Optional[str] = None) -> dict:
         if cfg.zero < 3:
             keep = {k: v for k, v in keep.items() if not k.startswith("stage3")}
         ds = merge(ds, {"zero_optimization": keep})
-        if cfg.nvme:
-            ds = merge(ds, scaled_swap_buffers(cfg, user_zero))
+        if cfg.nvme and "sub_group_size" not in user_zero:
+            ds = merge(ds, {"zero_optimization": {"sub_group_size": scaled_sub_group(cfg)}})
+    if cfg.nvme and cfg.offload_param and "buffer_size" not in (user_zero.get("offload_param") or {}):
+        ds = merge(ds, {"zero_optimization": {"offload_param": {"buffer_size": param_swap_buffer(cfg)}}})
     return with_buildable_adam(merge(ds, cfg.ds), cfg)
 
 
-def scaled_swap_buffers(cfg: BenchConfig, user_zero: dict) -> dict:
-    """offload_device=nvme on CPU (default preset): DeepSpeed's swap buffers sized to the model, as the
-    buckets are. Its defaults are for billion-parameter models and live in pinned host memory, the
-    very memory NVMe offload is to free: the parameter swapper keeps buffer_count (5) x buffer_size
-    (1e8 elements) = 2 GB of fp32 per rank (partitioned_param_swapper.py _configure_aio), the
-    optimizer swapper buffer_count (4) x its largest sub-group (optimizer_utils.py SwapBufferManager),
-    and sub_group_size's default (1e9) makes the whole partition one sub-group. Here: buffer_size =
-    the largest parameter partition (its swapper asserts every swapped partition fits one buffer),
-    sub_group_size = an eighth of the partition, at least what DeepSpeed swaps at all (1 MiB)."""
-    layout, dp = cfg.layout, cfg.parallel.dp
-    out: dict = {}
-    if "sub_group_size" not in user_zero:
-        out["sub_group_size"] = max(MIN_SWAP_ELEMENTS, layout.held_params // dp // 8)
-    user_param = user_zero.get("offload_param") or {}
-    if cfg.offload_param and "buffer_size" not in user_param:
-        largest = max(-(-p.numel // dp) for p in layout.params)
-        out["offload_param"] = {"buffer_size": max(MIN_SWAP_ELEMENTS, largest)}
-    return {"zero_optimization": out}
+def scaled_sub_group(cfg: BenchConfig) -> int:
+    """offload_device=nvme on CPU (default preset): sub_group_size sized to the model, as the buckets
+    are. DeepSpeed's default (1e9) makes the whole partition one sub-group, and the optimizer swapper
+    pins buffer_count (4) x its largest sub-group (optimizer_utils.py SwapBufferManager) in host
+    memory, the very memory NVMe offload is to free. Here an eighth of the partition, at least what
+    DeepSpeed swaps at all (1 MiB)."""
+    return max(MIN_SWAP_ELEMENTS, cfg.layout.held_params // cfg.parallel.dp // 8)
+
+
+def param_swap_buffer(cfg: BenchConfig) -> int:
+    """offload_param.buffer_size with offload_device=nvme, on every device and preset: the largest
+    parameter partition. DeepSpeed's parameter swapper asserts every swapped partition fits one of its
+    buffers (partitioned_param_swapper.py get_buffer, at zero.Init), and its default (1e8 elements) is
+    smaller than Llama-3-8B's 525 M-element embedding split over dp <= 5 ranks, or a 70B's over 8;
+    on a small model the default instead pins buffer_count (5) x 1e8 elements of host memory for
+    nothing. A partition is the parameter split over dp, padded up (partition_parameters.py
+    _aligned_size)."""
+    largest = max(-(-p.numel // cfg.parallel.dp) for p in cfg.layout.params)
+    return max(MIN_SWAP_ELEMENTS, largest)
 
 
 def serial_unpinned(cfg: BenchConfig) -> bool:

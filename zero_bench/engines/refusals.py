@@ -75,10 +75,17 @@ def zeropp(b: BenchConfig) -> None:
     """ZeRO++ is ZeRO-3's (DeepSpeed reads its keys in stage3.py and zero.Init only). hpZ's groups
     are consecutive global ranks (utils/groups.py _create_zero_param_parallel_group), a node's
     ranks when hpz divides them, as the paper means it; at tp > 1 they would pair tensor-parallel
-    peers, whose partitions differ."""
+    peers, whose partitions differ. qgZ's all-to-all groups are built the same way, from world ranks
+    per node and across nodes (utils/groups.py _get_local_all_to_all_group), without megatron's
+    groups: across nodes they reduce different tensor-parallel shards together (stage3.py
+    __avg_scatter_grads; on one node qgZ is plain reduce-scatter, nothing quantized)."""
     if b.zero != 3:
         raise ConfigError(f"{first_zeropp_key(b)}: ZeRO++ is DeepSpeed's ZeRO-3 (got zero={b.zero}); allowed: zero=3, "
                           "or leave zeropp.* out")
+    if b.zeropp.qgz and b.parallel.tp > 1:
+        raise ConfigError(f"zeropp.qgz=true: DeepSpeed builds qgZ's all-to-all groups from world ranks per node, which "
+                          f"at parallel.tp={b.parallel.tp} reduce different tensor-parallel shards together across "
+                          "nodes; allowed with tp > 1: zeropp.qgz=false")
     hpz = b.zeropp.hpz
     if hpz == 1:
         return

@@ -51,8 +51,8 @@ from zero_bench.engines.specs import load, spec, tag
 from zero_bench.estimate.activations import activation_bytes_per_sample
 from zero_bench.estimate.buffers import deepspeed_buffers
 from zero_bench.estimate.deepspeed import CPU_ACTIVATION_FACTOR
-from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communicator_bytes, communicators, fragmentation,
-                                     outside_allocator)
+from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communicator_bytes, communicator_groups,
+                                     fragmentation, outside_allocator)
 from zero_bench.estimate.prediction import Phase, Prediction
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.records import ModelStates, Seed
@@ -269,7 +269,8 @@ def fixed_terms(bench: BenchConfig) -> dict:
     if cal is not None and cal.context_bytes is not None:
         return calibrated_gpu_terms(bench, cal)
     loading, layout = bench.hardware.cuda_module_loading, bench.layout
-    high, low = outside_allocator(loading, layout, 1), outside_allocator(loading, layout, 0)
+    hpz = bench.zeropp.hpz
+    high, low = outside_allocator(loading, layout, 1, hpz), outside_allocator(loading, layout, 0, hpz)
     # cuBLAS's workspaces live inside the allocator but are there from the first matmul on, whatever
     # the batch: they are counted with the fixed terms
     ws = CUBLAS_HANDLES * CUBLAS_WORKSPACE
@@ -281,12 +282,13 @@ def fixed_terms(bench: BenchConfig) -> dict:
 
 def calibrated_gpu_terms(bench: BenchConfig, cal: Calibration) -> dict:
     """The GPU terms as measured here (low = high): the context with its kernels, NCCL per
-    communicator of each size calibrated (a size not calibrated: its published figure), cuBLAS's
-    workspaces, and the fragmentation where the calibration ran this model and stage."""
+    communicator of each size calibrated (an all-to-all group: the all-to-all group of its size
+    where one was measured; a size not calibrated: its published figure), cuBLAS's workspaces, and
+    the fragmentation where the calibration ran this model and stage."""
     nccl = {"calibrated": 0, "published": 0}
-    for n in communicators(bench.layout):
-        got = cal.nccl_bytes.get(str(n))
-        nccl["published" if got is None else "calibrated"] += communicator_bytes(n) if got is None else got
+    for c in communicator_groups(bench.layout, bench.zeropp.hpz):
+        got = (c.all_to_all and cal.nccl_all_to_all_bytes.get(str(c.ranks))) or cal.nccl_bytes.get(str(c.ranks))
+        nccl["published" if got is None else "calibrated"] += communicator_bytes(c.ranks) if got is None else got
     ws = CUBLAS_HANDLES * CUBLAS_WORKSPACE if cal.cublas_workspace_bytes is None else cal.cublas_workspace_bytes
     terms = {"CUDA context and kernels (calibrated)": cal.context_bytes}
     terms.update({f"NCCL buffers ({k})": v for k, v in nccl.items() if v or k == "calibrated"})

@@ -63,12 +63,30 @@ class OutsideAllocator:
         return self.cuda_context + self.nccl
 
 
-def communicators(layout: RankLayout) -> list[int]:
-    """Sizes of the NCCL communicators a rank joins in a trial, of the layout's groups: the world
+@dataclass(frozen=True)
+class Communicator:
+    """One NCCL communicator a rank joins: its group's name, its ranks, and whether its traffic is
+    all-to-all (point-to-point connections to every peer) rather than rings and trees."""
+    name: str
+    ranks: int
+    all_to_all: bool = False
+
+
+# The groups whose collectives are all-to-alls: Ulysses' heads-for-sequence exchange
+# (deepspeed/sequence/layer.py) and the MoE dispatcher's tokens (megatron's ep group).
+ALL_TO_ALL_GROUPS = ("sp", "ep")
+
+
+def communicator_groups(layout: RankLayout, hpz: int = 1) -> list[Communicator]:
+    """The NCCL communicators a rank joins in a trial, of the layout's groups: the world
     (zero_bench's barriers and its over-capacity all-reduce, DeepSpeed's world collectives), the
     data-parallel group (ZeRO's reduce-scatter and all-gather; a group of its own even when it spans
-    the world) and, with tp > 1, the tensor-parallel group (megatron's all-reduces). A group of one
-    rank needs no buffers.
+    the world), with tp > 1 the tensor-parallel group (megatron's all-reduces), with sp > 1 the
+    Ulysses group (attention's all-to-alls), with ep > 1 the expert-parallel group (the dispatcher's
+    all-to-alls) and the expert-data-parallel group (the experts' reduce-scatters and all-gathers),
+    and with ZeRO++ hpz > 1 hpZ's group of hpz consecutive ranks (backward's all-gathers of the
+    second partition; utils/groups.py _create_zero_param_parallel_group). A group of one rank needs
+    no buffers.
 
     These are the groups that run collectives, so the ones whose buffers the published figures
     measure. More communicators exist: DeepSpeed 0.19.8 binds device_id in init_process_group
@@ -78,12 +96,17 @@ def communicators(layout: RankLayout) -> list[int]:
     0.16.1's initialize_model_parallel, most of them never used). NCCL 2.22+ connects the
     per-peer buffers at a communicator's first collective, so those idle ones hold only their
     base structures, for which no figure is published: `zero_bench calibrate` measures them, as part
-    of the outside-the-allocator bytes its context term is derived from. Expert parallelism (ep > 1)
-    adds the expert-parallel group (the dispatcher's all-to-alls) and the expert-data-parallel
-    group (the experts' reduce-scatters and all-gathers). Hybrid sharding's shard and replicate
-    groups (FSDP2's 2-D mesh) are not counted: the GPU terms do not model that mesh."""
-    g = layout.groups
-    return [n for n in (g["world"], g["dp"], g["tp"], g.get("ep", 1), g.get("expert_dp", 1)) if n > 1]
+    of the outside-the-allocator bytes its context term is derived from. Not counted: hybrid
+    sharding's shard and replicate groups (FSDP2's 2-D mesh; the GPU terms do not model that mesh)
+    and qgZ's per-node and cross-node all-to-all groups (utils/groups.py _get_local_all_to_all_group)."""
+    g = {**layout.groups, "hpz": hpz}
+    names = ("world", "dp", "tp", "sp", "ep", "expert_dp", "hpz")
+    return [Communicator(n, g[n], n in ALL_TO_ALL_GROUPS) for n in names if g.get(n, 1) > 1]
+
+
+def communicators(layout: RankLayout, hpz: int = 1) -> list[int]:
+    """The sizes of communicator_groups(layout, hpz), in its order."""
+    return [c.ranks for c in communicator_groups(layout, hpz)]
 
 
 def communicator_bytes(n: int) -> int:
@@ -91,13 +114,13 @@ def communicator_bytes(n: int) -> int:
     return NCCL_COMMUNICATOR[2] if n == 2 else NCCL_COMMUNICATOR["more"]
 
 
-def nccl_bytes(layout: RankLayout) -> int:
-    return sum(communicator_bytes(n) for n in communicators(layout))
+def nccl_bytes(layout: RankLayout, hpz: int = 1) -> int:
+    return sum(communicator_bytes(n) for n in communicators(layout, hpz))
 
 
-def outside_allocator(module_loading: str, layout: RankLayout, end: int = 1) -> OutsideAllocator:
+def outside_allocator(module_loading: str, layout: RankLayout, end: int = 1, hpz: int = 1) -> OutsideAllocator:
     """The terms at the low (end=0) or high (end=1) end of the context's published range."""
-    return OutsideAllocator(cuda_context=CUDA_CONTEXT[module_loading][end], nccl=nccl_bytes(layout))
+    return OutsideAllocator(cuda_context=CUDA_CONTEXT[module_loading][end], nccl=nccl_bytes(layout, hpz))
 
 
 def fragmentation(zero: int, engine: str = DEFAULT_ENGINE) -> float:

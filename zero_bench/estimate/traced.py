@@ -24,7 +24,7 @@ CPU configuration: gloo's second all-gather buffer (estimate/fsdp2.py) is gloo's
 the fake process group makes, so the trace does not see it.
 
 Refused in one line each (ConfigError naming the key, exit 2; `refusal`): an engine whose spec names
-no tracer (DeepSpeed: see engines/specs.py), a mixture of experts, compile=true, states=adam8bit,
+no tracer (DeepSpeed: see engines/specs.py), a mixture of experts, compile=true, Ulysses (parallel.sp > 1), states=adam8bit,
 offload on a GPU, a world above MAX_WORLD ranks, a torch other than TORCH_SERIES (the tracker's
 namespace is private), and a process that already has a process group.
 """
@@ -116,6 +116,10 @@ def refusal(bench: BenchConfig) -> Optional[str]:
                 "FakeTensorMode cannot run; the formula's column stands alone")
     if bench.compile:
         return "compile=true: traced=true traces the eager layers only (inductor's kernels are not traced)"
+    if bench.parallel.sp > 1:
+        return (f"parallel.sp={bench.parallel.sp}: traced=true cannot trace Ulysses: DeepSpeed's DistributedAttention "
+                "all-to-alls through deepspeed.comm, whose backend the fake process group does not set up; "
+                "allowed with traced=true: parallel.sp=1")
     if bench.states == States.adam8bit:
         return "states=adam8bit: traced=true runs the optimizer, and torchao's AdamW8bit is not installed"
     if bench.offload and bench.hardware.device != Device.cpu:
@@ -252,12 +256,22 @@ def _traced_step(bench: BenchConfig, micro: int) -> Traced:
         with _not_propagation(tracker), tracker:
             _step(bench, model, optimizer, clip, micro, tracker)
         moments = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    cats = {str(k.value if hasattr(k, "value") else k): int(v)
-            for k, v in next(iter(tracker.get_tracker_snapshot("peak").values()), {}).items()}
+    cats = peak_categories(tracker.get_tracker_snapshot("peak"))
     return Traced(label=bench.label(), world=bench.parallel.tp * bench.parallel.dp, micro=micro,
                   grad_accum=bench.batch.grad_accum, peak_bytes=cats.get("Total", 0), phase=tracker.peak_phase,
                   terms=traced_terms(cats, moments), categories=cats,
                   modules=tracker.unit_peaks(), differs=GPU_DIFFERS if on_gpu else CPU_DIFFERS)
+
+
+def peak_categories(snapshot: dict) -> dict:
+    """The tracker's peak snapshot (device -> category -> bytes) -> its categories (name -> bytes).
+    A snapshot with no device or no bytes means the tracker saw nothing (its hooks missed the step):
+    an error, not a peak of 0 that fits any capacity."""
+    first = next(iter(snapshot.values()), {})
+    cats = {str(k.value if hasattr(k, "value") else k): int(v) for k, v in first.items()}
+    if cats.get("Total", 0) <= 0:
+        raise RuntimeError(f"the memory tracker recorded no peak (snapshot: {snapshot or 'empty'})")
+    return cats
 
 
 def _nbytes(t) -> int:
