@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.devices.rates import HardwareRates, Rate
 from zero_bench.estimate.time.record import TimePrediction
 
@@ -75,8 +75,9 @@ def time_sheet(bench: BenchConfig, rows: list[dict], ests: list, price: Optional
 
     rates = ests[0].time.rates
     lines = sheet_rows(rows, ests, micro, price, train_tokens)
+    checked = "this machine's trials" if bench.hardware.device == Device.cpu else "a GPU run"
     title = (f"predicted time per optimizer step (grad_accum {bench.batch.grad_accum}; {rates.name} rates: "
-             "zero_bench/devices/rates.py; predicted, not yet checked against a GPU run):")
+             f"zero_bench/devices/rates.py; not yet checked against {checked}):")
     terms, shown = ["terms of each step, seconds (largest first; ~: overlapped with compute; source of each: --json):"], []
     for r, e in zip(rows, ests):
         p = e.time_at(r.get("max_micro") or micro)
