@@ -10,4 +10,5 @@ metrics.py       FLOPs -> MFU / HFU, and the peak FLOP/s they are measured again
 toolkit.py       the CUDA toolkit DeepSpeed JIT-builds its ops with
 aio.py           what NVMe offload needs here: DeepSpeed's async_io op (libaio), an O_DIRECT swap folder
 calibration.py   this machine's fixed terms as `zero_bench calibrate` measured them, and their cache
+rates.py         the rates a time prediction reads (matmul, memory, links, PCIe, CPU Adam, NVMe), each sourced
 """
