@@ -7,6 +7,8 @@ compute.py  the matmuls (forward, backward = 2 x forward, what recompute re-runs
 comm.py     one entry per collective an engine issues (ZeRO 0-3, ZeRO++, FSDP2, TP/SP, Ulysses,
             experts), its algorithm factor, intra- or inter-node bandwidth, overlapped or exposed
 offload.py  PCIe copies, the optimizer step on the host's cores, NVMe reads and writes
+record.py   the typed records: TimeTerm (name, seconds, exposed, source), TimePrediction
+table.py    `zero_bench estimate`'s time sheet and the JSON's `time`
 The rates: zero_bench/devices/rates.py (each with its published source, or marked assumed).
 
 The step is the exposed terms' sum. Overlapped terms (ZeRO-3's and FSDP2's prefetched collectives,
