@@ -232,3 +232,26 @@ def test_estimate_json_carries_every_term_with_its_source():
 def test_a_gpu_without_rates_says_so():
     text = estimate_report(compose(["model=llama3-8b", "parallel=dp8", "hardware=gpu", "zero=1"]), frozenset({"zero"}))
     assert "time per step: no rates for hardware.card=None" in text
+
+
+# -- this CPU's rates ------------------------------------------------------------------------------------
+
+def test_cpu_rates_take_what_was_measured_and_say_the_rest_is_assumed():
+    from zero_bench.devices.rates import cpu_rates
+
+    b = from_cfg(compose(["model=gpt-tiny", "hardware=cpu", "parallel=dp2", "precision=fp32", "zero=2",
+                          "offload=true"]), here=False)
+    got = {"matmul_flops": {"fp32": 5e10}, "memory_bytes_per_s": 8e9, "cpu_adam_params_per_s": 4e8, "said": "in a test"}
+    r = cpu_rates(b, got)
+    assert (r.matmul_flops.value, r.memory_bytes_per_s.value, r.cpu_adam_params_per_s_per_core.value) == (5e10, 8e9, 4e8)
+    assert r.matmul_flops.calibrated and not r.intra_node_bytes_per_s.calibrated and r.intra_node_bytes_per_s.assumed
+    p = predict_time(b, 2, r)
+    n = sum(b.layout.zero_groups(b.layout.tp_shard_params))
+    assert close(p.term("optimizer step (host, CPU Adam)").seconds, n / 4e8)
+    assert p.mfu is not None  # against the measured rate
+
+
+def test_the_rate_probes_measure_something_on_this_cpu():
+    from zero_bench.devices.rate_probes import memory_bytes_per_s
+
+    assert 1e8 < memory_bytes_per_s(1, n=1_000_000) < 1e12

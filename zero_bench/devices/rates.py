@@ -152,21 +152,31 @@ CPU_DEFAULTS = dict(
 
 
 def cpu_rates(bench: BenchConfig, measured: Optional[dict] = None) -> HardwareRates:
-    """One CPU rank's rates: the matmul rate `zero_bench calibrate` measured (else metrics.cpu_peak_flops,
-    cached per machine, measured on first use), the others CPU_DEFAULTS. `measured`: precision ->
-    FLOP/s from a calibration (tests give it)."""
+    """One CPU rank's rates: what `zero_bench calibrate` measured here (the matmul rate, memory
+    bandwidth, CPU Adam: devices/calibration.py), else metrics.cpu_peak_flops for the matmul (cached per
+    machine, measured on first use) and CPU_DEFAULTS for the rest. `measured`: the same figures from
+    elsewhere (a benchmark measuring them itself): {"matmul_flops": {precision: FLOP/s},
+    "memory_bytes_per_s": ..., "cpu_adam_params_per_s": ..., "said": how they were measured}."""
     from zero_bench.devices import calibration
     from zero_bench.devices.metrics import cpu_peak_flops
 
-    cal = calibration.for_bench(bench) if measured is None else None
-    got = measured if measured is not None else (cal.matmul_flops if cal is not None else {})
-    prec = str(bench.precision)
-    if prec in got:
-        flops = Rate(got[prec], f"{prec} F.linear 1024^2 on one rank, calibrated here", calibrated=True)
-    else:
-        flops = Rate(cpu_peak_flops(prec)["flops"], f"{prec} F.linear 1024^2 on one rank, measured here (cpu_peak.json)",
-                     calibrated=True)
-    return HardwareRates("this CPU", matmul_flops=flops, fp32_flops=flops, **CPU_DEFAULTS)
+    if measured is None:
+        cal = calibration.for_bench(bench)
+        measured = {} if cal is None else {"matmul_flops": cal.matmul_flops, "memory_bytes_per_s": cal.memory_bytes_per_s,
+                                           "cpu_adam_params_per_s": cal.cpu_adam_params_per_s, "said": cal.said}
+    said, prec = measured.get("said", "measured here"), str(bench.precision)
+    got = measured.get("matmul_flops") or {}
+    flops = (Rate(got[prec], f"{prec} F.linear 1024^2 on one rank, {said}", calibrated=True) if prec in got else
+             Rate(cpu_peak_flops(prec)["flops"], f"{prec} F.linear 1024^2 on one rank, measured here (cpu_peak.json)",
+                  calibrated=True))
+    rates = dict(CPU_DEFAULTS)
+    if measured.get("memory_bytes_per_s"):
+        mem = Rate(measured["memory_bytes_per_s"], f"fp32 add on one rank, {said}", calibrated=True)
+        rates.update(memory_bytes_per_s=mem, host_to_device_bytes_per_s=mem, device_to_host_bytes_per_s=mem)
+    if measured.get("cpu_adam_params_per_s"):
+        rates["cpu_adam_params_per_s_per_core"] = Rate(measured["cpu_adam_params_per_s"] / rates["host_cores"].value,
+                                                       f"DeepSpeedCPUAdam on one rank, {said}", calibrated=True)
+    return HardwareRates("this CPU", matmul_flops=flops, fp32_flops=flops, **rates)
 
 
 def rates_for(bench: BenchConfig) -> Optional[HardwareRates]:
