@@ -177,7 +177,7 @@ def zero3_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
 def fsdp2_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
     """fully_shard's all-gathers and reduce-scatters (HSDP: + the replicas' all-reduce), prefetched."""
     ga, layout, tp = bench.batch.grad_accum, bench.layout, bench.parallel.tp
-    pb = 2 if grad_bytes(bench) == 4 and bench.precision == Precision.bf16 else BYTES[bench.precision]
+    pb = BYTES[bench.precision]  # MixedPrecisionPolicy's param_dtype (bf16), or the fp32 parameters themselves
     passes = 2 if bench.zero == 3 else 1
     out = []
     for name, n_params, n, span in groups(bench):
