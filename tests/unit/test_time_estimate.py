@@ -255,3 +255,10 @@ def test_the_rate_probes_measure_something_on_this_cpu():
     from zero_bench.devices.rate_probes import memory_bytes_per_s
 
     assert 1e8 < memory_bytes_per_s(1, n=1_000_000) < 1e12
+
+
+def test_each_group_spans_the_ranks_megatrons_order_gives_it():
+    from zero_bench.config.layout import RankLayout
+
+    assert RankLayout(tp=2, dp=4, sp=2).spans == {"world": 8, "dp": 8, "tp": 2, "sp": 4}
+    assert RankLayout(tp=1, dp=8, ep=4).spans == {"world": 8, "dp": 8, "tp": 1, "ep": 4, "expert_dp": 8}

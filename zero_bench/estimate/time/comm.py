@@ -94,11 +94,12 @@ def grad_bytes(bench: BenchConfig) -> int:
 def groups(bench: BenchConfig) -> list[tuple[str, float, int, int]]:
     """(name, parameters, ranks, span) of each group the states are partitioned over: the dense
     parameters over the dp (or shard) group, the experts over the dp / ep ranks holding them."""
-    layout, tp = bench.layout, bench.parallel.tp
+    layout = bench.layout
+    spans = layout.spans
     if layout.ep > 1:
-        return [("dense", layout.dense_params, layout.dp, tp * layout.dp),
-                ("experts", layout.held_expert_params, layout.expert_data_parallel, bench.parallel.world_size)]
-    return [("", layout.held_params, layout.shard_size, tp * layout.shard_size)]
+        return [("dense", layout.dense_params, layout.dp, spans["dp"]),
+                ("experts", layout.held_expert_params, layout.expert_data_parallel, spans["expert_dp"])]
+    return [("", layout.held_params, layout.shard_size, spans["shard" if layout.hybrid else "dp"])]
 
 
 def overlap_comm(bench: BenchConfig) -> bool:
@@ -146,10 +147,11 @@ def zero012_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
 
 def zero3_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
     ga, zpp, dp, tp = bench.batch.grad_accum, bench.zeropp, bench.layout.dp, bench.parallel.tp
+    span = bench.layout.spans["dp"]
     hidden = overlap_comm(bench)
     gathered = gathered_params(bench)
     fwd_b = 1 if zpp.qwz else param_bytes(bench)
-    out = [collective(bench, rates, "parameter all-gather (forward)", ALL_GATHER, ga * gathered * fwd_b, dp, tp * dp,
+    out = [collective(bench, rates, "parameter all-gather (forward)", ALL_GATHER, ga * gathered * fwd_b, dp, span,
                       not hidden, f"ZeRO-3: every micro-step, {fwd_b} B/param" + (" (qwZ int8)" if zpp.qwz else ""))]
     if zpp.hpz > 1:
         out.append(collective(bench, rates, "parameter all-gather (backward)", ALL_GATHER,
@@ -157,7 +159,7 @@ def zero3_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
                               f"hpZ: backward gathers the secondary partition within {zpp.hpz} ranks"))
     else:
         out.append(collective(bench, rates, "parameter all-gather (backward)", ALL_GATHER, ga * gathered * fwd_b, dp,
-                              tp * dp, not hidden, "ZeRO-3: re-gathered for backward, every micro-step"))
+                              span, not hidden, "ZeRO-3: re-gathered for backward, every micro-step"))
     held = bench.layout.held_params
     nodes = bench.hardware.num_nodes
     if zpp.qgz and nodes > 1:
@@ -168,7 +170,7 @@ def zero3_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
                            nodes, bench.parallel.world_size, not hidden, "qgZ: second hop across nodes, 1/local of it")]
     else:
         out.append(collective(bench, rates, "gradient reduce-scatter", REDUCE_SCATTER, ga * held * grad_bytes(bench), dp,
-                              tp * dp, not hidden, f"ZeRO-3: every micro-step, {grad_bytes(bench)} B/grad"))
+                              span, not hidden, f"ZeRO-3: every micro-step, {grad_bytes(bench)} B/grad"))
     return out
 
 
@@ -191,7 +193,7 @@ def fsdp2_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
     if layout.hybrid:
         out.append(collective(bench, rates, "gradient all-reduce across replicas", ALL_REDUCE,
                               ga * layout.held_params / layout.shard_size * grad_bytes(bench), layout.replicas,
-                              bench.parallel.world_size, False, "HSDP: the shard's gradients across replicate groups"))
+                              layout.spans["replicate"], False, "HSDP: the shard's gradients across replicate groups"))
     return out
 
 
@@ -227,7 +229,7 @@ def ulysses_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[
     heads = 2 * m.num_heads // p.tp + 2 * kv  # q and the output, k and v
     nbytes = tokens * heads * m.kv_channels * BYTES[bench.precision] * m.num_layers * passes(bench)
     return [collective(bench, rates, "Ulysses all-to-all", ALL_TO_ALL, bench.batch.grad_accum * nbytes, p.sp,
-                       p.tp * p.sp, True, "DistributedAttention: q, k, v in and the output out per layer each way")]
+                       bench.layout.spans["sp"], True, "DistributedAttention: q, k, v in and the output out per layer each way")]
 
 
 def expert_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
@@ -238,7 +240,7 @@ def expert_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[T
     tokens = micro * m.seq_len / p.sp * m.moe_router_topk
     nbytes = 2 * tokens * m.hidden_size * BYTES[bench.precision] * m.num_moe_layers * passes(bench)
     return [collective(bench, rates, "expert all-to-all", ALL_TO_ALL, bench.batch.grad_accum * nbytes, p.ep,
-                       p.tp * p.ep, True, "megatron alltoall dispatcher: dispatch + combine per MoE layer each way")]
+                       bench.layout.spans["ep"], True, "megatron alltoall dispatcher: dispatch + combine per MoE layer each way")]
 
 
 def comm_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
