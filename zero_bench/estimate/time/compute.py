@@ -23,7 +23,6 @@ from zero_bench.models.flops import (attention_flops_per_seq, dense_flops_per_se
 from zero_bench.units import BYTES
 
 BACKWARD_FACTOR = 2  # input gradient + weight gradient, each a forward's matmuls (models/flops.py's 3 passes)
-ADAM_STATE_BYTES = 4 + 4 + 4  # fp32 master, exp_avg, exp_avg_sq (mixed precision)
 CAUSAL_FRACTION = 0.5  # a causal flash kernel computes the lower triangle of the s x s square
 
 
