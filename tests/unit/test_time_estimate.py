@@ -262,3 +262,14 @@ def test_each_group_spans_the_ranks_megatrons_order_gives_it():
 
     assert RankLayout(tp=2, dp=4, sp=2).spans == {"world": 8, "dp": 8, "tp": 2, "sp": 4}
     assert RankLayout(tp=1, dp=8, ep=4).spans == {"world": 8, "dp": 8, "tp": 1, "ep": 4, "expert_dp": 8}
+
+
+def test_train_tokens_give_the_runs_days_and_cost():
+    text = estimate_report(compose([*LLAMA, "zero=1", "report.price_per_device_hour=2", "report.train_tokens=1e12"]),
+                           frozenset({"zero"}))
+    sheet = text[text.index("predicted time per optimizer step"):].splitlines()
+    assert "days to train" in sheet[1] and "cost to train" in sheet[1]
+    p = estimate(bench("zero=1")).time_at(2)
+    row = next(line for line in sheet if line.split()[:2] == ["zero1", "2"])
+    days = 1e12 / (p.tokens_per_s_per_device * 8) / 86400
+    assert f"{days:,.1f}" in row and f"{1e12 / 1e6 * p.cost_per_million_tokens(2):,.0f}" in row
