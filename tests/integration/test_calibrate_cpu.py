@@ -30,9 +30,15 @@ def test_calibrate_on_cpu_then_the_estimate_uses_it(tmp_path):
     for k in ("runtime_bytes", "overhead_bytes"):  # what a rank's RSS is, before and besides its tensors
         assert 200 * MiB < entry[k] < 2 * GiB, (k, entry[k] / MiB)
     assert set(entry["matmul_flops"]) == {"fp32", "bf16"} and min(entry["matmul_flops"].values()) > 0
+    # the time estimate's CPU rates (devices/rate_probes.py): an fp32 add's bytes/s, DeepSpeedCPUAdam's params/s
+    assert 1e8 < entry["memory_bytes_per_s"] < 1e12 and entry["cpu_adam_params_per_s"] > 1e6
+    assert "memory bandwidth" in out and "CPU Adam" in out
     said = f"calibrated on {entry['device']}, {entry['date'][:10]}"
     assert "runtime before the model" in out and said in out
 
     head, _, fixed, *_ = zero_bench(tmp_path, "estimate", "hardware=cpu", "zero=2").splitlines()
     assert head.endswith(f"fixed terms: {said}")
     assert fixed == f"fixed per rank: runtime (calibrated) {entry['overhead_bytes'] / MiB:,.0f} MiB"
+    doc = json.loads(zero_bench(tmp_path, "estimate", "hardware=cpu", "zero=2", "offload=true", "json=true"))
+    terms = {t["name"]: t for t in doc["configs"][0]["time"]["at_micro"]["terms"]}
+    assert said in terms["forward memory-bound ops"]["source"] and said in terms["optimizer step (host, CPU Adam)"]["source"]

@@ -20,6 +20,7 @@ from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig, Device, software_versions
 from zero_bench.devices.calibration import Calibration, cpu_key, gpu_identity, gpu_key, save
 from zero_bench.devices.metrics import cpu_model, measure_cpu_peak, rank_threads
+from zero_bench.devices.rate_probes import cpu_adam_params_per_s, memory_bytes_per_s
 from zero_bench.estimate.gpu import communicators
 from zero_bench.records import Entry, Mode, RankRecord, Status, TrialResult
 from zero_bench.trial.launch import LaunchOptions, run_launch
@@ -44,7 +45,10 @@ def calibrate(bench: BenchConfig, out: Path) -> tuple[Calibration, Path]:
             raise CalibrationFailed(f"{res.label} micro={res.micro}: {res.status}: {res.reason}")
         threads = rank_threads()
         rates = {p: measure_cpu_peak(p, threads)["flops"] for p in CPU_PRECISIONS} if on_cpu else {}
-    cal = from_result(bench, res, key, device, software, rates)
+        # the time estimate's CPU rates (devices/rates.py cpu_rates), on the same threads
+        time_rates = ({"memory_bytes_per_s": memory_bytes_per_s(threads),
+                       "cpu_adam_params_per_s": cpu_adam_params_per_s(threads)} if on_cpu else {})
+    cal = from_result(bench, res, key, device, software, rates, time_rates)
     return cal, save(cal)
 
 
@@ -66,7 +70,7 @@ def _largest(ranks: list[RankRecord], read: Callable[[RankRecord], Optional[floa
 
 
 def from_result(bench: BenchConfig, res: TrialResult, key: str, device: str, software: dict,
-                rates: dict) -> Calibration:
+                rates: dict, time_rates: Optional[dict] = None) -> Calibration:
     """The calibration a finished entry's rank records hold (pure). Raises CalibrationFailed when a
     figure the estimate needs was not recorded."""
     ranks = res.ranks
@@ -80,7 +84,8 @@ def from_result(bench: BenchConfig, res: TrialResult, key: str, device: str, sof
                             else r.peak_rss_bytes - r.peak_live_bytes)
         if overhead is None:
             raise CalibrationFailed("the ranks recorded no peak RSS / live tensors")
-        return Calibration(**common, overhead_bytes=int(overhead), matmul_flops=rates, threads=rank_threads())
+        return Calibration(**common, overhead_bytes=int(overhead), matmul_flops=rates, threads=rank_threads(),
+                           **(time_rates or {}))
     outside, nccl = _largest(ranks, lambda r: r.outside_bytes), _largest(ranks, lambda r: r.nccl_world_bytes)
     context = _largest(ranks, lambda r: r.context_bytes)
     if outside is None or context is None:
@@ -114,6 +119,12 @@ def terms(cal: Calibration) -> list[tuple[str, str, str]]:
         rates = [(f"matmul {p}", f"{f / 1e9:,.1f} GFLOP/s",
                   f"best 1024 x 1024 F.linear over 0.5 s on {cal.threads} thread(s), in the runner")
                  for p, f in cal.matmul_flops.items()]
+        if cal.memory_bytes_per_s:
+            rates.append(("memory bandwidth", f"{cal.memory_bytes_per_s / 1e9:,.1f} GB/s",
+                          "best fp32 add of 64 MB tensors (2 reads + 1 write), in the runner"))
+        if cal.cpu_adam_params_per_s:
+            rates.append(("CPU Adam", f"{cal.cpu_adam_params_per_s / 1e6:,.0f} M params/s",
+                          "best DeepSpeedCPUAdam step of 4M fp32 parameters, in the runner"))
         return [("runtime before the model", _mib(cal.runtime_bytes),
                  "RSS at each rank's start, before its model is built (largest rank)"),
                 ("rank overhead (the estimate's term)", _mib(cal.overhead_bytes),

@@ -225,6 +225,20 @@ class RankLayout:
             out.update(shard=self.shard_size, replicate=self.replicas)
         return out
 
+    @property
+    def spans(self) -> dict[str, int]:
+        """Consecutive ranks each of `groups` spans, the ranks laid out tp fastest, then dp (sp and ep
+        groups consecutive data-parallel ranks): a group whose span fits in a node's ranks never
+        leaves the node (the time estimate's intra- vs inter-node bandwidth, estimate/time/comm.py)."""
+        out = {"world": self.world_size, "dp": self.world_size, "tp": self.tp}
+        if self.sp > 1:
+            out.update(sp=self.tp * self.sp)
+        if self.ep > 1:
+            out.update(ep=self.tp * self.ep, expert_dp=self.world_size)
+        if self.hybrid:
+            out.update(shard=self.tp * self.shard_size, replicate=self.world_size)
+        return out
+
     def expert_rank(self, rank: int) -> int:
         """A data-parallel rank's index among the ranks holding its experts: megatron's layout at tp 1
         (parallel_state: ep consecutive ranks split the experts, so ranks r, r + ep, ... hold the same)."""

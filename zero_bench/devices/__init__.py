@@ -10,4 +10,6 @@ metrics.py       FLOPs -> MFU / HFU, and the peak FLOP/s they are measured again
 toolkit.py       the CUDA toolkit DeepSpeed JIT-builds its ops with
 aio.py           what NVMe offload needs here: DeepSpeed's async_io op (libaio), an O_DIRECT swap folder
 calibration.py   this machine's fixed terms as `zero_bench calibrate` measured them, and their cache
+rate_probes.py   this CPU's memory bandwidth and CPU Adam rate, measured in-process (calibrate stores them)
+rates.py         the rates a time prediction reads (matmul, memory, links, PCIe, CPU Adam, NVMe), each sourced
 """

@@ -71,6 +71,11 @@ class Calibration:
     """CPU: precision -> best FLOP/s of a 1024 x 1024 F.linear on one rank's threads (metrics.matmul_flops)."""
     threads: Optional[int] = None
     """CPU: the threads the rates were measured with (one rank's OMP_NUM_THREADS)."""
+    memory_bytes_per_s: Optional[float] = None
+    """CPU: bytes/s of an elementwise add on one rank's threads (rate_probes.py): the time estimate's
+    memory-bound rate. Entries written before it was measured: None (the stated default is used)."""
+    cpu_adam_params_per_s: Optional[float] = None
+    """CPU: parameters/s DeepSpeedCPUAdam steps on one rank's threads (rate_probes.py); None: not measured."""
     # -- GPU ---------------------------------------------------------------------------------------
     module_loading: Optional[str] = None
     """GPU: CUDA_MODULE_LOADING the ranks ran with (lazy / eager): it sets the context's size."""

@@ -25,6 +25,8 @@ zeropp.py is ZeRO++'s terms (hpZ's second partition, qwZ's and qgZ's quantized b
 communication ratio).
 seq.py is the predicted longest sequence at a micro-batch (the same estimate at each length; maxseq's seed).
 ulysses.py is what Ulysses' all-to-all changes in a layer's activations at parallel.sp > 1 (activations.py adds it).
+time/ is the time per optimizer step beside the memory (compute, communication, offload terms, each
+with its source; the rates in zero_bench/devices/rates.py): Estimate.time_at(micro).
 traced.py is the traced prediction beside the formula (`traced=true`): the real engine's step
 traced under FakeTensorMode on a fake world, with torch's FSDPMemTracker.
 
@@ -55,6 +57,7 @@ from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communica
                                      fragmentation, outside_allocator)
 from zero_bench.estimate.prediction import Phase, Prediction
 from zero_bench.estimate.states import model_states_bytes
+from zero_bench.estimate.time import TimeModel, TimePrediction
 from zero_bench.records import ModelStates, Seed
 from zero_bench.models import param_numels
 from zero_bench.models.params import num_params
@@ -103,6 +106,11 @@ class Estimate:
     calibration: str = PUBLISHED  # where the fixed terms come from: "calibrated on <device>, <date>" or
     # the published ranges (GPU) / the built-in figure (CPU): zero_bench.devices.calibration
     fragmentation_calibrated: bool = False  # GPU: the factor was measured here, for this model and stage
+    time: Optional[TimeModel] = None  # the time prediction beside the memory one (estimate/time/): time_at(micro)
+
+    def time_at(self, micro: int) -> Optional[TimePrediction]:
+        """The predicted optimizer step at `micro` per rank (None: no rates for this hardware, or micro 0)."""
+        return self.time.at(micro) if self.time is not None else None
 
     @property
     def states(self) -> ModelStates:
@@ -252,7 +260,7 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
                     num_params=num_params(bench.model), params_per_shard=layout.held_params, prediction=prediction,
                     local_ranks=local_ranks(bench), engine=bench.engine, zeropp=bench.zeropp.tag(),
                     capacity=capacity if capacity is not None else search_capacity(bench), ep=layout.ep, sp=layout.sp,
-                    **fixed_terms(bench))
+                    time=TimeModel(bench), **fixed_terms(bench))
 
 
 def fixed_terms(bench: BenchConfig) -> dict:

@@ -11,11 +11,12 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from zero_bench.config.configure import from_cfg, search_from_cfg, validate_static
+from zero_bench.config.configure import from_cfg, report_from_cfg, search_from_cfg, validate_static
 from zero_bench.config.schema import BenchConfig, ConfigError, Device, OffloadDevice
 from zero_bench.engines.specs import spec
 from zero_bench.estimate import Estimate, estimate, zeropp
 from zero_bench.estimate.seq import host_at, longest_seq, seq_top
+from zero_bench.estimate.time.table import time_json, time_sheet
 from zero_bench.models.description import summary
 from zero_bench.models.params import active_params, num_params
 from zero_bench.records import SearchStatus
@@ -92,12 +93,13 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
         host = host_at(v, r["max_seq_len"], seq_micro) if r["max_seq_len"] else None
         if host is not None:  # the offloaded checkpoints: the node's RAM is the next wall
             r["max_seq_host_needed"] = host
-    micro = bench.batch.micro
+    micro, rep = bench.batch.micro, report_from_cfg(cfg)
     at = [{"config": r["config"], **e.at_micro(micro)} for r, (_, e) in zip(rows, ests)]
     first = ests[0][1] if ests else None
     traces = traced_variants(bench, ests) if cfg.get("traced", False) else None
     if cfg.get("json", False):
         doc = as_json(bench, first, rows, [e for _, e in ests], at, {"micro": seq_micro, **grid_of(bench, grid)})
+        doc = with_time(doc, rows, [e for _, e in ests], micro)
         return doc if traces is None else with_traces(doc, rows, ests, traces)
     m, tp, layout = bench.model, bench.parallel.tp, bench.layout
     ep = layout.ep
@@ -114,7 +116,8 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first), *zpp,
                       format_table(rows), seq_line(bench, rows, seq_micro, grid), LEGEND, "",
                       at_micro_table(at, bench),
-                      AT_MICRO_LEGEND[_kind(bench)] + AT_MICRO_TAIL]
+                      AT_MICRO_LEGEND[_kind(bench)] + AT_MICRO_TAIL, "",
+                      time_sheet(bench, rows, [e for _, e in ests], rep.price_per_device_hour, rep.train_tokens)]
                      + ([] if traces is None else ["", traced_table(bench, rows, ests, traces)]))
 
 
@@ -196,6 +199,14 @@ def with_traces(doc: str, rows: list[dict], ests: list, traces: list) -> str:
                            "terms": [{"name": c.name, "formula_bytes": c.formula, "traced_bytes": c.traced}
                                      for c in cmp],
                            "warnings": warnings(r["config"], cmp, t.peak_bytes)}
+    return json.dumps(d, indent=2)
+
+
+def with_time(doc: str, rows: list[dict], ests: list[Estimate], micro: int) -> str:
+    """The JSON document with each configuration's `time` (estimate/time/: every term, its source)."""
+    d = json.loads(doc)
+    for entry, r, e in zip(d["configs"], rows, ests):
+        entry["time"] = time_json(e, r.get("max_micro"), micro)
     return json.dumps(d, indent=2)
 
 

@@ -1,0 +1,88 @@
+"""Time per optimizer step before launching anything: one TimeTerm per cause, each naming its source,
+built from the model description, the RankLayout and models/flops.py, the same the memory estimate
+and MFU read.
+
+compute.py  the matmuls (forward, backward = 2 x forward, what recompute re-runs) at the achieved
+            matmul rate; the memory-bound ops and the device's optimizer step at memory bandwidth
+comm.py     one entry per collective an engine issues (ZeRO 0-3, ZeRO++, FSDP2, TP/SP, Ulysses,
+            experts), its algorithm factor, intra- or inter-node bandwidth, overlapped or exposed
+offload.py  PCIe copies, the optimizer step on the host's cores, NVMe reads and writes
+record.py   the typed records: TimeTerm (name, seconds, exposed, source), TimePrediction
+table.py    `zero_bench estimate`'s time sheet and the JSON's `time`
+The rates: zero_bench/devices/rates.py (each with its published source, or marked assumed).
+
+The step is the exposed terms' sum. Overlapped terms (ZeRO-3's and FSDP2's prefetched collectives,
+ZeRO-2's with overlap_comm) hide behind the step's compute; what they exceed it by is one more
+exposed term ("communication beyond compute"). Not modelled: pipeline bubbles (no pp), kernel
+efficiency by GEMM shape (every matmul at MAMF), latency of small messages, stragglers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from zero_bench.config.schema import BenchConfig, Device
+from zero_bench.devices.rates import HardwareRates, rates_for
+from zero_bench.estimate.time.comm import comm_terms
+from zero_bench.estimate.time.compute import compute_terms, optimizer_terms
+from zero_bench.estimate.time.offload import offload_terms
+from zero_bench.estimate.time.record import TimePrediction, TimeTerm
+from zero_bench.models.flops import model_flops_per_seq
+
+__all__ = ["TimeModel", "TimePrediction", "TimeTerm", "predict_time"]
+
+COMPUTE_PREFIXES = ("forward", "backward", "recompute")  # what overlapped communication hides behind
+
+
+def overlap_term(terms: list[TimeTerm]) -> TimeTerm:
+    """What the overlapped terms exceed the compute they hide behind by (exposed)."""
+    hidden = sum(t.seconds for t in terms if not t.exposed)
+    compute = sum(t.seconds for t in terms if t.exposed and t.name.startswith(COMPUTE_PREFIXES))
+    return TimeTerm("communication beyond compute", max(0.0, hidden - compute), True,
+                    f"overlapped terms ({hidden:.3g} s) beyond forward + backward + recompute ({compute:.3g} s)")
+
+
+def peak_flops(bench: BenchConfig) -> Optional[float]:
+    """The peak MFU divides by: metrics.PEAK_FLOPS by card on GPU, the measured rate on CPU."""
+    from zero_bench.devices.metrics import gpu_peak_flops
+
+    if bench.hardware.device == Device.cpu:
+        return None
+    return gpu_peak_flops(bench.hardware.card or "", str(bench.precision))
+
+
+def predict_time(bench: BenchConfig, micro: int, rates: Optional[HardwareRates] = None) -> Optional[TimePrediction]:
+    """One rank's optimizer step at `micro` per rank and bench.batch.grad_accum; None where the
+    hardware's rates are unknown (a GPU without a card in devices/rates.py)."""
+    rates = rates or rates_for(bench)
+    if rates is None or micro < 1:
+        return None
+    terms = (compute_terms(bench, rates, micro) + optimizer_terms(bench, rates) + comm_terms(bench, rates, micro)
+             + offload_terms(bench, rates))
+    terms.append(overlap_term(terms))
+    terms.append(TimeTerm("step overhead", rates.step_overhead_s.value, True, rates.step_overhead_s.source))
+    step = sum(t.seconds for t in terms if t.exposed)
+    p = bench.parallel
+    sequences = micro * bench.batch.grad_accum * p.dp / p.sp  # per optimizer step, all ranks
+    tokens = sequences * bench.model.seq_len / (step * p.world_size)
+    peak = peak_flops(bench) if bench.hardware.device != Device.cpu else rates.flops(str(bench.precision)).value
+    mfu = model_flops_per_seq(bench.model) * sequences / step / (p.world_size * peak) if peak else None
+    return TimePrediction(tuple(terms), step, tokens, mfu, micro, bench.batch.grad_accum, rates.name)
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """A configuration's time prediction at any micro-batch (what Estimate holds beside the memory
+    Prediction): built for free, computed when asked (at(micro)), its rates looked up once."""
+    bench: BenchConfig
+    _rates: list = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def rates(self) -> Optional[HardwareRates]:
+        if not self._rates:
+            self._rates.append(rates_for(self.bench))
+        return self._rates[0]
+
+    def at(self, micro: int) -> Optional[TimePrediction]:
+        """The prediction at `micro` per rank (None: rates unknown, or micro 0: nothing fits)."""
+        return predict_time(self.bench, micro, self.rates) if self.rates is not None else None

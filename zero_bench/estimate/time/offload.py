@@ -1,0 +1,95 @@
+"""Offload terms of one rank's optimizer step: host <-> device copies over PCIe, the optimizer step on
+the host's cores, and ZeRO-Infinity's NVMe reads and writes.
+
+What moves, as DeepSpeed 0.19.8 and torch 2.13 do it:
+- ZeRO-1/2 with offload_optimizer (stage_1_and_2.py): each reduced gradient partition copied into the
+  host's fp32 buffer (async_inplace_copy_grad_to_fp32_buffer_from_gpu; ZeRO-2 every micro-step, its
+  accumulation is on the host), DeepSpeedCPUAdam steps the fp32 partition, the updated partition copied
+  back into the device's 16-bit one, then all-gathered (comm.py).
+- ZeRO-3 with offload_optimizer: the same gradient copy every micro-step; with offload_param the 16-bit
+  partitions live on the host and are fetched for forward and again for backward, every micro-step
+  (partitioned_param_coordinator prefetches them: overlapped), and the step writes them there;
+  without it the updated 16-bit partition is copied back after the step.
+- offload_device=nvme (ZeRO-Infinity): the optimizer's fp32 master and both moments (12 B/param) read
+  from and written to the swap files every step (partitioned_optimizer_swapper), and with
+  offload_param the 16-bit parameters read per fetch and written after the step; every rank of a node
+  shares the node's disk bandwidth.
+- FSDP2's CPUOffloadPolicy: the fp32 shards on the host, copied to the device before each all-gather
+  and the gradients back after each reduce-scatter; torch's AdamW steps on the host (DeepSpeed's
+  cpu_adam.py says its CPU Adam is "5x to 7x" torch's: TORCH_ADAM_SLOWDOWN, the midpoint).
+CPU Adam's rate per core is not published (devices/rates.py): the term says so in its source.
+"""
+from __future__ import annotations
+
+from zero_bench.config.hosts import local_ranks
+from zero_bench.config.schema import BenchConfig
+from zero_bench.devices.rates import HardwareRates
+from zero_bench.estimate.time.comm import overlap_comm
+from zero_bench.estimate.time.compute import partition_params
+from zero_bench.estimate.time.record import TimeTerm
+from zero_bench.units import BYTES
+
+FP32_GRAD = 4  # the host's gradient buffer is fp32 (the copy converts)
+OPTIMIZER_SWAP_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per parameter
+TORCH_ADAM_SLOWDOWN = 6.0  # cpu_adam.py: DeepSpeedCPUAdam is "5x to 7x" torch's Adam
+
+
+def offload_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
+    """Every offload term of one optimizer step ([] without offload)."""
+    if not bench.offload and not bench.offload_param:
+        return []
+    return transfer_terms(bench, rates) + [cpu_step_term(bench, rates)] + nvme_terms(bench, rates)
+
+
+def transfer_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
+    """PCIe: the gradients down every micro-step (ZeRO-1: once, at the boundary), the parameters up."""
+    n, ga, b = partition_params(bench), bench.batch.grad_accum, BYTES[bench.precision]
+    d2h, h2d = rates.device_to_host_bytes_per_s, rates.host_to_device_bytes_per_s
+    fsdp2 = bench.engine == "fsdp2"
+    grads_times = 1 if (bench.zero == 1 and not fsdp2) else ga
+    grad_hidden = fsdp2 or overlap_comm(bench)
+    out = [TimeTerm("gradients device->host", grads_times * n * FP32_GRAD / d2h.value, not grad_hidden,
+                    f"the reduced fp32 gradient partition to the host, {grads_times} per step, at {d2h.source}")]
+    if fsdp2:
+        fetches = ga * (2 if bench.zero == 3 else 1)
+        out.append(TimeTerm("parameters host->device", fetches * n * 4 / h2d.value, False,
+                            f"CPUOffloadPolicy: the fp32 shards before each all-gather ({fetches} per step) at {h2d.source}"))
+    elif bench.offload_param:
+        out.append(TimeTerm("parameters host->device", 2 * ga * n * b / h2d.value, False,
+                            f"ZeRO-3 offload_param: the {b}-B partition fetched for forward and backward every "
+                            f"micro-step (prefetched) at {h2d.source}"))
+    else:
+        out.append(TimeTerm("parameters host->device after the step", n * b / h2d.value, True,
+                            f"the updated {b}-B partition copied back after the host's step at {h2d.source}"))
+    return out
+
+
+def cpu_step_term(bench: BenchConfig, rates: HardwareRates) -> TimeTerm:
+    """The optimizer step on the host's cores for this rank's partition (exposed: the device waits)."""
+    per_core, cores = rates.cpu_adam_params_per_s_per_core, rates.host_cores
+    rate = per_core.value * cores.value
+    if bench.engine == "fsdp2":
+        return TimeTerm("optimizer step (host, torch AdamW)", partition_params(bench) * TORCH_ADAM_SLOWDOWN / rate, True,
+                        f"torch's AdamW, 1/{TORCH_ADAM_SLOWDOWN:g} of CPU Adam's {per_core.source}, on {cores.source}")
+    return TimeTerm("optimizer step (host, CPU Adam)", partition_params(bench) / rate, True,
+                    f"DeepSpeedCPUAdam at {per_core.source}, on {cores.source}")
+
+
+def nvme_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
+    """ZeRO-Infinity's swap-file reads and writes, the node's ranks sharing its disk."""
+    if not bench.nvme:
+        return []
+    n, ranks = partition_params(bench), local_ranks(bench)
+    rd, wr = rates.nvme_read_bytes_per_s, rates.nvme_write_bytes_per_s
+    states = n * OPTIMIZER_SWAP_BYTES * ranks
+    out = [TimeTerm("NVMe optimizer states read", states / rd.value, True,
+                    f"12 B/param swapped in every step, {ranks} ranks per node, at {rd.source}"),
+           TimeTerm("NVMe optimizer states write", states / wr.value, True,
+                    f"12 B/param swapped out every step, {ranks} ranks per node, at {wr.source}")]
+    if bench.offload_param:
+        b, ga = BYTES[bench.precision], bench.batch.grad_accum
+        out += [TimeTerm("NVMe parameters read", 2 * ga * n * b * ranks / rd.value, True,
+                         f"the {b}-B partition read for forward and backward every micro-step at {rd.source}"),
+                TimeTerm("NVMe parameters write", n * b * ranks / wr.value, True,
+                         f"the updated {b}-B partition written after the step at {wr.source}")]
+    return out
