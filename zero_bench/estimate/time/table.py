@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zero_bench.config.schema import BenchConfig, Device
+from zero_bench.config.schema import BenchConfig
 from zero_bench.devices.rates import HardwareRates, Rate
 from zero_bench.estimate.time.record import TimePrediction
 
@@ -75,9 +75,10 @@ def time_sheet(bench: BenchConfig, rows: list[dict], ests: list, price: Optional
 
     rates = ests[0].time.rates
     lines = sheet_rows(rows, ests, micro, price, train_tokens)
-    checked = "this machine's trials" if bench.hardware.device == Device.cpu else "a GPU run"
+    # What it was checked against so far, and how far off, is stated once: docs/estimate.md.
     title = (f"predicted time per optimizer step (grad_accum {bench.batch.grad_accum}; {rates.name} rates: "
-             f"zero_bench/devices/rates.py; not yet checked against {checked}):")
+             "zero_bench/devices/rates.py; a first model, faster than measured steps so far: a lower bound, "
+             "docs/estimate.md#time-per-step-predicted):")
     terms, shown = ["terms of each step, seconds (largest first; ~: overlapped with compute; source of each: --json):"], []
     for r, e in zip(rows, ests):
         p = e.time_at(r.get("max_micro") or micro)
