@@ -6,7 +6,7 @@ H100 80GB, each the longest `max_length` its authors ran with one set of savers 
 
 Source: snowflakedb/ArcticTraining at commit 2771b4b1b9c8cbb54895ccb940dcaa76d33bf7ef,
 projects/sequence-parallelism/<recipe>.yml (the paper's 500K on one GPU and 3.7M on one node are the
-first and fifth rows; the paper prints 3.7M, the recipe runs 3.8M). Every recipe: micro 1, bf16,
+first and last rows; the paper prints 3.7M, the recipe runs 3.8M). Every recipe: micro 1, bf16,
 DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU (cpu_adam), Hugging Face activation
 checkpointing (ArcticTraining's default, `disable_activation_checkpoint: false`): recompute=full;
 Liger's fused linear cross entropy: loss=chunked; flash_attention_2 or sdpa: attention=sdpa (no
@@ -22,8 +22,8 @@ only to fit (the estimate's longest at least its length), not compared as a boun
 What differs from what zero_bench runs, and so from what its estimate counts: ALST trains Hugging
 Face's LlamaForCausalLM with Liger's kernels (`model.type: liger`: Liger's RMSNorm, RoPE, SwiGLU
 unless the MLP is tiled, fused linear cross entropy), flash_attention_2 through Hugging Face's
-varlen path (packed samples), a reentrant checkpoint (ArcticTraining's CheckpointFunction, with the
-offload); zero_bench megatron-core's GPTModel (fused QKV) with torch's sdpa. The published figure is
+varlen path (packed samples), with the checkpoint offload a reentrant checkpoint
+(ArcticTraining's CheckpointFunctionWithCPUOffload, monkey_patches.py); zero_bench megatron-core's GPTModel (fused QKV) with torch's sdpa. The published figure is
 the longest length the authors reported running, not a bisected boundary; ALST's Ulysses all-to-all
 runs in bf16 (`seq_parallel_communication_data_type`). The estimate keeps its ZeRO-3 fragmentation
 factor (x1.23) although the runs used expandable segments.
