@@ -18,6 +18,9 @@ micro-batches), fp32 (CPU's default precision):
            through DeepSpeed's checkpoint. Beside them the formula's peak and the estimate's figure
            for RSS (the peak x CPU_ACTIVATION_FACTOR).
 Run it alone on the machine (through /work/tools/serial where trials share it): ~4 minutes here.
+The accuracy estimate/activations.py states from this benchmark is checked on every run (exit 1
+past it): the process instrument's saved bytes within SAVED_WITHIN and its peak within PEAK_WITHIN,
+the trials' live tensors within PEAK_WITHIN (their RSS is printed, no accuracy is stated for it).
 """
 from __future__ import annotations
 
@@ -38,6 +41,15 @@ from zero_bench.models import ModelConfig
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 SENTINEL = 7_777_777  # bytes; no tensor of the model has this size
+SAVED_WITHIN = 0.1  # % (estimate/activations.py: "the saved bytes to 0.1 %")
+PEAK_WITHIN = 5.1  # % ("the step's peak within 5.1 %")
+MISSES: list[str] = []  # what of the stated accuracy a run broke
+
+
+def check(what: str, formula: float, measured: float, within: float) -> None:
+    e = 100 * (formula - measured) / measured
+    if abs(e) > within:
+        MISSES.append(f"{what}: {e:+.2f} %, stated within {within} %")
 
 
 def preset(name: str = "llama-tiny") -> ModelConfig:
@@ -132,6 +144,9 @@ def process_table(base: ModelConfig, micros: tuple, dropouts: list[float]) -> No
         print(f"{attention:9} {dropout:<7} {recompute:9} | {per['saved'] / MiB:7.2f} {f['saved'] / MiB:7.2f} "
               f"{err(f['saved'], per['saved'])} | {per['peak'] / MiB:7.2f} {f['total'] / MiB:7.2f} "
               f"{err(f['total'], per['peak'])} | {lo['loss']:.6f}", flush=True)
+        label = f"process {m.name} {attention} dropout {dropout} {recompute}"
+        check(f"{label} saved", f["saved"], per["saved"], SAVED_WITHIN)
+        check(f"{label} peak", f["total"], per["peak"], PEAK_WITHIN)
         del gpt
         gc.collect()
 
@@ -164,9 +179,10 @@ def trials_table(base: ModelConfig, micros: tuple, dropouts: list[float], tmp: P
             est = f * CPU_ACTIVATION_FACTOR
             print(f"{attention:9} {dropout:<7} {recompute:9} | {live / MiB:7.2f} {f / MiB:7.2f} {err(f, live)} | "
                   f"{rss / MiB:7.2f} {est / MiB:8.2f} {err(est, rss)}", flush=True)
+            check(f"trials {m.name} {attention} dropout {dropout} {recompute} live", f, live, PEAK_WITHIN)
 
 
-def main() -> None:
+def main() -> int:
     args = dict(a.split("=", 1) for a in sys.argv[1:])
     micros = tuple(int(x) for x in args.get("micros", "2,6").split(","))
     dropouts = [float(x) for x in args.get("dropout", "0,0.1").split(",")]
@@ -184,7 +200,10 @@ def main() -> None:
     if "process" in parts:
         process_table(base, micros, dropouts)
     print(f"\n{time.time() - t0:.0f} s")
+    for miss in MISSES:
+        print("NOT AS STATED:", miss)
+    return len(MISSES)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main() else 0)

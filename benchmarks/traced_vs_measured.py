@@ -1,25 +1,32 @@
-"""The traced prediction (zero_bench/estimate/traced.py) against live peaks measured on CPU, and
-its time on Llama-3-8B.
+"""The traced prediction (zero_bench/estimate/traced.py) and the formula against live peaks measured on
+CPU, and the trace's time on Llama-3-8B.
 
-    python benchmarks/traced_vs_measured.py            # the measured configurations (~2 minutes)
+    python benchmarks/traced_vs_measured.py            # the measured configurations (~2 minutes); exit 1 on a miss
+    python benchmarks/traced_vs_measured.py measure    # re-measure the llama-tiny rows: 4 real trials, one at a time
     python benchmarks/traced_vs_measured.py llama3-8b  # Llama-3-8B, FSDP2 zero=3, dp 8, H100 80GB
 
-No launch: every figure is traced in this process under FakeTensorMode with a fake process group.
-The measured live peaks (rank 0, 2 ranks, gloo, the worker's profiled step: live tensors before it
-plus the largest net allocation during it) are the ones already documented:
-- GPT-tiny / mini / small, fp32 / bf16, zero 3 / 2, micro 2 / 4: tests/unit/test_fsdp2.py
-  MEASURED_PEAK_MIB (issue 29's prototype; docs/engines.md, "The estimate for FSDP2");
-- llama-tiny, micro 2: docs/engines.md gives the formula's error against the measured live peak
-  (-0.4 % zero=3, -2.8 % zero=2, -5.2 % recompute=full, +0.2 % bf16, measured 2026-11-25): the
-  measurement is the formula's figure / (1 + error), good to the 0.05 % the error is rounded to.
+No launch but `measure`: every figure is traced in this process under FakeTensorMode with a fake
+process group. The measured live peaks (rank 0, 2 ranks, gloo, the worker's profiled step: live
+tensors before it plus the largest net allocation during it) are read from
+tests/data/measured/fsdp2_live_peaks.json, each set with its machine, date, command and versions:
+- GPT-tiny / mini / small, fp32 / bf16, zero 3 / 2, micro 2 / 4: issue 29's prototype (as recorded);
+- llama-tiny, micro 2 (zero=3, zero=2, recompute=full, bf16): zero_bench trials, written by `measure`
+  (run_launch, one launch per configuration, under the machine lock).
+The accuracy stated (TRACE_WITHIN, FORMULA_WITHIN, KNOWN_MISSES) is checked on every run: a
+configuration outside it, or a known miss that no longer misses, exits 1.
 qwen3-tiny and gpt-mini at other settings are traced beside the formula only (no FSDP2 live peak
-of theirs is documented); moe-tiny is refused (a mixture of experts: data-dependent shapes).
+of theirs is stored); moe-tiny is refused (a mixture of experts: data-dependent shapes).
 """
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import platform
 import sys
-from pathlib import Path
+import tempfile
 import time
+from pathlib import Path
 
 from zero_bench.config.configure import compose, from_cfg
 from zero_bench.estimate import estimate
@@ -27,13 +34,20 @@ from zero_bench.estimate.traced import compare, trace, warnings
 from zero_bench.errors import ConfigError
 from zero_bench.units import MiB
 
-# (model, precision, zero, micro) -> measured MiB: kept once, in tests/unit/test_fsdp2.py
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # its conftest too
-from unit.test_fsdp2 import MEASURED_PEAK_MIB as PROTOTYPE  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from measured import LIVE_PEAKS, live_peaks  # noqa: E402
 
-# llama-tiny, micro 2: overrides -> the formula's documented error against the measured live peak (%)
-LLAMA_TINY = {("zero=3", "precision=fp32"): -0.4, ("zero=2", "precision=fp32"): -2.8,
-              ("zero=3", "precision=fp32", "recompute=full"): -5.2, ("zero=3", "precision=bf16"): 0.2}
+TRACE_WITHIN = 3.0  # % of the measured live peak, every stored configuration but KNOWN_MISSES
+# the formula: fp32 and bf16 (tests/unit/test_fsdp2.py's tolerances; its bf16 activations are megatron's
+# under DeepSpeed's bf16, ~10 % above what FSDP2's bf16 compute keeps: docs/engines.md)
+FORMULA_WITHIN = {"fp32": 6.0, "bf16": 13.0}
+# (model, overrides) -> why the trace misses by more than TRACE_WITHIN; each must still miss (else the
+# statement is stale). None today: llama-tiny recompute=full was one (-5.3 %) while its "measurement"
+# was rebuilt from the formula (docs/estimate.md, "Against what was measured")
+KNOWN_MISSES: dict = {}
+# llama-tiny, micro 2: the configurations `measure` runs
+LLAMA_TINY = [("zero=3", "precision=fp32"), ("zero=2", "precision=fp32"),
+              ("zero=3", "precision=fp32", "recompute=full"), ("zero=3", "precision=bf16")]
 # traced beside the formula only
 UNMEASURED = [("qwen3-tiny", ("zero=3", "precision=fp32")), ("qwen3-tiny", ("zero=3", "precision=bf16")),
               ("llama-tiny", ("zero=3", "precision=fp32", "recompute=op")),
@@ -57,26 +71,82 @@ def line(b, micro: int, measured) -> tuple:
           f"{err(formula):>7s} {traced:9.2f} {err(traced):>7s}  {t.phase:15s} {t.seconds:5.1f}", flush=True)
     for w in warnings(b.label(), compare(e, t), t.peak_bytes):
         print("   ", w)
-    return None if measured is None else (traced - measured) / measured * 100
+    return None if measured is None else ((traced - measured) / measured * 100, (formula - measured) / measured * 100)
 
 
-def measured_table() -> None:
+def misses(model: str, overrides: tuple, precision: str, trace_err: float, formula_err: float) -> list[str]:
+    """What of the stated accuracy this configuration breaks (empty: it holds)."""
+    out, known = [], (model, overrides) in KNOWN_MISSES
+    if known and abs(trace_err) <= TRACE_WITHIN:
+        out.append(f"trace {trace_err:+.1f} %: listed as a known miss ({KNOWN_MISSES[(model, overrides)]}) "
+                   f"but within {TRACE_WITHIN} % now")
+    if not known and abs(trace_err) > TRACE_WITHIN:
+        out.append(f"trace {trace_err:+.1f} %, stated within {TRACE_WITHIN} %")
+    if abs(formula_err) > FORMULA_WITHIN[precision]:
+        out.append(f"formula {formula_err:+.1f} %, stated within {FORMULA_WITHIN[precision]} %")
+    return [f"{model} {' '.join(overrides)}: {m}" for m in out]
+
+
+def measured_table() -> int:
+    """The table; the number of broken statements (0: the stated accuracy holds)."""
     print(f"{'configuration':42s} {'micro':>5s} {'measured':>9s} {'formula':>9s} {'err %':>7s} {'traced':>9s} "
           f"{'err %':>7s}  {'traced phase':15s} {'s':>5s}   (MiB of live tensors, rank 0)")
-    errs = []
-    for (name, precision, zero, micro), mib in PROTOTYPE.items():
-        errs.append(line(bench(name, f"zero={zero}", f"precision={precision}"), micro, mib))
-    for overrides, formula_err in LLAMA_TINY.items():
-        b = bench("llama-tiny", *overrides)
-        measured = estimate(b).allocated_bytes(2) / MiB / (1 + formula_err / 100)
-        errs.append(line(b, 2, measured))
+    errs, broken = [], []
+    for p in live_peaks():
+        trace_err, formula_err = line(bench(p.model, *p.overrides), p.micro, p.mib)
+        errs.append(trace_err)
+        precision = dict(o.split("=", 1) for o in p.overrides)["precision"]
+        broken += misses(p.model, p.overrides, precision, trace_err, formula_err)
     print(f"traced vs measured: {len(errs)} configurations, worst {max(errs, key=abs):+.1f} %, "
-          f"{sum(abs(e) <= 3 for e in errs)} within 3 %")
+          f"{sum(abs(e) <= TRACE_WITHIN for e in errs)} within {TRACE_WITHIN} % (source: {LIVE_PEAKS.name})")
     for name, overrides in UNMEASURED:
         try:
             line(bench(name, *overrides), 2, None)
         except ConfigError as exc:
             print(f"{name} {' '.join(overrides)}: {exc}")
+    for b in broken:
+        print("NOT AS STATED:", b)
+    return len(broken)
+
+
+def measure() -> None:
+    """The llama-tiny rows, measured again: one real trial per configuration (2 gloo ranks, micro 2,
+    the worker's profiled step), one at a time under the machine lock; written as a set of their own
+    with where and how."""
+    import deepspeed
+    import megatron.core
+    import torch
+
+    from zero_bench.records import Entry
+    from zero_bench.trial.launch import run_launch
+    from zero_bench.trial.machine import machine_lock
+
+    rows = []
+    with machine_lock(wait=True):  # the four back to back, no other zero_bench's trials between them
+        for overrides in LLAMA_TINY:
+            cfg = bench("llama-tiny", *overrides)
+            with tempfile.TemporaryDirectory(prefix="zb-tvm-") as tmp:
+                (res,) = run_launch(cfg, [Entry(2, "measure")], Path(tmp))
+            if res.status != "ok":
+                raise SystemExit(f"llama-tiny {' '.join(overrides)}: {res.status} ({res.reason})")
+            live = [r.peak_live_bytes for r in sorted(res.ranks, key=lambda r: r.rank)]
+            print(f"llama-tiny {' '.join(overrides)}: rank 0 {live[0] / MiB:.2f} MiB, rank 1 {live[1] / MiB:.2f}",
+                  flush=True)
+            rows.append({"model": "llama-tiny", "overrides": list(overrides), "micro": 2, "peak_live_bytes": live})
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    doc = json.loads(LIVE_PEAKS.read_text())
+    doc["sets"] = [s for s in doc["sets"] if s["name"] != "llama-tiny trials"] + [{
+        "name": "llama-tiny trials",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{cpu}, {os.cpu_count()} cores, {platform.node() or 'unnamed'}",
+        "command": "python benchmarks/traced_vs_measured.py measure (run_launch, Entry(2, 'measure'), one launch each)",
+        "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                     "megatron-core": megatron.core.__version__, "python": platform.python_version()},
+        "precision": "bytes, [rank 0, rank 1]; the comparison reads rank 0",
+        "rows": rows}]
+    LIVE_PEAKS.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"written: {LIVE_PEAKS}")
 
 
 def llama3_8b() -> None:
@@ -95,4 +165,9 @@ def llama3_8b() -> None:
 
 
 if __name__ == "__main__":
-    llama3_8b() if sys.argv[1:] == ["llama3-8b"] else measured_table()
+    if sys.argv[1:] == ["llama3-8b"]:
+        llama3_8b()
+    elif sys.argv[1:] == ["measure"]:
+        measure()
+    else:
+        sys.exit(1 if measured_table() else 0)

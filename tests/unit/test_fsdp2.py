@@ -16,6 +16,7 @@ from zero_bench.search.preflight import skipped_search
 from zero_bench.search.sweeps import sweep_size
 
 from conftest import cpu_cfg, model
+from measured import prototype_peaks
 from zero_bench.models.params import num_params
 
 
@@ -126,19 +127,10 @@ def test_untied_models_hold_the_output_layers_gradient_not_the_embeddings():
     assert tied.prediction.buffer("root_grads").bytes == 4 * (1024 * 64 + 2 * 64)  # word embedding + LayerNorm
 
 
-# Peak live tensor bytes of the profiled step (MiB, rank 0), measured by the prototype's harness,
-# which is the worker's profiled_step: (model, precision, zero, micro) -> MiB.
-MEASURED_PEAK_MIB = {
-    ("gpt-tiny", "fp32", 3, 2): 3.66, ("gpt-tiny", "fp32", 3, 4): 5.63, ("gpt-tiny", "fp32", 2, 2): 3.85,
-    ("gpt-tiny", "fp32", 2, 4): 5.82, ("gpt-tiny", "bf16", 3, 2): 2.93, ("gpt-tiny", "bf16", 3, 4): 4.66,
-    ("gpt-tiny", "bf16", 2, 2): 3.12, ("gpt-tiny", "bf16", 2, 4): 4.85,
-    ("gpt-mini", "fp32", 3, 2): 109.33, ("gpt-mini", "fp32", 3, 4): 168.87, ("gpt-mini", "fp32", 2, 2): 118.36,
-    ("gpt-mini", "fp32", 2, 4): 177.91, ("gpt-mini", "bf16", 3, 2): 89.69, ("gpt-mini", "bf16", 3, 4): 143.24,
-    ("gpt-mini", "bf16", 2, 2): 95.72, ("gpt-mini", "bf16", 2, 4): 149.26,
-    ("gpt-small", "fp32", 3, 2): 711.96, ("gpt-small", "fp32", 3, 4): 808.67, ("gpt-small", "fp32", 2, 2): 847.08,
-    ("gpt-small", "fp32", 2, 4): 965.31, ("gpt-small", "bf16", 3, 2): 626.91, ("gpt-small", "bf16", 3, 4): 650.90,
-    ("gpt-small", "bf16", 2, 2): 666.36, ("gpt-small", "bf16", 2, 4): 725.97,
-}
+# Peak live tensor bytes of the profiled step (MiB, rank 0), measured by issue 29's prototype's harness
+# (the worker's profiled_step), stored with where and how in tests/data/measured/fsdp2_live_peaks.json:
+# (model, precision, zero, micro) -> MiB.
+MEASURED_PEAK_MIB = prototype_peaks()
 
 
 @pytest.mark.parametrize("key", list(MEASURED_PEAK_MIB))

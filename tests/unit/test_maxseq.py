@@ -227,8 +227,10 @@ def test_with_checkpoint_offload_the_line_names_the_host_ram_at_the_longest_sequ
 
 def test_each_of_alsts_savers_lengthens_the_predicted_sequence_in_the_published_order():
     """ALST's 8 x H100 ablation for Llama-3.1-8B (benchmarks/heldout_long_context.py has the figures
-    and the source): 160K without sp < 1.1M at sp 8 < 1.2M with the tiled MLP < 2.4M with checkpoint
-    offload < 3.8M with both. The estimate keeps that order: each saver removes a term it counts."""
+    and the source): no sp < 1.1M at sp 8 < 1.2M with the tiled MLP < 2.4M with checkpoint offload
+    < 3.8M with both (the 160K recipe named for the run without sp sets sp 8 at the pinned commit,
+    so no published length stands for sp 1). The estimate keeps that order: each saver removes a
+    term it counts."""
     from zero_bench.config.configure import compose, from_cfg, search_from_cfg
 
     common = ["model=llama3-8b", "hardware=h100_80gb", "zero=3", "offload=true", "offload_param=false",

@@ -88,6 +88,7 @@ from typing import Mapping, Optional
 
 from zero_bench.config.schema import Device, Recompute
 from zero_bench.models import ModelConfig
+from zero_bench.models.description import native_gqa
 from zero_bench.units import BYTES
 
 # the attention's terms (estimate/attention.py), re-exported: callers read every term from here
@@ -231,7 +232,8 @@ def backward_transients(m: ModelConfig, tp: int, precision: str, device: str, ti
     on a view of the baddbmm output), by which time the layer's softmax / dropout tensors are freed.
     In 16-bit with the upcast softmax the mask is applied to an fp32 copy: the probabilities' 16-bit
     gradient and its fp32 cast; with the 16-bit softmax (GPU, fusions) the fp32 path's four tensors
-    in 16 bits. flash kernels: dq, dk, dv.
+    in 16 bits. flash kernels (flash_backward): the kernel's incoming gradient beside dq, dk, dv, and
+    on GPU its fp32 dq accumulator and, taking GQA, dk and dv at every query head.
     tiles (tiled_mlp, DeepSpeed's TiledMLP backward): one tile rebuilt at a time, its intermediates
     and gradients 1/tiles of the sequence's, beside the whole input's gradient TiledMLP fills tile by
     tile (zeros_like(x), B*h)."""
@@ -251,8 +253,23 @@ def backward_transients(m: ModelConfig, tp: int, precision: str, device: str, ti
         upcast = softmax_upcast(precision, device, fusions)
         attention = (4 + B) * x["A"] if upcast else 4 * B * x["A"] - core["internal"]
     else:
-        attention = core["qkv"]
+        attention = flash_backward(m, tp, precision, device)
     return {"mlp": mlp, "attention": attention}
+
+
+def flash_backward(m: ModelConfig, tp: int, precision: str, device: str) -> float:
+    """Bytes per token a flash kernel's backward holds at once beyond the layer's saved tensors: dout
+    (linear_proj's input gradient, which the kernel reads whole: measured on CPU, the last layer's
+    attention backward held q*B more than dq, dk, dv; benchmarks/attention_backward.py), dq, dk, dv,
+    and on GPU what FlashAttention-2's mha_bwd / mha_varlen_bwd allocate for the kernel (flash_api.cpp,
+    torch's in-tree port alike): dq_accum in fp32 (4q) and, where K/V come with fewer heads than Q,
+    dk_expanded and dv_expanded at every query head (2q*B), summed into dk, dv after the kernel."""
+    B, x = BYTES[precision], dims(m, tp)
+    grads = core_attention_terms(m, tp, precision, device)["qkv"] + x["q"] * B
+    if device == Device.cpu:
+        return grads  # torch's CPU flash backward accumulates per thread (a few tiles, not per token)
+    expanded = 2 * x["q"] * B if native_gqa(device, precision) and x["rep"] > 1 else 0
+    return grads + 4 * x["q"] + expanded
 
 
 def op_kept_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: str = "gpu",
