@@ -141,20 +141,30 @@ MEASURED_PEAK_MIB = {
 }
 
 
+# GPT-tiny's and GPT-mini's peaks are the end of the forward (bf16: the 16-bit logits beside
+# megatron's fp32 softmax, the last layer's all-gather output not yet freed) or the output layer's
+# backward (fp32): the formula's phases hold them to the rounding of the figures (0.01 MiB of 2.93).
+# GPT-small's at micro 2 fall in a layer's backward or at its end, where the formula leaves out the
+# gradients inside the layer (-4.0 % at worst: bf16 zero=2 micro 2). Before the phases followed
+# the step (issue 51): fp32 -5.5 % to -0.1 %, bf16 -2.5 % to +12.6 % (6 % and 13 % allowed).
+PEAK_TOL = {"gpt-tiny": 0.005, "gpt-mini": 0.005, "gpt-small": 0.045}
+
+
 @pytest.mark.parametrize("key", list(MEASURED_PEAK_MIB))
 def test_peak_model_reproduces_the_measured_live_peaks(key):
     name, precision, zero, micro = key
     e = estimate(cpu_cfg(name, engine="fsdp2", zero=zero, precision=precision))
     live = (e.peak_bytes(micro) - e.overhead) / 2**20
-    # bf16: the activation formula (estimate/activations.py) counts what megatron keeps under DeepSpeed's
-    # bf16 to within 4 % (docs/verified.md); FSDP2's bf16 compute on fp32 shards keeps ~10 % less per
-    # sample here, not yet explained (docs/engines.md, "The estimate for FSDP2")
-    assert live == pytest.approx(MEASURED_PEAK_MIB[key], rel=0.06 if precision == "fp32" else 0.13)
+    assert live == pytest.approx(MEASURED_PEAK_MIB[key], rel=PEAK_TOL[name])
 
 
 def test_peak_phases_and_max_micro():
     assert layer_phases(1) == {} and layer_phases(2) == {"layer_last": 1}
     assert layer_phases(12) == {"layer_last": 11, "layer_next": 10, "layer_first": 1}
+    # recompute=block of 4: where the rebuilt layers end and the whole ones begin
+    assert layer_phases(12, 4) == {"layer_last": 11, "layer_next": 10, "layer_first": 1,
+                                   "layer_recomputed_top": 3, "layer_kept_lowest": 4}
+    assert layer_phases(4, 2) == {"layer_last": 3, "layer_next": 2, "layer_first": 1}  # 1 and 2 kept already
     z3, z2 = (estimate(cpu_cfg("gpt-small", engine="fsdp2", zero=z)) for z in (3, 2))
     # zero=2 holds every layer gathered at the end of forward: more memory, same states
     assert z2.peak_bytes(2) > z3.peak_bytes(2) and z2.persistent == z3.persistent
