@@ -206,7 +206,7 @@ def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
                       act_per_sample=max(v.per_sample for v in phases.values()),
                       init_peak=init_peak(bench, R, G, P - R, _per_rank(layer, layout),
                                           _per_rank([p for ps in g.values() for p in ps], layout)),
-                      phase_grads=dev_grads * states.grads)
+                      phase_grads=dev_grads * states.grads, held_across_micro_batches=held)
 
 
 def _per_rank(ps: list[Param], layout: RankLayout) -> int:
@@ -282,9 +282,12 @@ def _layer_activations(bench: BenchConfig, act: dict, host: int, block: int):
     checkpointed): min(i+1, block) inputs, the layers above whole, a rebuilt layer only for i <
     block. Otherwise every layer keeps what recompute leaves (evenly) and one is rebuilt (none: 0)."""
     L = bench.model.num_layers
+    # recompute_offload on CPU: the rebuilt layer's input, brought back for a GPU, is among the kept
+    # inputs already (the host is the device)
+    rebuilt = act["recomputed"] - (host / (block or L) if host else 0)
     if not block:
         kept = (act["layers"] + host) / L
-        return lambda i: (i + 1) * kept + act["recomputed"]
+        return lambda i: (i + 1) * kept + rebuilt
     per_layer = {}
     for kind in (Recompute.full, Recompute.none):  # the layers' inputs; the layers whole
         a = activation_bytes_per_sample(bench.model, bench.parallel.tp, bench.precision, kind,
@@ -292,5 +295,4 @@ def _layer_activations(bench: BenchConfig, act: dict, host: int, block: int):
                                         **sequence_args(bench))
         per_layer[kind] = (a["layers"] + (a["host"] if host else 0)) / L
     inputs, whole = per_layer[Recompute.full], per_layer[Recompute.none]
-    return lambda i: (min(i + 1, block) * inputs + max(0, i + 1 - block) * whole
-                      + (act["recomputed"] if i < block else 0))
+    return lambda i: min(i + 1, block) * inputs + max(0, i + 1 - block) * whole + (rebuilt if i < block else 0)

@@ -86,6 +86,9 @@ class Prediction:
     phase_grads: int
     """The gradient bytes of the states in the memory the capacity is about that the phases count
     (not persistent through the step): the rest of the states persists."""
+    held_across_micro_batches: int = 0
+    """Gradient bytes the phases of a micro-batch hold from the ones before it (FSDP2 with grad_accum
+    > 1 accumulates into its sharded gradients); 0 where grad_accum changes nothing."""
     nvme: Optional[NvmeSplit] = None
     """offload_device=nvme: the states in swap files and the swappers' pinned host buffers."""
 
