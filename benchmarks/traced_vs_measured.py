@@ -2,7 +2,7 @@
 CPU, and the trace's time on Llama-3-8B.
 
     python benchmarks/traced_vs_measured.py            # the measured configurations (~2 minutes); exit 1 on a miss
-    python benchmarks/traced_vs_measured.py measure    # re-measure the llama-tiny rows: 4 real trials, one at a time
+    python benchmarks/traced_vs_measured.py measure    # re-measure the llama-tiny rows: 9 real trials, one at a time
     python benchmarks/traced_vs_measured.py llama3-8b  # Llama-3-8B, FSDP2 zero=3, dp 8, H100 80GB
 
 No launch but `measure`: every figure is traced in this process under FakeTensorMode with a fake
@@ -11,8 +11,9 @@ tensors before it plus the largest net allocation during it) are read from
 tests/data/measured/fsdp2_live_peaks.json, each set with its machine, date, command and versions:
 - GPT-tiny / mini / small, fp32 / bf16, zero 3 / 2, micro 2 / 4: issue 29's prototype (as recorded);
 - llama-tiny, micro 2 (zero=3, zero=2, recompute=full, bf16): zero_bench trials, written by `measure`
-  (run_launch, one launch per configuration, under the machine lock).
-The accuracy stated (TRACE_WITHIN, FORMULA_WITHIN, KNOWN_MISSES) is checked on every run: a
+  (run_launch, one launch per configuration, under the machine lock); grad_accum 2, recompute=block
+  and the bf16 losses (and recompute=full again): issue 51's trials, a set of their own.
+The accuracy stated (TRACE_WITHIN, FORMULA_WITHIN, KNOWN_MISSES, RUN_TO_RUN) is checked on every run: a
 configuration outside it, or a known miss that no longer misses, exits 1.
 qwen3-tiny and gpt-mini at other settings are traced beside the formula only (no FSDP2 live peak
 of theirs is stored); moe-tiny is refused (a mixture of experts: data-dependent shapes).
@@ -38,16 +39,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from measured import LIVE_PEAKS, live_peaks  # noqa: E402
 
 TRACE_WITHIN = 3.0  # % of the measured live peak, every stored configuration but KNOWN_MISSES
-# the formula: fp32 and bf16 (tests/unit/test_fsdp2.py's tolerances; its bf16 activations are megatron's
-# under DeepSpeed's bf16, ~10 % above what FSDP2's bf16 compute keeps: docs/engines.md)
-FORMULA_WITHIN = {"fp32": 6.0, "bf16": 13.0}
+# the formula, every stored configuration (tests/unit/test_fsdp2.py's tolerances: GPT-tiny/mini within
+# 0.1 %, GPT-small -4.0 to +0.2 %, llama-tiny -3.5 to +0.4 % but for RUN_TO_RUN's rows; before issue 51
+# bf16 was +12.6 %: the logits counted at backward's start, docs/engines.md)
+FORMULA_WITHIN = {"fp32": 4.5, "bf16": 4.5}
 # (model, overrides) -> why the trace misses by more than TRACE_WITHIN; each must still miss (else the
 # statement is stale). None today: llama-tiny recompute=full was one (-5.3 %) while its "measurement"
 # was rebuilt from the formula (docs/estimate.md, "Against what was measured")
 KNOWN_MISSES: dict = {}
+# (model, overrides) -> (%, why): configurations whose measured peak moves from run to run by more than
+# TRACE_WITHIN; both the trace and the formula are held to this instead, for every stored run of them
+RUN_TO_RUN = {("llama-tiny", ("zero=3", "precision=fp32", "recompute=full")):
+              (5.5, "48.67 and 51.36 MiB in two runs: one fp32 layer, gloo's second all-gather buffer")}
 # llama-tiny, micro 2: the configurations `measure` runs
 LLAMA_TINY = [("zero=3", "precision=fp32"), ("zero=2", "precision=fp32"),
-              ("zero=3", "precision=fp32", "recompute=full"), ("zero=3", "precision=bf16")]
+              ("zero=3", "precision=fp32", "recompute=full"), ("zero=3", "precision=bf16"),
+              ("zero=3", "precision=fp32", "batch.grad_accum=2"), ("zero=2", "precision=fp32", "batch.grad_accum=2"),
+              ("zero=3", "precision=fp32", "recompute=block", "recompute_layers=2"),
+              ("zero=3", "precision=bf16", "loss=chunked"), ("zero=3", "precision=bf16", "loss=fp32")]
 # traced beside the formula only
 UNMEASURED = [("qwen3-tiny", ("zero=3", "precision=fp32")), ("qwen3-tiny", ("zero=3", "precision=bf16")),
               ("llama-tiny", ("zero=3", "precision=fp32", "recompute=op")),
@@ -77,13 +86,15 @@ def line(b, micro: int, measured) -> tuple:
 def misses(model: str, overrides: tuple, precision: str, trace_err: float, formula_err: float) -> list[str]:
     """What of the stated accuracy this configuration breaks (empty: it holds)."""
     out, known = [], (model, overrides) in KNOWN_MISSES
-    if known and abs(trace_err) <= TRACE_WITHIN:
+    wider = RUN_TO_RUN.get((model, overrides), (0.0, ""))[0]
+    trace_within, formula_within = max(TRACE_WITHIN, wider), max(FORMULA_WITHIN[precision], wider)
+    if known and abs(trace_err) <= trace_within:
         out.append(f"trace {trace_err:+.1f} %: listed as a known miss ({KNOWN_MISSES[(model, overrides)]}) "
-                   f"but within {TRACE_WITHIN} % now")
-    if not known and abs(trace_err) > TRACE_WITHIN:
-        out.append(f"trace {trace_err:+.1f} %, stated within {TRACE_WITHIN} %")
-    if abs(formula_err) > FORMULA_WITHIN[precision]:
-        out.append(f"formula {formula_err:+.1f} %, stated within {FORMULA_WITHIN[precision]} %")
+                   f"but within {trace_within} % now")
+    if not known and abs(trace_err) > trace_within:
+        out.append(f"trace {trace_err:+.1f} %, stated within {trace_within} %")
+    if abs(formula_err) > formula_within:
+        out.append(f"formula {formula_err:+.1f} %, stated within {formula_within} %")
     return [f"{model} {' '.join(overrides)}: {m}" for m in out]
 
 

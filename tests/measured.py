@@ -40,3 +40,8 @@ def prototype_peaks() -> dict:
             keys = dict(o.split("=", 1) for o in p.overrides)
             out[(p.model, keys["precision"], int(keys["zero"]), p.micro)] = p.mib
     return out
+
+
+def llama_tiny_peaks() -> list[LivePeak]:
+    """Every stored llama-tiny row (several runs of one configuration are each kept)."""
+    return [p for p in live_peaks() if p.model == "llama-tiny"]

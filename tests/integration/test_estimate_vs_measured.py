@@ -1,5 +1,6 @@
 """The estimate against real CPU trials (gpt-small, ZeRO 0-3 and FSDP2 zero 2/3, DP=2; and llama-tiny,
-a model none of the estimate's CPU constants was fitted on). The figures measured are in docs/verified.md
+a model none of the estimate's CPU constants was fitted on, with ZeRO-2 and with FSDP2 zero=3 in
+the recipes whose phases issue 51 fixed). The figures measured are in docs/verified.md
 ("Measured on this machine") and docs/engines.md ("The estimate for FSDP2"); these tests hold them to
 their tolerances.
 
@@ -16,6 +17,7 @@ import dataclasses
 import pytest
 
 from zero_bench.config.layout import RankLayout
+from zero_bench.config.schema import BatchConfig
 from zero_bench.estimate import CPU_RANK_OVERHEAD, estimate
 from zero_bench.estimate.fsdp2 import model_states
 from zero_bench.records import Entry
@@ -26,6 +28,13 @@ from conftest import cpu_cfg
 pytestmark = pytest.mark.slow
 
 FSDP2 = ["fsdp2_zero2", "fsdp2_zero3"]
+# FSDP2 on llama-tiny where the formula had a phase wrong (issue 51): grad_accum > 1 holds the
+# sharded gradients of the micro-batch before; recompute=block rebuilds only the recomputed layers;
+# loss=chunked keeps no logits (all zero=3, beside the plain step of each precision)
+FSDP2_LLAMA = {"fsdp2_llama": {}, "fsdp2_llama_accum": {"batch": BatchConfig(micro=2, grad_accum=2)},
+               "fsdp2_llama_block": {"recompute": "block", "recompute_layers": 2},
+               "fsdp2_llama_bf16": {"precision": "bf16"},
+               "fsdp2_llama_chunked": {"precision": "bf16", "loss": "chunked"}}
 ZERO = [0, 1, 2, 3, "llama"]
 MICROS = (1, 4)
 # What one more sample may differ by between the profiled steps' live tensor peaks and the formula
@@ -88,6 +97,7 @@ def measured(tmp_path_factory, pools):
     configs = {z: cpu_cfg("gpt-small", zero=z) for z in range(4)}
     configs.update({name: cpu_cfg("gpt-small", zero=int(name[-1]), engine="fsdp2") for name in FSDP2})
     configs["llama"] = cpu_cfg("llama-tiny", zero=2)
+    configs.update({name: cpu_cfg("llama-tiny", zero=3, engine="fsdp2", **kw) for name, kw in FSDP2_LLAMA.items()})
     for key, b in configs.items():
         micros = sorted(set(MICROS) | set(slope_micros(b)))
         res = run_launch(b, [Entry(m, "probe") for m in micros], tmp_path_factory.mktemp(f"z{key}"),
@@ -187,16 +197,31 @@ def test_fsdp2_model_states_are_exact(measured, name):
         assert total == e.persistent if rank.rank == 0 else total <= e.persistent
 
 
+# FSDP2's live tensor peak against the formula's (issue 51 fixed its phases; 5 % was allowed before
+# for GPT-small). Measured 2026-11-28 in this test: GPT-small zero=3 +0.1 % / +0.2 % at micro 1 / 4,
+# zero=2 -3.1 % / -0.0 % (micro 1's peak is in a layer's backward, whose inner gradients the formula
+# leaves out). llama-tiny (FSDP2_LLAMA): -6.9 % with bf16 loss=chunked at micro 1 (42.31 MiB against
+# 39.41; the trace reads 38.6: not explained), the plain step and recompute=block -3.2 % to +0.5 %.
+# grad_accum 2 varies from run to run by one fp32 layer of llama-tiny (2.69 MiB, the size of a
+# layer's reduce-scatter input; neither the formula nor the trace holds it): -4.4 % and -8.3 % at
+# micro 1 in two runs (62.37 and 65.06 MiB against 59.64), -1.6 % / -5.4 % at micro 4 (ranks 0 / 1).
+# The formula before issue 51 was -15 % / -18 % with grad_accum 2 at micro 1, +16 % / +24 % with
+# recompute=block (micro 1 / 4), +9.5 % with loss=chunked at micro 4.
+GPT_SMALL_LIVE_TOL = 0.04
+LLAMA_LIVE_TOL = {"fsdp2_llama_accum": 0.1}  # the others 0.075
+
+
 @pytest.mark.parametrize("micro", MICROS)
 @pytest.mark.parametrize("name", FSDP2)
 def test_fsdp2_peaks_near_estimate(measured, name, micro):
     """The RSS margin the ZeRO stages meet (12 %); the live tensor peak, which the memory model
-    describes without the process's fixed cost, within 5 %."""
+    describes without the process's fixed cost, within GPT_SMALL_LIVE_TOL."""
     b, res = measured[name]
     e = estimate(b)
     for rank in res[micro].ranks:
         assert e.peak_bytes(micro) == pytest.approx(rank.peak_rss_bytes, rel=0.12)
-        assert e.peak_bytes(micro) - e.overhead == pytest.approx(rank.peak_live_bytes, rel=0.05)
+        assert e.peak_bytes(micro) - e.overhead == pytest.approx(rank.peak_live_bytes, rel=GPT_SMALL_LIVE_TOL), (
+            (e.peak_bytes(micro) - e.overhead) / 2**20, rank.peak_live_bytes / 2**20)
 
 
 def test_zero2_rank0_grows_by_the_formula_where_activations_decide(measured):
@@ -211,3 +236,17 @@ def test_zero2_rank0_grows_by_the_formula_where_activations_decide(measured):
     assert r_lo.rank == 0 and r_hi.peak_phase == "backward"
     got = (r_hi.peak_live_bytes - r_lo.peak_live_bytes) / (hi - lo)
     assert abs(got - formula) <= SLOPE_TOL * formula, (got / 2**20, formula / 2**20)
+
+
+@pytest.mark.parametrize("micro", MICROS)
+@pytest.mark.parametrize("name", list(FSDP2_LLAMA))
+def test_fsdp2_llama_tiny_peaks_near_estimate(measured, name, micro):
+    """The live tensor peak of each rank within LLAMA_LIVE_TOL of the formula's. Before its phases
+    followed FSDP2's step (issue 51) the formula left out the first micro-batch's sharded gradients
+    (grad_accum 2), counted a rebuilt layer at every phase (recompute=block) and the whole logits
+    beside the chunk (loss=chunked)."""
+    b, res = measured[name]
+    e = estimate(b)
+    for rank in res[micro].ranks:
+        assert e.allocated_bytes(micro) == pytest.approx(rank.peak_live_bytes, rel=LLAMA_LIVE_TOL.get(name, 0.075)), (
+            e.allocated_bytes(micro) / 2**20, rank.peak_live_bytes / 2**20)

@@ -86,6 +86,20 @@ def test_every_stage_gets_its_line_and_grad_accum_changes_nothing():
     assert "grad_accum" in text.split("peak per rank at")[1]
 
 
+def test_fsdp2_holds_the_sharded_gradients_through_the_next_micro_batch():
+    """FSDP2 accumulates each micro-batch's reduce-scattered gradients into the sharded ones
+    (torch's _fsdp_collectives.py foreach_reduce), so with grad_accum > 1 the last micro-batch's
+    forward and backward hold all of them: the peak at micro rises by at most the sharded gradients
+    (the layer phases held those of the layers above already), and the table says why."""
+    fsdp2 = [*ALL, "engine=fsdp2", "zero=3", "batch.micro=2"]
+    one, two = _est(fsdp2), _est([*fsdp2, "batch.grad_accum=2"])
+    assert one.states == two.states
+    assert one.allocated_bytes(2) < two.allocated_bytes(2) <= one.allocated_bytes(2) + two.states.grads
+    text = estimate_report(compose([*fsdp2, "batch.grad_accum=2"]), frozenset({"zero"}))
+    assert "(grad_accum 2: the sharded gradients of the micro-batches before held)" in text
+    assert "FSDP2 holds the sharded gradients" in text
+
+
 def test_without_a_capacity_fits_is_unknown():
     e = _est(CPU)
     e.capacity = None

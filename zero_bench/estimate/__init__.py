@@ -212,7 +212,8 @@ class Estimate:
         whether it fits the capacity (None: no capacity known). GPU: torch's max allocated, the
         allocator's reserved (x fragmentation) and the device's peak as nvidia-smi shows it (reserved
         + the fixed terms at their high end, peak_bytes); CPU: the peak live tensors and the peak RSS.
-        grad_accum does not enter: each micro-batch's forward/backward reuses the same memory."""
+        grad_accum enters only with FSDP2 (its phases hold the sharded gradients of the micro-batches
+        before): DeepSpeed's micro-batches reuse the same memory."""
         allocated, peak = self.allocated_bytes(micro), self.peak_bytes(micro)
         figures = ({"live_tensors_bytes": allocated, "peak_rss_bytes": peak} if self.device == Device.cpu else
                    {"allocated_bytes": allocated, "reserved_bytes": int(self.fragmentation * allocated),

@@ -212,6 +212,21 @@ def logits_transient(m: ModelConfig, tp: int, B: int, loss: str) -> float:
     return B * V + (4 * V if loss == "fp32" and B != 4 else 0)
 
 
+def output_layer_backward(m: ModelConfig, tp: int = 1, precision: str = "bf16", loss: str = "megatron",
+                          ulysses_sp: int = 1) -> dict:
+    """Bytes per sample (seq_len / ulysses_sp tokens) of the output layer's backward, where its weight
+    gradient is made (FSDP2 holds it unsharded to the end: estimate/fsdp2.py): "softmax", what the
+    loss kept (head_terms), freed once the loss is differentiated; "logits_grad", the logits'
+    gradient in their dtype, B*V/t, beside it (megatron's fp32 gradient, its softmax written over,
+    is cast back to the 16-bit logits' dtype; in fp32 it is that softmax; torch's losses end with
+    the logits' gradient too; chunked: one chunk's, in loss_chunk_bytes); "input_grad", the output
+    layer's input gradient B*h, made before the weight's."""
+    B, V, h = BYTES[precision], m.padded_vocab(tp) // tp, m.hidden_size
+    softmax = {"megatron": 4 * V, "bf16": B * V, "fp32": 4 * V, "chunked": 0}[loss]
+    per_token = {"softmax": softmax, "logits_grad": 0 if loss == "chunked" else B * V, "input_grad": B * h}
+    return {k: int(round(v * m.seq_len / ulysses_sp)) for k, v in per_token.items()}
+
+
 def loss_chunk_bytes(m: ModelConfig, precision: str) -> int:
     """loss=chunked: one chunk in flight (models/loss.py CHUNK_TOKENS tokens, not per sample): its
     logits, their fp32 copy and log-softmax in forward; in backward the recomputed chunk's and two

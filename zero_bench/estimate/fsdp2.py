@@ -12,24 +12,46 @@ ceil(dim0 / dp) rows):
   grads (sharded fp32, from the reduce-scatter to the step):                   ~ 4P/dp
   = 12P/dp between steps, 16P/dp at the step, fp32 and bf16 alike (no 16-bit copy persists).
 
-Transient, measured on CPU with FSDP2's record_function ranges (issue 29's prototype):
-- the root group is gathered through the whole forward and backward (b*R), and the output layer's
-  unsharded gradient (tied: the word embedding's) with the final norm's lives from the output
-  layer's backward to the end (b*R_out; FSDP2 reduce-scatters the root's gradients last);
-- zero=3: in backward the layer being differentiated plus the one FSDP2 prefetches; on CPU, gloo's
-  all_gather_into_tensor allocates a second output-sized buffer; the previous layer's
-  reduce-scatter input (fp32, 4G) is held until the next reduce-scatter;
-- zero=2: every layer stays gathered from its forward to its own backward (b*P at forward's end).
-The peak is the largest of these phases (`phases`), on top of the persistent 12P/dp:
-  backward_start: bR + bR_out + (z3: bG | z2: L*bG)              + activations of all layers + logits
-  layer_i (i = L-1 .. 1, the pre-backward of layer i, which prefetches layer i-1):
+Transient, measured on CPU with FSDP2's record_function ranges (issue 29's prototype) and read in
+torch 2.13's torch/distributed/fsdp/_fully_shard:
+- the root group is gathered through the whole forward and backward (b*R: the root is not resharded
+  after forward, _fsdp_state.py _lazy_init), and the output layer's unsharded gradient (tied: the
+  word embedding's) with the final norm's lives from the output layer's backward to the end
+  (b*R_out; FSDP2 reduce-scatters the root's gradients last);
+- in forward each group's all-gather output is freed only after the next group's copy-out
+  (_fsdp_param_group.py wait_for_unshard, AllGatherState), the last layer's only when the root's
+  forward returns (_fsdp_state.py _post_forward): megatron computes the loss inside GPTModel's
+  forward, so one layer's all-gather output (b*G) is alive while it does;
+- zero=3: in backward the layer being differentiated plus the one FSDP2 prefetches (the root's
+  pre-backward prefetches the top layer: its all-gather output is alive from the loss's backward
+  on); on CPU, gloo's all_gather_into_tensor allocates a second output-sized buffer; the previous
+  layer's reduce-scatter input (fp32, 4G) is held until the next reduce-scatter;
+- zero=2: every layer stays gathered from its forward to its own backward (b*P at forward's end);
+- grad_accum > 1: the sharded gradients of the micro-batches before are accumulated into
+  (_fsdp_collectives.py foreach_reduce, `grad._local_tensor += new_sharded_grad`), so every
+  phase of the last micro-batch holds all of them (4P/dp), not only the layers reduced so far.
+The peak is the largest of these phases (`phases`), on top of the persistent 12P/dp; act: the
+activations of estimate/activations.py (saved: every layer's, the embedding's, the loss's, the
+attention's scratch buffer), per sample:
+  forward_end:    bR + b*G (the last all-gather) (+ z2: L*bG)   + saved + the loss's transient logits
+  loss_backward:  bR + (z3: bG | z2: L*bG)                      + saved + the cross entropy's two
+                  gradients (torch's losses, loss=bf16 / fp32: activations.py's loss_backward)
+  backward_start: bR + bR_out + (z3: bG | z2: L*bG)             + saved - the loss's softmax + the
+                  logits' gradient B*V + the output layer's input gradient B*h
+  layer_i (the pre-backward of layer i, which prefetches layer i-1):
                   bR + bR_out + (z3: bG + bG (+ bG gloo) | z2: (i+1)*bG) + [i < L-1] 4G
-                  + (L-1-i) * 4G/dp (sharded gradients of the layers above) + activations of layers 0..i
+                  + (L-1-i) * 4G/dp (sharded gradients of the layers above) + activations of layers
+                  0..i + the layer i rebuilds where it is recomputed + the scratch buffer
   step:           4P/dp (all sharded gradients) + AdamW's temporaries (CPU: single-tensor AdamW)
-Every layer phase is linear in i, so its maximum is at i = L-1, L-2 or 1: only those are kept.
+With recompute=block the first recompute_layers (n) layers keep their inputs and are rebuilt in
+their own backward, the others keep everything and rebuild nothing (megatron's block method): a
+layer phase holds min(i+1, n) inputs, max(0, i+1-n) whole layers, and a rebuilt layer for i < n.
+Every layer phase is linear in i between the breaks (n-1 | n with block; L-2 | L-1, where the held
+reduce-scatter input ends), so its maximum is at i = L-1, L-2, 1, n-1 or n: only those are kept.
 Activations are megatron's, as for ZeRO (estimate/activations.py; measured per-sample slopes equal
-ZeRO-3's), except the logits: 4 bytes per token and vocabulary row in fp32, 8 in bf16 (the bf16
-logits, megatron's fp32 copy and its clone's half), as measured at the peak on CPU. Left out: the
+ZeRO-3's), FSDP2's bf16 (fp32 shards, MixedPrecisionPolicy) keeping what DeepSpeed's bf16 module
+keeps: the logits follow the `loss` recipe as there (megatron: the fp32 softmax 4V and at the end
+of the forward the 16-bit logits beside it; chunked: none, one chunk's as a buffer). Left out: the
 gradients inside one layer's backward (with recompute=full the peak moves there: -5 % on gpt-mini).
 How close this comes to CPU measurements: docs/engines.md, "The estimate for FSDP2".
 
@@ -48,15 +70,15 @@ import math
 from typing import Mapping, Optional
 
 from zero_bench.config.layout import RankLayout
-from zero_bench.config.schema import BenchConfig, Device, Loss
-from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes, sequence_args
+from zero_bench.config.schema import BenchConfig, Device, Loss, Recompute
+from zero_bench.estimate.activations import (activation_bytes_per_sample, loss_chunk_bytes, output_layer_backward,
+                                             sequence_args)
 from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction, causal_mask
 from zero_bench.estimate.states import master_bytes, moment_bytes
 from zero_bench.models.params import ROOT, Param
 from zero_bench.records import ModelStates
 from zero_bench.units import BYTES
 
-LOGITS_BYTES = {"fp32": 4, "bf16": 8}  # per token and vocabulary row at the peak (see above)
 ADAM_TEMPORARIES = 2  # single-tensor AdamW: sqrt(v), then its quotient, of one parameter's shard
 
 
@@ -110,10 +132,14 @@ def model_states(layout: RankLayout, precision: str = "fp32", offload: bool = Fa
     return dataclasses.replace(out, host=out.total if offload else 0)
 
 
-def layer_phases(L: int) -> dict[Phase, int]:
-    """The layer phases kept (phase -> i): the top layer, the one below it, and layer 1."""
+def layer_phases(L: int, block: int = 0) -> dict[Phase, int]:
+    """The layer phases kept (phase -> i): the top layer, the one below it, and layer 1; with
+    recompute=block of `block` layers also the top recomputed layer and the lowest kept one."""
     out: dict[Phase, int] = {}
-    for name, i in ((Phase.layer_last, L - 1), (Phase.layer_next, L - 2), (Phase.layer_first, 1)):
+    named = [(Phase.layer_last, L - 1), (Phase.layer_next, L - 2), (Phase.layer_first, 1)]
+    if 0 < block < L:
+        named += [(Phase.layer_recomputed_top, block - 1), (Phase.layer_kept_lowest, block)]
+    for name, i in named:
         if 1 <= i <= L - 1 and i not in out.values():
             out[name] = i
     return out
@@ -138,17 +164,20 @@ def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
     root, layer = g.pop(ROOT), max(g.values(), key=lambda ps: sum(p.numel for p in ps))
     b, L = BYTES[bench.precision], m.num_layers
     R, G = sum(p.numel for p in root), sum(p.numel for p in layer)
-    layers = layer_phases(L)
     # Sharded gradients live in host memory with offload on a GPU: none on the device.
     dev_grads = 0 if bench.offload and not on_cpu else 1
     w = master_bytes(bench.states)  # sharded parameters, gradients and the update: fp32 or pure bf16
     layer_grads = dev_grads * w * sum(_shard(p, layout, 0, padded=True) for p in layer)
-    buffers = _buffers(bench, b, R, G, layers, on_cpu)
+    block = bench.recompute_layers if bench.recompute == Recompute.block and bench.recompute_layers < L else 0
+    layers = layer_phases(L, block)
+    torch_loss = bench.loss in (Loss.bf16, Loss.fp32)  # activations.py's loss_backward moment
+    head = (Phase.forward_end,) + ((Phase.loss_backward,) if torch_loss else ()) + (Phase.backward_start,)
+    buffers = _buffers(bench, b, R, G, layers, on_cpu, head)
     if bench.loss == Loss.chunked:
-        buffers.append(Buffer("loss_chunk", loss_chunk_bytes(m, bench.precision), (Phase.backward_start,),
-                              "loss=chunked: one chunk's logits"))
+        buffers.append(Buffer("loss_chunk", loss_chunk_bytes(m, bench.precision),
+                              (Phase.forward_end, Phase.backward_start), "loss=chunked: one chunk's logits"))
     buffers.append(Buffer("root_grads", b * sum(p.numel for p in root if _graded_first(p, m.tie_embeddings)),
-                          buffers[0].phases, "the output layer's and the final norm's unsharded gradients"))
+                          (Phase.backward_start, *layers), "the output layer's and the final norm's unsharded gradients"))
     if on_cpu:  # fused AdamW (GPU) makes no temporaries
         largest = max(_shard(p, layout, 0, padded=True) for p in root + layer)
         buffers.append(Buffer("adamw_temporaries", ADAM_TEMPORARIES * w * largest, (Phase.step,),
@@ -157,21 +186,27 @@ def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
                                       recompute_layers=bench.recompute_layers, loss=bench.loss, fusions=bench.fusions,
                                       **sequence_args(bench))
     # recompute_offload: the inputs on the host, which on CPU is the memory measured
-    layers_here = act["layers"] + (act["host"] if on_cpu else 0)
-    kept = layers_here / L  # per layer, after recompute's savings
-    # a rank's logits are its own tokens' (Ulysses' sp > 1: seq_len / sp of each sequence)
-    logits = layout.local_seq_len * m.padded_vocab(tp) // tp * LOGITS_BYTES[bench.precision]
-    phases = {Phase.backward_start: PhaseBytes(0, int(layers_here + act["embedding"] + logits)),
-              **{n: PhaseBytes(int((L - 1 - i) * layer_grads),
-                               int((i + 1) * kept + act["recomputed"] + act["embedding"])) for n, i in layers.items()},
-              Phase.step: PhaseBytes(int(dev_grads * states.grads))}
+    host = act["host"] if on_cpu else 0
+    saved = act["saved"] + host
+    out = output_layer_backward(m, tp, bench.precision, bench.loss, layout.sp)
+    # grad_accum > 1: the last micro-batch accumulates into every sharded gradient of the ones before
+    held = dev_grads * states.grads if bench.batch.grad_accum > 1 else 0
+    phases = {Phase.forward_end: PhaseBytes(held, saved + act["logits_transient"])}
+    if torch_loss:  # torch's cross entropy differentiated, before the output layer's backward
+        phases[Phase.loss_backward] = PhaseBytes(held, act["loss_backward"] + host)
+    phases[Phase.backward_start] = PhaseBytes(held, saved - out["softmax"] + out["logits_grad"] + out["input_grad"])
+    by_layer = _layer_activations(bench, act, host, block)
+    for n, i in layers.items():
+        phases[n] = PhaseBytes(int(held or (L - 1 - i) * layer_grads),
+                               int(by_layer(i) + act["embedding"] + act["scratch"]))
+    phases[Phase.step] = PhaseBytes(int(dev_grads * states.grads))
     buffers += causal_mask(m, phases)
     P = R + sum(p.numel for ps in g.values() for p in ps)
     return Prediction(states=states, buffers=buffers, phases=phases, activations=act,
-                      act_per_sample=phases[Phase.backward_start].per_sample,
+                      act_per_sample=max(v.per_sample for v in phases.values()),
                       init_peak=init_peak(bench, R, G, P - R, _per_rank(layer, layout),
                                           _per_rank([p for ps in g.values() for p in ps], layout)),
-                      phase_grads=dev_grads * states.grads)
+                      phase_grads=dev_grads * states.grads, held_across_micro_batches=held)
 
 
 def _per_rank(ps: list[Param], layout: RankLayout) -> int:
@@ -208,23 +243,30 @@ def _graded_first(p: Param, tied: bool) -> bool:
     return not p.name.startswith("embedding.") or (tied and p.name == "embedding.word_embeddings.weight")
 
 
-def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[Phase, int], on_cpu: bool) -> list[Buffer]:
-    """Gathered parameters and unsharded gradients, each with the phases it is alive in."""
+def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[Phase, int], on_cpu: bool,
+             head: tuple[Phase, ...]) -> list[Buffer]:
+    """Gathered parameters and unsharded gradients, each with the phases it is alive in. head: the
+    phases before the layers' backward (forward_end, loss_backward where torch's loss runs,
+    backward_start)."""
     L, names, bR, bG = bench.model.num_layers, tuple(layers), b * R, b * G
-    backward = (Phase.backward_start,) + names
-    out = [Buffer("root_gathered", bR, backward, "the root group, gathered through forward and backward")]
+    after_forward = tuple(p for p in head if p != Phase.forward_end)
+    out = [Buffer("root_gathered", bR, head + names, "the root group, gathered through forward and backward"),
+           # each forward all-gather's output is freed after the next one's copy-out, the last
+           # layer's when the root's forward returns: after megatron's loss, computed inside it
+           Buffer("forward_allgather_output", bG, (Phase.forward_end,),
+                  "the last layer's all-gather output, freed after the root's forward")]
     if bench.zero == 3:
-        out.append(Buffer("layer_gathered", bG, backward, "the layer in backward"))
+        # the root's pre-backward prefetches the top layer: its all-gather output from the loss's backward on
+        out.append(Buffer("layer_gathered", bG, after_forward + names, "the layer in backward"))
         out.append(Buffer("layer_prefetched", bG, names, "the layer FSDP2 prefetches"))
         if on_cpu:
             out.append(Buffer("gloo_allgather_copy", bG, names, "gloo's all_gather_into_tensor output copy"))
     else:  # zero=2: layers 0..i stay gathered until their own backward
         for n, i in layers.items():
-            out.append(Buffer(f"layers_0_{i}_gathered", (i + 1) * bG,
-                              (n,) + ((Phase.backward_start,) if i == L - 1 else ()),
+            out.append(Buffer(f"layers_0_{i}_gathered", (i + 1) * bG, (n,) + (head if i == L - 1 else ()),
                               "zero=2: every layer gathered from its forward to its backward"))
         if L - 1 not in layers.values():
-            out.append(Buffer(f"layers_0_{L - 1}_gathered", L * bG, (Phase.backward_start,),
+            out.append(Buffer(f"layers_0_{L - 1}_gathered", L * bG, head,
                               "zero=2: every layer gathered from its forward to its backward"))
     held = tuple(n for n, i in layers.items() if i < L - 1)
     if held:
@@ -232,3 +274,25 @@ def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[Phase, int
         out.append(Buffer("held_reduce_scatter_input", master_bytes(bench.states) * G, held,
                           "the previous layer's reduce-scatter input, held to the next"))
     return out
+
+
+def _layer_activations(bench: BenchConfig, act: dict, host: int, block: int):
+    """i -> the activation bytes per sample of layers 0..i in layer i's backward, the layer it
+    rebuilds included. recompute=block (`block` layers, megatron's block method: the first ones are
+    checkpointed): min(i+1, block) inputs, the layers above whole, a rebuilt layer only for i <
+    block. Otherwise every layer keeps what recompute leaves (evenly) and one is rebuilt (none: 0)."""
+    L = bench.model.num_layers
+    # recompute_offload on CPU: the rebuilt layer's input, brought back for a GPU, is among the kept
+    # inputs already (the host is the device)
+    rebuilt = act["recomputed"] - (host / (block or L) if host else 0)
+    if not block:
+        kept = (act["layers"] + host) / L
+        return lambda i: (i + 1) * kept + rebuilt
+    per_layer = {}
+    for kind in (Recompute.full, Recompute.none):  # the layers' inputs; the layers whole
+        a = activation_bytes_per_sample(bench.model, bench.parallel.tp, bench.precision, kind,
+                                        device=bench.hardware.device, loss=bench.loss, fusions=bench.fusions,
+                                        **sequence_args(bench))
+        per_layer[kind] = (a["layers"] + (a["host"] if host else 0)) / L
+    inputs, whole = per_layer[Recompute.full], per_layer[Recompute.none]
+    return lambda i: min(i + 1, block) * inputs + max(0, i + 1 - block) * whole + (rebuilt if i < block else 0)

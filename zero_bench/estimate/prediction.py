@@ -19,14 +19,25 @@ class Phase(StrEnum):
     """DeepSpeed: forward and the start of backward, with the activations."""
     bwd_end = "bwd_end"
     """DeepSpeed: gradients complete, being reduced."""
+    forward_end = "forward_end"
+    """FSDP2: the loss computed, inside the root's forward: every activation, the loss's transient
+    logits, the last layer's all-gather output not yet freed."""
+    loss_backward = "loss_backward"
+    """FSDP2, torch's losses (loss=bf16 / fp32): the cross entropy differentiated, its gradients
+    beside the log-softmax it kept."""
     backward_start = "backward_start"
-    """FSDP2: the start of backward, every layer's activations and the logits alive."""
+    """FSDP2: the output layer's backward, its unsharded weight gradient made beside the logits'
+    gradient and every layer's activations."""
     layer_last = "layer_last"
     """FSDP2: the pre-backward of the top layer (which prefetches the one below)."""
     layer_next = "layer_next"
     """FSDP2: the pre-backward of the layer below the top one."""
     layer_first = "layer_first"
     """FSDP2: the pre-backward of layer 1."""
+    layer_recomputed_top = "layer_recomputed_top"
+    """FSDP2, recompute=block: the pre-backward of the top recomputed layer (recompute_layers - 1)."""
+    layer_kept_lowest = "layer_kept_lowest"
+    """FSDP2, recompute=block: the pre-backward of the lowest layer that keeps everything (recompute_layers)."""
     step = "step"
     """Both: the optimizer step."""
 
@@ -75,6 +86,9 @@ class Prediction:
     phase_grads: int
     """The gradient bytes of the states in the memory the capacity is about that the phases count
     (not persistent through the step): the rest of the states persists."""
+    held_across_micro_batches: int = 0
+    """Gradient bytes the phases of a micro-batch hold from the ones before it (FSDP2 with grad_accum
+    > 1 accumulates into its sharded gradients); 0 where grad_accum changes nothing."""
     nvme: Optional[NvmeSplit] = None
     """offload_device=nvme: the states in swap files and the swappers' pinned host buffers."""
 

@@ -45,6 +45,14 @@ AT_MICRO_LEGEND = {
     "cpu": "live tensors: the tensors at the peak; peak RSS: + the runtime; "}
 AT_MICRO_TAIL = ("fits: the peak <= the capacity, true up to max micro; grad_accum runs each micro-batch's "
                  "forward and backward in the same memory before the step.")
+# FSDP2 accumulates each micro-batch's reduce-scattered gradients into the sharded ones (estimate/fsdp2.py)
+HELD_TAIL = ("fits: the peak <= the capacity, true up to max micro; with grad_accum > 1 FSDP2 holds the "
+             "sharded gradients of the micro-batches before through the next one's forward and backward.")
+
+
+def _held(ests: list) -> bool:
+    """Whether grad_accum raises some configuration's peak (Prediction.held_across_micro_batches)."""
+    return any(e.prediction.held_across_micro_batches for _, e in ests)
 
 
 def variants(bench: BenchConfig, explicit: frozenset) -> list[BenchConfig]:
@@ -115,8 +123,8 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     zpp = [zeropp.line(v, e.prediction.buffers_detail()) for v, e in ests if v.zeropp.active][:1]  # ZeRO-3 only: one at most
     return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first), *zpp,
                       format_table(rows), seq_line(bench, rows, seq_micro, grid), LEGEND, "",
-                      at_micro_table(at, bench),
-                      AT_MICRO_LEGEND[_kind(bench)] + AT_MICRO_TAIL, "",
+                      at_micro_table(at, bench, _held(ests)),
+                      AT_MICRO_LEGEND[_kind(bench)] + (HELD_TAIL if _held(ests) else AT_MICRO_TAIL), "",
                       time_sheet(bench, rows, [e for _, e in ests], rep.price_per_device_hour, rep.train_tokens)]
                      + ([] if traces is None else ["", traced_table(bench, rows, ests, traces)]))
 
@@ -275,12 +283,15 @@ def format_table(rows: list[dict]) -> str:
     return df[keep].rename(columns=COLUMNS).to_string(index=False)
 
 
-def at_micro_table(at: list[dict], bench: BenchConfig) -> str:
-    """One line per configuration: the predicted peak at batch.micro and whether it fits."""
+def at_micro_table(at: list[dict], bench: BenchConfig, held: bool = False) -> str:
+    """One line per configuration: the predicted peak at batch.micro and whether it fits. held: the
+    gradients of the micro-batches before are in the peaks (_held)."""
     cols = AT_MICRO_COLUMNS[_kind(bench)]
     lines = [{"config": a["config"], **{name: _gib(a[k]) for k, name in cols.items()},
               "fits": "?" if a["fits"] is None else ("yes" if a["fits"] else "no")} for a in at]
-    title = f"peak per rank at batch.micro={bench.batch.micro} (grad_accum {bench.batch.grad_accum} does not change it):"
+    accum = (f"grad_accum {bench.batch.grad_accum}: the sharded gradients of the micro-batches before held" if
+             held else f"grad_accum {bench.batch.grad_accum} does not change it")
+    title = f"peak per rank at batch.micro={bench.batch.micro} ({accum}):"
     if not lines:
         return title
     import pandas as pd
