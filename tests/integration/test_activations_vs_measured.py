@@ -13,7 +13,6 @@ import pytest
 from zero_bench.estimate import activation_bytes_per_sample, estimate
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, model
 
@@ -27,18 +26,18 @@ VARIANTS = [("sdpa", 0.0, "none"), ("unfused", 0.0, "none"), ("sdpa", 0.1, "none
 
 
 @pytest.fixture(scope="module")
-def slopes(tmp_path_factory):
+def slopes(tmp_path_factory, pools):
+    """Each variant's two sizes in one child of the session's pool (conftest.pools)."""
     tmp = tmp_path_factory.mktemp("activations")
     out = {}
-    with PoolSlot(tmp / "pool") as pools:
-        for attention, dropout, recompute in VARIANTS:
-            m = dataclasses.replace(model("llama-tiny"), attention=attention, dropout=dropout)
-            cfg = cpu_cfg("llama-tiny", model=m, recompute=recompute, zero=2)
-            results = run_launch(cfg, [Entry(b) for b in MICROS], tmp / f"{attention}{dropout}{recompute}",
-                                 LaunchOptions(pools=pools))
-            assert all(r.status == "ok" for r in results), [r.reason for r in results]
-            lo, hi = (max(rank.peak_live_bytes for rank in r.ranks) for r in results)
-            out[(attention, dropout, recompute)] = (cfg, (hi - lo) / (MICROS[1] - MICROS[0]))
+    for attention, dropout, recompute in VARIANTS:
+        m = dataclasses.replace(model("llama-tiny"), attention=attention, dropout=dropout)
+        cfg = cpu_cfg("llama-tiny", model=m, recompute=recompute, zero=2)
+        results = run_launch(cfg, [Entry(b) for b in MICROS], tmp / f"{attention}{dropout}{recompute}",
+                             LaunchOptions(pools=pools))
+        assert all(r.status == "ok" for r in results), [r.reason for r in results]
+        lo, hi = (max(rank.peak_live_bytes for rank in r.ranks) for r in results)
+        out[(attention, dropout, recompute)] = (cfg, (hi - lo) / (MICROS[1] - MICROS[0]))
     return out
 
 

@@ -1,5 +1,5 @@
-"""tiled_mlp and recompute_offload (models/sequence.py) in real 2-rank CPU trials, children of one
-pool (as test_compile.py shares one):
+"""tiled_mlp and recompute_offload (models/sequence.py) in real 2-rank CPU trials, children of the
+session's pool (conftest.pools):
 - llama-tiny (RoPE, SwiGLU, GQA) shortened to 2 layers at 8192 tokens, micro 1: the tiled MLP
   lowers each rank's measured peak of live tensors below the untiled one's, by what the estimate's
   tiling term says (estimate/activations.py tiles);
@@ -27,7 +27,6 @@ from zero_bench.estimate import activation_bytes_per_sample
 from zero_bench.estimate.activations import sequence_args
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, model
 
@@ -48,16 +47,15 @@ def steps(b, timed: int):
 
 
 @pytest.fixture(scope="module")
-def trials(tmp_path_factory):
+def trials(tmp_path_factory, pools):
     out = {}
     runs = [("long_untiled", steps(cpu_cfg("llama-tiny", model=LONG, zero=2), 1), 1),
             ("long_tiled", steps(cpu_cfg("llama-tiny", model=LONG, zero=2, tiled_mlp="auto"), 1), 1),
             ("reference", steps(cpu_cfg("llama-tiny", zero=1), 3), 2)]
     runs += [(n, steps(cpu_cfg("llama-tiny", **kw), 3), 2) for n, kw in EQUAL.items()]
-    with PoolSlot(tmp_path_factory.mktemp("pool")) as pools:
-        for name, cfg, micro in runs:
-            (r,) = run_launch(cfg, [Entry(micro, "measure")], tmp_path_factory.mktemp(name), LaunchOptions(pools=pools))
-            out[name] = (cfg, r)
+    for name, cfg, micro in runs:  # children of the session's pool (conftest.pools), as the 16K pair
+        (r,) = run_launch(cfg, [Entry(micro, "measure")], tmp_path_factory.mktemp(name), LaunchOptions(pools=pools))
+        out[name] = (cfg, r)
     return out
 
 

@@ -15,7 +15,6 @@ from zero_bench.devices.aio import async_io_problem
 from zero_bench.estimate import estimate
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg, model
 
@@ -46,18 +45,17 @@ MICRO = 2
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, pools):
     problem = async_io_problem()
     if problem:
         pytest.skip(problem)
     tmp = tmp_path_factory.mktemp("nvme")
     out = {}
-    with PoolSlot(tmp / "pool") as pools:
-        for name, kw in VARIANTS.items():
-            cfg = cpu_cfg(model=NVME_MODEL, zero=3, **kw)
-            (r,) = run_launch(cfg, [Entry(MICRO, "measure")], tmp / name, LaunchOptions(pools=pools))
-            assert r.status == "ok", (name, r.reason)
-            out[name] = (cfg, r)
+    for name, kw in VARIANTS.items():  # children of the session's pool (conftest.pools)
+        cfg = cpu_cfg(model=NVME_MODEL, zero=3, **kw)
+        (r,) = run_launch(cfg, [Entry(MICRO, "measure")], tmp / name, LaunchOptions(pools=pools))
+        assert r.status == "ok", (name, r.reason)
+        out[name] = (cfg, r)
     return out
 
 
