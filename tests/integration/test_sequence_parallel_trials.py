@@ -4,7 +4,8 @@ each step clipped with equal tp 1's (and tp 2 without it) at every step, under D
 ZeRO-3 and FSDP2, on llama-tiny (RMSNorm, no biases, RoPE), gpt-mini (LayerNorm with biases, the
 row-parallel linears' biases, learned positions) and qwen3-tiny (q/k norms). The norms' (and row
 biases') gradients are partial on each tp rank: models/sequence_parallel.py sums them in the graph,
-which neither engine nor megatron's local spec does. And what a sample adds to a rank's peak drops
+which neither engine nor megatron's local spec does; gpt-mini's MLP also tiled (tiled_mlp=2), its
+fc2 bias still summed and learning. And what a sample adds to a rank's peak drops
 by what the estimate's sequence-parallel terms say (estimate/activations.py)."""
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ TRIALS = {
     ("llama-tiny", "fsdp2_sp"): dict(engine="fsdp2", zero=3, parallel=TP2),
     ("gpt-mini", "tp1"): dict(zero=1),
     ("gpt-mini", "sp"): dict(zero=1, parallel=TP2),
+    ("gpt-mini", "sp_tiled"): dict(zero=1, parallel=TP2, tiled_mlp="2"),  # fc2's bias beside TiledMLP's no_grad
     ("qwen3-tiny", "tp1"): dict(zero=1),
     ("qwen3-tiny", "sp"): dict(zero=1, parallel=TP2),
 }
 # the same model, rounding only: tp 1 is the reference of each
-SAME = {"llama-tiny": ("sp", "no_sp", "sp_zero3", "fsdp2_tp1", "fsdp2_sp"), "gpt-mini": ("sp",), "qwen3-tiny": ("sp",)}
+SAME = {"llama-tiny": ("sp", "no_sp", "sp_zero3", "fsdp2_tp1", "fsdp2_sp"), "gpt-mini": ("sp", "sp_tiled"), "qwen3-tiny": ("sp",)}
 MICROS = (2, 6)  # activations per sample: the peak's slope between them (ZeRO-2, as test_activations_vs_measured)
 
 
@@ -66,7 +68,9 @@ def test_tp2_with_sequence_parallelism_keeps_tp1s_losses_and_gradient_norms(tria
     """fp32 rounding at base.json's lr: measured 1.5e-7 at most (losses and gradient norms). With
     models/sequence_parallel.py's sums taken out (measured once): llama-tiny's first gradient norm
     1.0e-5 off tp 1's, gpt-mini's (LayerNorm and row biases) 2.4 % off; the losses 5.5e-7 and
-    3.8e-5 off by step 4. (At lr 1e-3 Adam amplifies rounding: qwen3-tiny's norms drifted 7e-6
+    3.8e-5 off by step 4. gpt-mini's tiled MLP with fc2's bias taken from its tiles, made under
+    TiledMLP's no_grad (issue 51 item 1): that bias never learned, the losses 3.3e-5 off by step 4
+    (measured once). (At lr 1e-3 Adam amplifies rounding: qwen3-tiny's norms drifted 7e-6
     apart by step 3 with the sums in.)"""
     ref = trials[name, "tp1"]
     losses, norms = per_step(ref, "losses"), per_step(ref, "grad_norms")

@@ -4,6 +4,7 @@ what that policy keeps on megatron's layer (measured on CPU: docs/verified.md, "
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -89,3 +90,78 @@ def test_the_hidden_states_reach_torchs_checkpoint_positionally(monkeypatch):
     torch.manual_seed(0)
     layer_forward(hidden_states=y)[0].sum().backward()
     assert torch.equal(x.grad, y.grad)
+
+
+ATTENTION = [getattr(torch.ops.aten, n).default for n in
+             ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")]
+
+
+def test_an_attention_kernel_with_dropout_is_recomputed_without_it_kept():
+    """Issue 51 item 2: a kept kernel is not run in the recompute, so it draws no dropout mask there.
+    dropout_p is found by name: 3rd argument of flash, 5th of efficient and cuDNN, or a keyword."""
+    decide, ctx = policy(set()), SimpleNamespace(is_recompute=False)
+    q = torch.empty(0)
+    for op in ATTENTION:
+        where = [a.name for a in op._schema.arguments].index("dropout_p")
+        before = (q, q, q, None, True)[:where]  # attn_bias, compute_log_sumexp before it
+        assert decide(ctx, op, *before, 0.1) == RECOMPUTE, op
+        assert decide(ctx, op, *before, dropout_p=0.1) == RECOMPUTE, op
+        assert decide(ctx, op, *before, 0.0) == SAVE and decide(ctx, op, q, q, q) == SAVE, op
+
+
+@torch.library.custom_op("zb_test::dropped_attention", mutates_args=())
+def dropped_attention(q: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """CUDA's flash kernel as the generator sees it: with dropout_p > 0 it draws from the default
+    generator (here the CPU's; on GPU the philox offset the kernel takes from the CUDA generator)."""
+    CALLS.append(dropout_p)
+    if dropout_p == 0:
+        return q.clone()
+    return q * (torch.rand_like(q) >= dropout_p) / (1 - dropout_p)
+
+
+CALLS: list = []
+
+
+def test_the_recompute_draws_the_forwards_hidden_dropout_masks(monkeypatch):
+    """A layer whose attention kernel draws dropout before the hidden dropout, one generator for both
+    (megatron's sequence parallelism on GPU), under torch's checkpoint with the op policy: the
+    generator the hidden dropout finds in the recompute is the forward's, so its mask and the
+    gradients are the unchecked layer's. With the kernel kept (dropout or not, before issue 51) the
+    recompute skipped its draw, the mask moved and the gradients came out wrong. Without dropout the
+    kernel is kept: not run again."""
+    from zero_bench.models import op_recompute
+
+    kernel = torch.ops.zb_test.dropped_attention.default
+    saved = op_recompute._saved_ops
+    monkeypatch.setattr(op_recompute, "_saved_ops", lambda: saved() | {kernel})
+
+    def layer(*, hidden_states, p):
+        attention = kernel(hidden_states.detach(), p)  # its gradient path left out: the masks are the point
+        states.append(torch.get_rng_state())  # the generator as the hidden dropout finds it
+        return torch.nn.functional.dropout(hidden_states + attention, p=0.5)
+
+    for p, runs in ((0.3, 2), (0.0, 1)):
+        states, x = [], torch.randn(64, 64, requires_grad=True)
+        CALLS.clear()
+        torch.manual_seed(0)
+        op_recompute.checkpointed(functools.partial(layer, p=p), set())(hidden_states=x).sum().backward()
+        calls = len(CALLS)
+        y = x.detach().clone().requires_grad_()
+        torch.manual_seed(0)
+        layer(hidden_states=y, p=p).sum().backward()
+        assert len(states) == 3 and torch.equal(states[0], states[1]), p  # forward, recompute, unchecked
+        assert torch.equal(x.grad, y.grad), p
+        assert calls == runs, (p, calls)  # forward (and recompute)
+
+
+def test_with_dropout_no_kernel_output_is_kept_and_the_scores_are_run_again():
+    """What the policy above keeps, in the estimate and HFU: on GPU with dropout the kernel's output
+    and log-sum-exp are no longer kept (CPU's math kernel never was), and the s^2 term is re-run."""
+    m = dataclasses.replace(model("gpt-mini"), attention="sdpa")
+    wet = dataclasses.replace(m, dropout=0.1)
+    assert op_kept_terms(m, 2, "bf16", "gpu")["attention_output"] > 0
+    assert op_kept_terms(wet, 2, "bf16", "gpu")["attention_output"] == 0
+    assert op_kept_terms(wet, 1, "fp32", "cpu")["attention_output"] == 0
+    scores = 4 * m.num_layers * m.hidden_size * m.seq_len ** 2
+    assert hardware_flops_per_seq(wet, "op") - hardware_flops_per_seq(m, "op") == scores

@@ -294,7 +294,8 @@ def op_kept_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: 
     megatron's layer the odd matmuls are linear_qkv's and each up projection (fc1: SwiGLU's gate
     and up, 2f; an MoE layer's k routed rows through their expert's fc1 and the shared expert's fc1;
     the router's matmul is not counted) and the attention kernel's output with its fp32
-    log-sum-exp (flash kernels only: unfused attention and torch's math kernel are recomputed)."""
+    log-sum-exp (flash kernels without dropout only: unfused attention, torch's math kernel and a
+    kernel that draws dropout masks are recomputed)."""
     B, x = BYTES[precision], dims(m, tp)
     up = 2 if m.gated else 1
     if moe:
@@ -302,7 +303,7 @@ def op_kept_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: 
         fc1 = m.moe_router_topk * up * (m.moe_ffn // tp) * B + up * (shared // tp) * B
     else:
         fc1 = up * x["f"] * B
-    flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash"
+    flash = m.attention == "sdpa" and sdpa_kernel(m, device) == "flash" and m.dropout == 0
     return {"layer_input": B * x["h"] / seq_shard(tp, sequence_parallel), "qkv_output": (x["q"] + 2 * x["kv"]) * B,
             "attention_output": x["q"] * B + 4 * x["heads"] if flash else 0, "fc1_output": fc1}
 

@@ -59,13 +59,14 @@ def hardware_flops_per_seq(m: ModelConfig, recompute: Recompute = Recompute.none
     forward (4 passes, as MPT counts activation checkpointing; the output layer is counted 4 times
     too, as there); block re-runs recompute_layers of the layers' forwards; selective re-runs the
     core attention, the s^2 term, once more; op re-runs the matmuls its policy does not keep
-    (models/op_recompute.py: every second one, linear_proj and each down projection), and unfused
-    attention's scores, which no kept kernel output spares."""
+    (models/op_recompute.py: every second one, linear_proj and each down projection), and the
+    attention's scores where no kernel output is kept: unfused, or with dropout (CPU's math kernel;
+    a CUDA kernel that draws dropout masks is recomputed so that the recompute draws them again)."""
     dense, attn = dense_flops_per_seq(m), attention_flops_per_seq(m)
     if recompute == Recompute.op:
         parts = breakdown_per_token(m)
         down = parts["mlp"] / (3 if m.gated else 2)  # fc2 of the MLP's 3 (SwiGLU) or 2 matrices
-        scores = attn if m.attention == "unfused" else 0  # no flash kernel's output to keep: recomputed
+        scores = attn if m.attention == "unfused" or m.dropout > 0 else 0  # no kernel output kept: recomputed
         return 3 * (dense + attn) + m.seq_len * (parts["attention_proj"] + down) + scores
     if recompute == Recompute.full:
         return 4 * (dense + attn)

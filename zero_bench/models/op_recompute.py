@@ -8,7 +8,8 @@ of these ops are kept for backward; every other op is recomputed when backward r
   - aten.mm, except every second one: the 1st, 3rd, 5th ... mm of the layer's forward are kept
     (counted apart in the forward and in the recompute, so both make the same choice);
   - the attention kernels: CUDA's flash, memory-efficient and cuDNN scaled_dot_product_attention
-    (torchtitan's list) and CPU's flash kernel (the same op on this machine: zero_bench's addition);
+    (torchtitan's list) and CPU's flash kernel (the same op on this machine: zero_bench's addition),
+    unless called with dropout (then recomputed, so the recompute draws the forward's masks: policy);
   - reduce-scatter (sequence parallelism) and max (float8 scaling), as torchtitan lists them.
 The MoE router's gating matmul is always recomputed and not counted, as torchtitan's default
 per_op_sac_force_recompute_mm_shapes_by_fqns does for `moe.router.gate` (matched, as there, by the
@@ -16,7 +17,7 @@ weight's shape).
 In megatron's layer the mms come as linear_qkv (1, kept), linear_proj (2), linear_fc1 (3, kept),
 linear_fc2 (4); an MoE layer's experts each run fc1 (kept) then fc2, and the shared expert after
 them, so every down projection is recomputed and every up projection kept. Unfused attention's
-baddbmm / bmm and torch's math kernel are not on the list: their scores are recomputed.
+baddbmm / bmm and torch's math kernel (CPU with dropout) are not on the list: their scores are recomputed.
 What a layer keeps is estimate/activations.py op_kept_terms; measured on CPU in docs/estimate.md.
 """
 from __future__ import annotations
@@ -31,10 +32,13 @@ from zero_bench.models.description import ModelConfig
 from zero_bench.models.shims import tracker_as
 
 
+ATTENTION_KERNELS = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
 def _saved_ops() -> set:
     aten = torch.ops.aten
-    names = ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "max"]
+    names = [*ATTENTION_KERNELS, "max"]
     ops = {aten.mm.default} | {getattr(aten, n).default for n in names if hasattr(aten, n)}
     functional = getattr(torch.ops, "_c10d_functional", None)
     if functional is not None and hasattr(functional, "reduce_scatter_tensor"):
@@ -42,8 +46,28 @@ def _saved_ops() -> set:
     return ops
 
 
+def dropout_p(func, args: tuple, kwargs: dict) -> float:
+    """The dropout_p an op is called with (0 for an op without one), found by name in its schema:
+    the kernels take it at different positions (flash 3rd, efficient and cuDNN 5th, from 0)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            given = args[i] if i < len(args) else kwargs.get("dropout_p", arg.default_value)
+            return float(given or 0.0)
+    return 0.0
+
+
 def policy(gate_shapes: set) -> Callable:
-    """The selective policy for one checkpointed forward (and its recompute): a fresh mm count."""
+    """The selective policy for one checkpointed forward (and its recompute): a fresh mm count.
+
+    An attention kernel called with dropout is recomputed, not kept: torch's selective checkpoint
+    hands a kept op's output back in the recompute without running the op, so the kernel would not
+    draw its dropout's random numbers from the generator there (checkpoint.py
+    _CachedTorchDispatchMode). With megatron's sequence parallelism the kernel and the layer's
+    hidden dropouts draw from one generator (transformer_block runs the whole block in one tracker
+    fork; models/sdpa.py forks only without it), so every later mask in the recompute would differ
+    from the forward's: wrong gradients on GPU (issue 51 item 2). Without it the kernel has the
+    tracker's stream to itself and keeping it was right; the rule does not ask, so what a layer
+    keeps depends on the model alone (estimate/activations.py op_kept_terms)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     saved, mm, count = _saved_ops(), torch.ops.aten.mm.default, defaultdict(int)
@@ -55,6 +79,8 @@ def policy(gate_shapes: set) -> Callable:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             count[key] += 1
         keep = func in saved and not (func == mm and count[key] % 2 == 0)
+        if keep and dropout_p(func, args, kwargs) > 0:
+            keep = False  # the kernel draws random numbers: run it again
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return decide

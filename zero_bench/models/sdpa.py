@@ -128,6 +128,8 @@ class SDPAttention(MegatronModule):
         p = self.dropout_p if self.training else 0.0
         if p > 0.0 and not self.config.sequence_parallel:
             # Dropout inside a tensor-parallel region: a per-rank stream, as DotProductAttention.
+            # (With sequence parallelism the block's fork is that stream already, shared with the
+            # hidden dropouts: recompute=op runs this kernel again for them, op_recompute.policy.)
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                      scale=self.softmax_scale, enable_gqa=gqa)

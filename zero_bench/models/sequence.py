@@ -63,12 +63,13 @@ def tile_mlp(mlp: torch.nn.Module, tiles: int) -> None:
     TiledMLP over `tiles` sequence tiles."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
+    from zero_bench.models.sequence_parallel import unadded_bias
+
     forward = mlp.forward
     params = [p for p in mlp.parameters() if p.requires_grad]
-    bias: dict = {}
 
     def per_tile(module, rows: torch.Tensor) -> torch.Tensor:
-        out, bias["fc2"] = forward(rows.unsqueeze(1))  # [n, 1, h]: n consecutive tokens
+        out, _ = forward(rows.unsqueeze(1))  # [n, 1, h]: n consecutive tokens
         return out.squeeze(1)
 
     def tiled(hidden_states: torch.Tensor, per_token_scale=None, **kwargs: Any):
@@ -77,7 +78,10 @@ def tile_mlp(mlp: torch.nn.Module, tiles: int) -> None:
         s, b, h = hidden_states.shape
         rows = hidden_states.reshape(s * b, h)
         out = TiledMLP.apply(per_tile, mlp, rows, effective_tiles(s * b, tiles), params)
-        return out.view(s, b, -1), bias.get("fc2")  # fc2's bias (skip_bias_add) is a parameter, not x's
+        # fc2's bias (skip_bias_add), taken here with grad: what the tiles returned beside their
+        # output was made under TiledMLP's no_grad, where sequence parallelism's tp sum of it is a
+        # detached alias (its gradient never reached the parameter: issue 51 item 1)
+        return out.view(s, b, -1), unadded_bias(mlp.linear_fc2)
 
     mlp.forward = tiled
 

@@ -50,7 +50,6 @@ def install_bias_sum() -> None:
     copy_to_tensor_model_parallel_region (its gradient summed over tp) and added as megatron adds
     it: returned beside the output (skip_bias_add, the local spec's linear_proj and linear_fc2) or
     to the output. Without sequence parallelism, or without a bias, megatron's own forward."""
-    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
     if getattr(RowParallelLinear.forward, "_sums_sequence_parallel_bias", False):
@@ -63,11 +62,30 @@ def install_bias_sum() -> None:
         skip = self.skip_bias_add
         self.skip_bias_add = True  # the bias back unadded, to add it summed
         try:
-            output, bias = forward(self, input_, *args, **kwargs)
+            output, _ = forward(self, input_, *args, **kwargs)
         finally:
             self.skip_bias_add = skip
-        bias = copy_to_tensor_model_parallel_region(bias, group=self.tp_group)
+        bias = summed_bias(self)
         return (output, bias) if skip else (output + bias, None)
 
     summed._sums_sequence_parallel_bias = True
     RowParallelLinear.forward = summed
+
+
+def summed_bias(linear) -> torch.Tensor:
+    """A row-parallel linear's bias through copy_to_tensor_model_parallel_region: itself in forward,
+    its gradient summed over tp in backward. A custom Function: under no_grad it returns a detached
+    alias, through which no gradient reaches the parameter (see unadded_bias)."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    return copy_to_tensor_model_parallel_region(linear.bias, group=linear.tp_group)
+
+
+def unadded_bias(linear):
+    """The bias a RowParallelLinear hands back beside its output (skip_bias_add), as its forward
+    returns it here: tp-summed with sequence parallelism (install_bias_sum), the parameter without;
+    None when it has none or adds it itself. For callers that ran the linear under no_grad
+    (models/sequence.py's tiled MLP) and need the bias with its graph."""
+    if linear.bias is None or not linear.skip_bias_add:
+        return None
+    return summed_bias(linear) if linear.sequence_parallel else linear.bias
