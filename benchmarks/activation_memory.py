@@ -5,7 +5,7 @@ dropout 0 and 0.1.
     python benchmarks/activation_memory.py [micros=2,6] [dropout=0,0.1] [parts=process,trials] [model=llama-tiny]
 
 Two instruments, each reporting the bytes one more sample adds (the slope between the two
-micro-batches), fp32 (CPU's default precision):
+micro-batches), fp32 (named: precision=auto is bf16 on a CPU with native bf16):
   process  one process (gloo, world 1, tp 1; no DeepSpeed), the instrument the formula is checked
            with: per micro-batch a warm-up step, then one step under torch.profiler's memory events
            with every allocation of the step in view (attention scratch buffer cleared, gradients kept

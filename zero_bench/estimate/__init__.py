@@ -33,7 +33,8 @@ traced under FakeTensorMode on a fake world, with torch's FSDPMemTracker.
 A rank's peak, as the search compares it with the capacity (RSS on CPU, reserved bytes on GPU):
   fixed overhead + model states (incl. gradients) + max(buffers alive in backward + activations(micro),
   buffers of the optimizer step), and at least the peak of deepspeed.initialize.
-On CPU, everything (offloaded states too) lives in the same host memory, in fp32 by default.
+On CPU, everything (offloaded states too) lives in the same host memory, in the run's precision
+(precision=auto: bf16 where the CPU computes it natively, else fp32).
 
 How close this is to measurements on CPU: docs/verified.md, "Measured on this machine" (one place, so
 the figures cannot drift); tests/integration/test_estimate_vs_measured.py checks them.
