@@ -45,6 +45,12 @@ class EngineSpec:
     predict: str
     """"module:function" (bench, ds) -> the engine's zero_bench.estimate.prediction.Prediction of one
     rank (states, buffers, phases, activations, init_peak), which zero_bench.estimate.Estimate wraps."""
+    step_comm: str
+    """"module:function" (bench, rates) -> the engine's own collectives of one optimizer step, as
+    zero_bench.estimate.time.record.TimeTerms (estimate/time/comm.py)."""
+    step_offload: str
+    """"module:function" (bench, rates) -> the engine's host <-> device copies and host optimizer step
+    of one optimizer step with offload (estimate/time/offload.py)."""
     stored_states: str
     """"module:function" (BenchConfig, as config.stored.stored_config reads a stored one) -> the
     estimate's model states of one rank of a stored config (a records.ModelStates, split device / host)."""
@@ -100,6 +106,8 @@ SPECS: dict[str, EngineSpec] = {s.name: s for s in (
                trainer="zero_bench.engines.deepspeed:DeepSpeedEngine",
                init_distributed="zero_bench.engines.deepspeed:init_distributed",
                predict="zero_bench.estimate.deepspeed:predict",
+               step_comm="zero_bench.estimate.time.comm:deepspeed_terms",
+               step_offload="zero_bench.estimate.time.offload:deepspeed_offload",
                stored_states="zero_bench.estimate.states:stored_states",
                refusals="zero_bench.engines.refusals:deepspeed", offload_param_follows=lambda zero: zero == 3,
                reads_ds_config=True, builds_deepspeed_ops=True, runs_fp16=True, published_fragmentation=True,
@@ -108,6 +116,8 @@ SPECS: dict[str, EngineSpec] = {s.name: s for s in (
                trainer="zero_bench.engines.fsdp2:Fsdp2Engine",
                init_distributed="zero_bench.engines.fsdp2:init_distributed",
                predict="zero_bench.estimate.fsdp2:predict",
+               step_comm="zero_bench.estimate.time.comm:fsdp2_terms",
+               step_offload="zero_bench.estimate.time.offload:fsdp2_offload",
                stored_states="zero_bench.estimate.fsdp2:stored_states",
                # CPUOffloadPolicy moves parameters with the optimizer states: one key, `offload`
                refusals="zero_bench.engines.refusals:fsdp2", offload_param_follows=lambda zero: True,

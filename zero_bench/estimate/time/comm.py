@@ -42,6 +42,7 @@ Recompute (full, block) re-runs its layers' forward collectives (TP, Ulysses, ex
 from __future__ import annotations
 
 from zero_bench.config.hosts import local_ranks
+from zero_bench.engines.specs import load, spec
 from zero_bench.config.schema import BenchConfig, Precision, States
 from zero_bench.devices.rates import HardwareRates, Rate
 from zero_bench.estimate.time.compute import recompute_fraction
@@ -80,12 +81,10 @@ def param_bytes(bench: BenchConfig) -> int:
 
 
 def grad_bytes(bench: BenchConfig) -> int:
-    """Bytes per gradient element on the wire."""
+    """Bytes per gradient element on DeepSpeed's wire."""
     ds = bench.ds.get("communication_data_type") if bench.ds else None
     if ds:
         return {"fp32": 4, "fp16": 2, "bf16": 2}.get(str(ds), 4)
-    if bench.engine == "fsdp2":
-        return 4 if (bench.precision == Precision.bf16 and bench.states == States.mixed) else BYTES[bench.precision]
     if bench.parallel.sp > 1 or (bench.zero == 0 and bench.precision == Precision.bf16):
         return 4
     return BYTES[bench.precision]
@@ -176,6 +175,12 @@ def zero3_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
 
 # -- FSDP2 ----------------------------------------------------------------------------------------------
 
+def fsdp2_grad_bytes(bench: BenchConfig) -> int:
+    """Bytes per gradient element FSDP2 reduces: MixedPrecisionPolicy's reduce_dtype, fp32 beside bf16
+    compute on fp32 states."""
+    return 4 if (bench.precision == Precision.bf16 and bench.states == States.mixed) else BYTES[bench.precision]
+
+
 def fsdp2_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
     """fully_shard's all-gathers and reduce-scatters (HSDP: + the replicas' all-reduce), prefetched."""
     ga, layout, tp = bench.batch.grad_accum, bench.layout, bench.parallel.tp
@@ -188,11 +193,11 @@ def fsdp2_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
                            False, f"FSDP2 zero={bench.zero}: {passes} per micro-step (reshard_after_forward="
                            f"{bench.zero == 3}), {pb} B/param, prefetched"),
                 collective(bench, rates, f"gradient reduce-scatter{tag}", REDUCE_SCATTER,
-                           ga * n_params * grad_bytes(bench), n, span, False,
-                           f"FSDP2: every micro-step, {grad_bytes(bench)} B/grad (reduce_dtype)")]
+                           ga * n_params * fsdp2_grad_bytes(bench), n, span, False,
+                           f"FSDP2: every micro-step, {fsdp2_grad_bytes(bench)} B/grad (reduce_dtype)")]
     if layout.hybrid:
         out.append(collective(bench, rates, "gradient all-reduce across replicas", ALL_REDUCE,
-                              ga * layout.held_params / layout.shard_size * grad_bytes(bench), layout.replicas,
+                              ga * layout.held_params / layout.shard_size * fsdp2_grad_bytes(bench), layout.replicas,
                               layout.spans["replicate"], False, "HSDP: the shard's gradients across replicate groups"))
     return out
 
@@ -245,7 +250,7 @@ def expert_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[T
 
 def comm_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
     """Every collective of one optimizer step."""
-    engine = fsdp2_terms(bench, rates) if bench.engine == "fsdp2" else deepspeed_terms(bench, rates)
+    engine = load(spec(bench.engine).step_comm)(bench, rates)
     engine = [t for t in engine if t.seconds > 0 or bench.layout.dp > 1]
     return (engine + tensor_parallel_terms(bench, rates, micro) + ulysses_terms(bench, rates, micro)
             + expert_terms(bench, rates, micro))

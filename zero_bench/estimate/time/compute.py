@@ -110,7 +110,7 @@ def partition_params(bench: BenchConfig) -> float:
     """Parameters of the rank's optimizer partition: everything it holds at ZeRO-0, else its 1/dp
     share (the experts' over dp / ep), as ZeRO and FSDP2 partition them."""
     layout = bench.layout
-    if bench.engine == "deepspeed" and bench.zero == 0:
+    if bench.zero == 0:  # DeepSpeed's ZeRO-0 (FSDP2 refuses zero 0)
         return layout.held_params
     if layout.hybrid:  # FSDP2's HSDP: sharded within dp_shard ranks
         return layout.tp_shard_params / layout.shard_size

@@ -24,6 +24,7 @@ from __future__ import annotations
 from zero_bench.config.hosts import local_ranks
 from zero_bench.config.schema import BenchConfig
 from zero_bench.devices.rates import HardwareRates
+from zero_bench.engines.specs import load, spec
 from zero_bench.estimate.time.comm import overlap_comm
 from zero_bench.estimate.time.compute import partition_params
 from zero_bench.estimate.time.record import TimeTerm
@@ -35,44 +36,47 @@ TORCH_ADAM_SLOWDOWN = 6.0  # cpu_adam.py: DeepSpeedCPUAdam is "5x to 7x" torch's
 
 
 def offload_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
-    """Every offload term of one optimizer step ([] without offload)."""
+    """Every offload term of one optimizer step ([] without offload): the engine's own copies and host
+    step (its spec's step_offload), then ZeRO-Infinity's disk."""
     if not bench.offload and not bench.offload_param:
         return []
-    return transfer_terms(bench, rates) + [cpu_step_term(bench, rates)] + nvme_terms(bench, rates)
+    return load(spec(bench.engine).step_offload)(bench, rates) + nvme_terms(bench, rates)
 
 
-def transfer_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
-    """PCIe: the gradients down every micro-step (ZeRO-1: once, at the boundary), the parameters up."""
+def deepspeed_offload(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
+    """PCIe: the gradients down every micro-step (ZeRO-1: once, at the boundary), the parameters up;
+    then DeepSpeedCPUAdam on the host's cores (exposed: the device waits)."""
     n, ga, b = partition_params(bench), bench.batch.grad_accum, BYTES[bench.precision]
     d2h, h2d = rates.device_to_host_bytes_per_s, rates.host_to_device_bytes_per_s
-    fsdp2 = bench.engine == "fsdp2"
-    grads_times = 1 if (bench.zero == 1 and not fsdp2) else ga
-    grad_hidden = fsdp2 or overlap_comm(bench)
-    out = [TimeTerm("gradients device->host", grads_times * n * FP32_GRAD / d2h.value, not grad_hidden,
+    grads_times = 1 if bench.zero == 1 else ga
+    out = [TimeTerm("gradients device->host", grads_times * n * FP32_GRAD / d2h.value, not overlap_comm(bench),
                     f"the reduced fp32 gradient partition to the host, {grads_times} per step, at {d2h.source}")]
-    if fsdp2:
-        fetches = ga * (2 if bench.zero == 3 else 1)
-        out.append(TimeTerm("parameters host->device", fetches * n * 4 / h2d.value, False,
-                            f"CPUOffloadPolicy: the fp32 shards before each all-gather ({fetches} per step) at {h2d.source}"))
-    elif bench.offload_param:
+    if bench.offload_param:
         out.append(TimeTerm("parameters host->device", 2 * ga * n * b / h2d.value, False,
                             f"ZeRO-3 offload_param: the {b}-B partition fetched for forward and backward every "
                             f"micro-step (prefetched) at {h2d.source}"))
     else:
         out.append(TimeTerm("parameters host->device after the step", n * b / h2d.value, True,
                             f"the updated {b}-B partition copied back after the host's step at {h2d.source}"))
+    per_core, cores = rates.cpu_adam_params_per_s_per_core, rates.host_cores
+    out.append(TimeTerm("optimizer step (host, CPU Adam)", n / (per_core.value * cores.value), True,
+                        f"DeepSpeedCPUAdam at {per_core.source}, on {cores.source}"))
     return out
 
 
-def cpu_step_term(bench: BenchConfig, rates: HardwareRates) -> TimeTerm:
-    """The optimizer step on the host's cores for this rank's partition (exposed: the device waits)."""
+def fsdp2_offload(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
+    """CPUOffloadPolicy: the fp32 shards up before each all-gather, the gradients down after each
+    reduce-scatter (both beside compute), then torch's AdamW on the host's cores (exposed)."""
+    n, ga = partition_params(bench), bench.batch.grad_accum
+    d2h, h2d = rates.device_to_host_bytes_per_s, rates.host_to_device_bytes_per_s
+    fetches = ga * (2 if bench.zero == 3 else 1)
     per_core, cores = rates.cpu_adam_params_per_s_per_core, rates.host_cores
-    rate = per_core.value * cores.value
-    if bench.engine == "fsdp2":
-        return TimeTerm("optimizer step (host, torch AdamW)", partition_params(bench) * TORCH_ADAM_SLOWDOWN / rate, True,
-                        f"torch's AdamW, 1/{TORCH_ADAM_SLOWDOWN:g} of CPU Adam's {per_core.source}, on {cores.source}")
-    return TimeTerm("optimizer step (host, CPU Adam)", partition_params(bench) / rate, True,
-                    f"DeepSpeedCPUAdam at {per_core.source}, on {cores.source}")
+    return [TimeTerm("gradients device->host", ga * n * FP32_GRAD / d2h.value, False,
+                     f"the reduced fp32 gradient partition to the host, {ga} per step, at {d2h.source}"),
+            TimeTerm("parameters host->device", fetches * n * 4 / h2d.value, False,
+                     f"CPUOffloadPolicy: the fp32 shards before each all-gather ({fetches} per step) at {h2d.source}"),
+            TimeTerm("optimizer step (host, torch AdamW)", n * TORCH_ADAM_SLOWDOWN / (per_core.value * cores.value), True,
+                     f"torch's AdamW, 1/{TORCH_ADAM_SLOWDOWN:g} of CPU Adam's {per_core.source}, on {cores.source}")]
 
 
 def nvme_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
