@@ -208,6 +208,11 @@ def test_fsdp2_model_states_are_exact(measured, name):
 # The formula before issue 51 was -15 % / -18 % with grad_accum 2 at micro 1, +16 % / +24 % with
 # recompute=block (micro 1 / 4), +9.5 % with loss=chunked at micro 4.
 GPT_SMALL_LIVE_TOL = 0.04
+# GPT-small FSDP2 zero=2 at micro 1, whose peak is in a layer's backward, measured 837.5 MB on most
+# runs and 861.1 MB on two (2026-11-27's first run, 2026-11-28's first run: the pool and the code
+# unchanged between runs; 23.6 MB held or not, as FSDP2 on gloo holds one layer's buffer more or less
+# from run to run on llama-tiny): -3.1 % and -5.8 % of the formula's 811.2 MB; held to 6.5 %
+RUN_TO_RUN_LIVE_TOL = {("fsdp2_zero2", 1): 0.065}
 LLAMA_LIVE_TOL = {"fsdp2_llama_accum": 0.1}  # the others 0.075
 
 
@@ -215,12 +220,14 @@ LLAMA_LIVE_TOL = {"fsdp2_llama_accum": 0.1}  # the others 0.075
 @pytest.mark.parametrize("name", FSDP2)
 def test_fsdp2_peaks_near_estimate(measured, name, micro):
     """The RSS margin the ZeRO stages meet (12 %); the live tensor peak, which the memory model
-    describes without the process's fixed cost, within GPT_SMALL_LIVE_TOL."""
+    describes without the process's fixed cost, within GPT_SMALL_LIVE_TOL (RUN_TO_RUN_LIVE_TOL where
+    the measured peak moves from run to run)."""
     b, res = measured[name]
     e = estimate(b)
     for rank in res[micro].ranks:
         assert e.peak_bytes(micro) == pytest.approx(rank.peak_rss_bytes, rel=0.12)
-        assert e.peak_bytes(micro) - e.overhead == pytest.approx(rank.peak_live_bytes, rel=GPT_SMALL_LIVE_TOL), (
+        tol = RUN_TO_RUN_LIVE_TOL.get((name, micro), GPT_SMALL_LIVE_TOL)
+        assert e.peak_bytes(micro) - e.overhead == pytest.approx(rank.peak_live_bytes, rel=tol), (
             (e.peak_bytes(micro) - e.overhead) / 2**20, rank.peak_live_bytes / 2**20)
 
 
