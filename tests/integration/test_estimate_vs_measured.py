@@ -20,6 +20,7 @@ from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BatchConfig
 from zero_bench.estimate import CPU_RANK_OVERHEAD, estimate
 from zero_bench.estimate.fsdp2 import model_states
+from zero_bench.models.params import layer_numels
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
 
@@ -254,6 +255,12 @@ def test_fsdp2_llama_tiny_peaks_near_estimate(measured, name, micro):
     beside the chunk (loss=chunked)."""
     b, res = measured[name]
     e = estimate(b)
+    tol = LLAMA_LIVE_TOL.get(name, 0.075)
+    # FSDP2 on gloo holds one fp32 layer's buffer more or less from run to run (48.67 / 51.36 MiB for
+    # recompute=full, tests/data/measured/fsdp2_live_peaks.json): a measurement may exceed the
+    # formula by that layer too, never fall below it by more than tol (the old formula's misses were
+    # over-predictions here, and grad_accum's -15 % / -18 % stay past tol plus a layer)
+    held = 4 * sum(layer_numels(b.model))
     for rank in res[micro].ranks:
-        assert e.allocated_bytes(micro) == pytest.approx(rank.peak_live_bytes, rel=LLAMA_LIVE_TOL.get(name, 0.075)), (
-            e.allocated_bytes(micro) / 2**20, rank.peak_live_bytes / 2**20)
+        pred, got = e.allocated_bytes(micro), rank.peak_live_bytes
+        assert got * (1 - tol) - held <= pred <= got * (1 + tol), (pred / 2**20, got / 2**20, held / 2**20)
