@@ -18,7 +18,8 @@ efficiency by GEMM shape (every matmul at MAMF), latency of small messages, stra
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 from zero_bench.config.schema import BenchConfig, Device
@@ -42,12 +43,12 @@ def overlap_term(terms: list[TimeTerm]) -> TimeTerm:
                     f"overlapped terms ({hidden:.3g} s) beyond forward + backward + recompute ({compute:.3g} s)")
 
 
-def peak_flops(bench: BenchConfig) -> Optional[float]:
-    """The peak MFU divides by: metrics.PEAK_FLOPS by card on GPU, the measured rate on CPU."""
+def peak_flops(bench: BenchConfig, rates: HardwareRates) -> Optional[float]:
+    """The peak MFU divides by: metrics.PEAK_FLOPS by card on GPU, the measured matmul rate on CPU."""
     from zero_bench.devices.metrics import gpu_peak_flops
 
     if bench.hardware.device == Device.cpu:
-        return None
+        return rates.flops(str(bench.precision)).value
     return gpu_peak_flops(bench.hardware.card or "", str(bench.precision))
 
 
@@ -65,7 +66,7 @@ def predict_time(bench: BenchConfig, micro: int, rates: Optional[HardwareRates] 
     p = bench.parallel
     sequences = micro * bench.batch.grad_accum * p.dp / p.sp  # per optimizer step, all ranks
     tokens = sequences * bench.model.seq_len / (step * p.world_size)
-    peak = peak_flops(bench) if bench.hardware.device != Device.cpu else rates.flops(str(bench.precision)).value
+    peak = peak_flops(bench, rates)
     mfu = model_flops_per_seq(bench.model) * sequences / step / (p.world_size * peak) if peak else None
     return TimePrediction(tuple(terms), step, tokens, mfu, micro, bench.batch.grad_accum, rates.name)
 
@@ -75,13 +76,10 @@ class TimeModel:
     """A configuration's time prediction at any micro-batch (what Estimate holds beside the memory
     Prediction): built for free, computed when asked (at(micro)), its rates looked up once."""
     bench: BenchConfig
-    _rates: list = field(default_factory=list, compare=False, repr=False)
 
-    @property
+    @cached_property  # writes the instance's __dict__, which a frozen dataclass allows
     def rates(self) -> Optional[HardwareRates]:
-        if not self._rates:
-            self._rates.append(rates_for(self.bench))
-        return self._rates[0]
+        return rates_for(self.bench)
 
     def at(self, micro: int) -> Optional[TimePrediction]:
         """The prediction at `micro` per rank (None: rates unknown, or micro 0: nothing fits)."""
