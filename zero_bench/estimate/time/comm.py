@@ -42,9 +42,9 @@ Recompute (full, block) re-runs its layers' forward collectives (TP, Ulysses, ex
 from __future__ import annotations
 
 from zero_bench.config.hosts import local_ranks
-from zero_bench.engines.specs import load, spec
 from zero_bench.config.schema import BenchConfig, Precision, States
 from zero_bench.devices.rates import HardwareRates, Rate
+from zero_bench.engines.specs import load, spec
 from zero_bench.estimate.time.compute import recompute_fraction
 from zero_bench.estimate.time.record import TimeTerm
 from zero_bench.units import BYTES
