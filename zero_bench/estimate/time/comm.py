@@ -67,11 +67,18 @@ def link(bench: BenchConfig, rates: HardwareRates, span: int) -> Rate:
 
 
 def collective(bench: BenchConfig, rates: HardwareRates, name: str, kind: str, nbytes: float, n: int, span: int,
-               exposed: bool, source: str) -> TimeTerm:
-    """One collective (or the sum of a step's collectives of one cause): nbytes of tensor over n ranks."""
+               exposed: bool, source: str, calls: float = 1) -> TimeTerm:
+    """One collective (or the sum of a step's `calls` collectives of one cause): nbytes of tensor over
+    n ranks, each call paying the measured latency where there is one (CPU: gloo's)."""
     bw = link(bench, rates, span)
     where = "intra-node" if bw is rates.intra_node_bytes_per_s else "inter-node"
+    if where == "intra-node" and kind != ALL_REDUCE and rates.gather_bytes_per_s is not None:
+        bw = rates.gather_bytes_per_s
     seconds = nbytes * moved_fraction(kind, n) / bw.value
+    lat = rates.collective_latency_s
+    if lat is not None and n > 1:
+        seconds += calls * lat.value
+        source += f"; + {calls:g} call(s) x {lat.source}"
     return TimeTerm(name, seconds, exposed, f"{source}; {kind} over {n} ranks {where} at {bw.source}")
 
 
@@ -219,9 +226,10 @@ def tensor_parallel_terms(bench: BenchConfig, rates: HardwareRates, micro: int) 
     if p.sequence_sharded:  # each of the 2L+1 points is an all-gather one way, a reduce-scatter the other
         return [collective(bench, rates, "tensor-parallel all-gather/reduce-scatter", ALL_GATHER, 2 * count * act,
                            p.tp, p.tp, True, "megatron SP: 2 all-gathers + 2 reduce-scatters of [b, s, h] per layer "
-                           "each way, +1 for the embedding / output layer")]
+                           "each way, +1 for the embedding / output layer", calls=2 * count)]
     return [collective(bench, rates, "tensor-parallel all-reduce", ALL_REDUCE, count * act, p.tp, p.tp, True,
-                       "megatron TP: 2 all-reduces of [b, s, h] per layer each way, +1 for the embedding / output")]
+                       "megatron TP: 2 all-reduces of [b, s, h] per layer each way, +1 for the embedding / output",
+                       calls=count)]
 
 
 def ulysses_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
@@ -234,7 +242,8 @@ def ulysses_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[
     heads = 2 * m.num_heads // p.tp + 2 * kv  # q and the output, k and v
     nbytes = tokens * heads * m.kv_channels * BYTES[bench.precision] * m.num_layers * passes(bench)
     return [collective(bench, rates, "Ulysses all-to-all", ALL_TO_ALL, bench.batch.grad_accum * nbytes, p.sp,
-                       bench.layout.spans["sp"], True, "DistributedAttention: q, k, v in and the output out per layer each way")]
+                       bench.layout.spans["sp"], True, "DistributedAttention: q, k, v in and the output out per layer each way",
+                       calls=4 * m.num_layers * passes(bench) * bench.batch.grad_accum)]
 
 
 def expert_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
@@ -245,7 +254,8 @@ def expert_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[T
     tokens = micro * m.seq_len / p.sp * m.moe_router_topk
     nbytes = 2 * tokens * m.hidden_size * BYTES[bench.precision] * m.num_moe_layers * passes(bench)
     return [collective(bench, rates, "expert all-to-all", ALL_TO_ALL, bench.batch.grad_accum * nbytes, p.ep,
-                       bench.layout.spans["ep"], True, "megatron alltoall dispatcher: dispatch + combine per MoE layer each way")]
+                       bench.layout.spans["ep"], True, "megatron alltoall dispatcher: dispatch + combine per MoE layer each way",
+                       calls=2 * m.num_moe_layers * passes(bench) * bench.batch.grad_accum)]
 
 
 def comm_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
