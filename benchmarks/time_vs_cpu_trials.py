@@ -1,7 +1,8 @@
 """The time prediction (zero_bench/estimate/time/) against this CPU's own trials: predicted against
 measured time/it of a few 2-rank gloo trials, with the rates measured here first.
 
-    python benchmarks/time_vs_cpu_trials.py [model=gpt-mini] [micro=4] [configs=all|NAME,NAME]
+    python benchmarks/time_vs_cpu_trials.py [model=gpt-mini] [micro=4] [configs=all|NAME,NAME] [save=FILE]
+    python benchmarks/time_vs_cpu_trials.py replay=FILE    # a saved run's rates and times, predicted again
 
 Rates, measured in this process on one rank's threads before the trials (so every figure in the
 table comes from this machine, and nothing is fitted): the matmul rate (metrics.cpu_peak_flops, the
@@ -15,6 +16,7 @@ Run it alone (it takes the machine lock).
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +24,7 @@ from pathlib import Path
 from zero_bench.config.configure import compose, from_cfg
 from zero_bench.config.schema import BenchConfig, StepsConfig
 from zero_bench.devices.metrics import cpu_peak_flops, rank_threads
-from zero_bench.devices.rate_probes import cpu_adam_params_per_s, memory_bytes_per_s
+from zero_bench.devices.rate_probes import cpu_adam_params_per_s, memory_bytes_per_s, rank_rates
 from zero_bench.devices.rates import cpu_rates
 from zero_bench.estimate.time import predict_time
 from zero_bench.records import Entry, Mode
@@ -44,10 +46,11 @@ def bench(model: str, micro: int, overrides: list[str]) -> BenchConfig:
     return dataclasses.replace(b, steps=StepsConfig(warmup=1, timed=3))
 
 
-def measured_rates(precision: str) -> dict:
+def measured_rates(precision: str, ranks: int = 2) -> dict:
     threads = rank_threads()
     return {"matmul_flops": {precision: cpu_peak_flops(precision, threads)["flops"]},
             "memory_bytes_per_s": memory_bytes_per_s(threads), "cpu_adam_params_per_s": cpu_adam_params_per_s(threads),
+            "ranks": rank_rates(ranks, threads, precision).to_dict(),
             "said": f"measured here by benchmarks/time_vs_cpu_trials.py on {threads} thread(s)"}
 
 
@@ -56,20 +59,35 @@ def main() -> int:
     model, micro = args.get("model", "gpt-mini"), int(args.get("micro", 4))
     names = list(CONFIGS) if args.get("configs", "all") == "all" else args["configs"].split(",")
     rows = []
-    with machine_lock(wait=True), tempfile.TemporaryDirectory() as tmp, PoolSlot(Path(tmp) / "pool") as pools:
+    if "replay" in args:  # a saved run (save=FILE): the same trials' times, predicted again by this tree's model
+        saved = json.loads(Path(args["replay"]).read_text())
+        measured, model, micro = saved["rates"], saved["model"], saved["micro"]
+        names = [n for n in saved["measured"] if n in CONFIGS] if args.get("configs", "all") == "all" else names
         first = bench(model, micro, CONFIGS[names[0]])
-        measured = measured_rates(str(first.precision))
-        for i, name in enumerate(names):
+        for name in names:
             b = bench(model, micro, CONFIGS[name])
-            (res,) = run_launch(b, [Entry(micro, Mode.MEASURE)], Path(tmp) / f"t{i}", LaunchOptions(pools=pools))
-            p = predict_time(b, micro, cpu_rates(b, measured))
-            got = res.time_per_step_s if res.status == "ok" else None
-            rows.append((name, got, p, res.status))
-    print(f"{model} micro {micro}, 2 gloo ranks, {first.precision}; rates: matmul "
-          f"{measured['matmul_flops'][str(first.precision)] / 1e9:.1f} GFLOP/s, memory "
-          f"{measured['memory_bytes_per_s'] / 1e9:.1f} GB/s, CPU Adam "
-          + (f"{measured['cpu_adam_params_per_s'] / 1e6:.0f} M params/s" if measured["cpu_adam_params_per_s"] else "not loaded")
-          + " (measured here); gloo bandwidth: the stated default")
+            rows.append((name, saved["measured"][name], predict_time(b, micro, cpu_rates(b, measured)),
+                         "ok" if saved["measured"][name] else "failed"))
+    else:
+        with machine_lock(wait=True), tempfile.TemporaryDirectory() as tmp, PoolSlot(Path(tmp) / "pool") as pools:
+            first = bench(model, micro, CONFIGS[names[0]])
+            measured = measured_rates(str(first.precision))
+            for i, name in enumerate(names):
+                b = bench(model, micro, CONFIGS[name])
+                (res,) = run_launch(b, [Entry(micro, Mode.MEASURE)], Path(tmp) / f"t{i}", LaunchOptions(pools=pools))
+                p = predict_time(b, micro, cpu_rates(b, measured))
+                got = res.time_per_step_s if res.status == "ok" else None
+                rows.append((name, got, p, res.status))
+        if "save" in args:
+            Path(args["save"]).write_text(json.dumps({"model": model, "micro": micro, "rates": measured,
+                                                      "measured": {n: g for n, g, _, _ in rows}}, indent=1))
+    r = measured["ranks"]
+    print(f"{model} micro {micro}, 2 gloo ranks, {first.precision}; rates measured here, both ranks at once: matmul "
+          f"{r['matmul_flops'] / 1e9:.1f} GFLOP/s (one rank alone {measured['matmul_flops'][str(first.precision)] / 1e9:.1f}), "
+          f"memory-bound ops {r['elementwise_bytes_per_s'] / 1e9:.2f} GB/s, gloo all-reduce "
+          f"{r['all_reduce_bytes_per_s'] / 1e9:.2f} GB/s, all-gather {r['all_gather_bytes_per_s'] / 1e9:.2f} GB/s, "
+          f"latency {r['collective_latency_s'] * 1e6:.0f} us, torch AdamW {r['adam_params_per_s'] / 1e6:.0f} M params/s "
+          f"+ {r['adam_per_tensor_s'] * 1e6:.0f} us/tensor; memory copy {measured['memory_bytes_per_s'] / 1e9:.1f} GB/s")
     print(f"{'config':>16}{'measured s':>12}{'predicted s':>13}{'error %':>9}  dominant predicted term")
     within = 0
     for name, got, p, status in rows:
@@ -79,6 +97,9 @@ def main() -> int:
         err = p.step_s / got - 1
         within += abs(err) <= TOLERANCE
         print(f"{name:>16}{got:>12.4f}{p.step_s:>13.4f}{100 * err:>+9.1f}  {p.dominant.name}")
+        if "terms" in args:
+            print("                  " + ", ".join(f"{t.name} {t.seconds:.3f}{'' if t.exposed else '~'}"
+                                                  for t in p.terms if t.seconds >= 0.001))
     share = within / len(rows)
     ok = share >= SHARE
     print(f"within {TOLERANCE:.0%}: {within} of {len(rows)} ({share:.0%}); target {SHARE:.0%}: "
