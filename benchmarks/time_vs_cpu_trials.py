@@ -4,13 +4,19 @@ measured time/it of a few 2-rank gloo trials, with the rates measured here first
     python benchmarks/time_vs_cpu_trials.py [model=gpt-mini] [micro=4] [configs=all|NAME,NAME] [save=FILE]
     python benchmarks/time_vs_cpu_trials.py replay=FILE    # a saved run's rates and times, predicted again
 
-Rates, measured in this process on one rank's threads before the trials (so every figure in the
-table comes from this machine, and nothing is fitted): the matmul rate (metrics.cpu_peak_flops, the
-rate MFU uses), the memory bandwidth and DeepSpeed's CPU Adam (devices/rate_probes.py, what
-`zero_bench calibrate` stores). gloo's bandwidth between the ranks is not measured: the stated default.
+Rates, measured here before the trials (so every figure in the table comes from this machine, and
+nothing is fitted to the trials): devices/rate_probes.rank_rates, what `zero_bench calibrate` stores,
+in two spawned processes busy at once as the trial's two ranks are: the bf16 matmul rate, the
+memory-bound op mixes (the layers' norm/activation/softmax/residual, unfused attention's scores, the
+loss), gloo's all-reduce and all-gather bandwidth and latency, torch AdamW per parameter and per
+tensor; beside them one rank's matmul rate alone (metrics.cpu_peak_flops, the rate MFU uses) and the
+copy rate offload's host copies run at. NVMe's bandwidth is not measured: the stated default.
 Trials: run_launch forked from one pool, steps warmup 1 + timed 3, time/it their median (the trial's
-own measurement, as the store records it). Target (issue 52, item 4): the prediction within 15 % of
-the measured time/it for at least 90 % of the trials; the script exits 1 when that does not hold.
+own measurement, as the store records it): gpt-mini's ZeRO 0-3, offload (CPU and NVMe), recompute
+(full, selective, block, op), grad_accum 2, tp=2, FSDP2, and llama-tiny's Ulysses sp=2. Target (issue
+52, item 4): the prediction within 15 % of the measured time/it for at least 90 % of the trials; the
+script exits 1 when that does not hold. save=FILE keeps the rates and the times; replay=FILE predicts a
+saved run again (a change to the model rescored on the same measurements, no trial run).
 Run it alone (it takes the machine lock).
 """
 from __future__ import annotations
@@ -38,11 +44,18 @@ CONFIGS = {
     "zero2+offload": ["zero=2", "offload=true"], "zero3+offload": ["zero=3", "offload=true"],
     "zero2 full": ["zero=2", "recompute=full"], "zero2 ga2": ["zero=2", "batch.grad_accum=2"],
     "tp2 zero1": ["zero=1", "parallel.tp=2", "parallel.dp=1"], "fsdp2 zero3": ["engine=fsdp2", "zero=3"],
+    # issue 52 item 4's further cases
+    "zero2 selective": ["zero=2", "recompute=selective"], "zero2 block2": ["zero=2", "recompute=block", "recompute_layers=2"],
+    "zero2 op": ["zero=2", "recompute=op"], "zero3+nvme": ["zero=3", "offload=true", "offload_device=nvme"],
+    "llama-tiny sp2": ["model=llama-tiny", "zero=1", "parallel.sp=2"],
 }
 
 
 def bench(model: str, micro: int, overrides: list[str]) -> BenchConfig:
-    b = from_cfg(compose([f"model={model}", "hardware=cpu", "parallel=dp2", f"batch.micro={micro}", *overrides]))
+    """The trial's configuration: `model` unless the case names its own (llama-tiny for Ulysses)."""
+    own = any(o.startswith("model=") for o in overrides)
+    b = from_cfg(compose([*([] if own else [f"model={model}"]), "hardware=cpu", "parallel=dp2", f"batch.micro={micro}",
+                          *overrides]))
     return dataclasses.replace(b, steps=StepsConfig(warmup=1, timed=3))
 
 

@@ -79,7 +79,9 @@ PROBE_SIDE = 1024  # the matmul: metrics.matmul_flops' 1024^2 F.linear
 ELEMENTWISE_ROWS, ELEMENTWISE_WIDTH = 1024, 1024  # the memory-bound mix: [tokens, width] activations
 COLLECTIVE_ELEMENTS = 4_000_000  # 16 MB of fp32: a gradient bucket's order
 ADAM_TENSORS, ADAM_SMALL = 64, 1024  # the per-tensor cost: many small tensors
-REPEATS = 7
+SUSTAIN_S = 1.0  # each probe keeps every rank busy this long
+MIN_CALLS = 3
+COLLECTIVE_CALLS = 15
 
 
 @dataclass(frozen=True)
@@ -118,12 +120,19 @@ class RankRates:
         return asdict(self)
 
 
-def _median(run: Callable[[], object], sync: Callable[[], None], repeats: int = REPEATS) -> float:
-    """Median seconds of `repeats` calls, each started behind `sync` (a barrier: every rank at once)."""
+def _median(run: Callable[[], object], sync: Callable[[], None], seconds: float = SUSTAIN_S,
+            calls: Optional[int] = None) -> float:
+    """Median seconds of `run`, called over and over for `seconds` after one untimed call, started on
+    every rank at once behind `sync` (a barrier): the ranks stay busy together the whole window, as a
+    trial's ranks do. Short bursts after a barrier read up to 2x faster on this VM's 2 vCPUs than the
+    same work kept up (bf16 F.linear 1024^2: ~200 GFLOP/s per rank in 10 ms bursts, ~100 sustained,
+    2026-11-28): a trial's step is sustained."""
     run()
+    sync()
     times = []
-    for _ in range(repeats):
-        sync()
+    end = time.perf_counter() + seconds
+    # a collective: a fixed number of calls (every rank must make as many)
+    while (len(times) < calls) if calls else (time.perf_counter() < end or len(times) < MIN_CALLS):
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
@@ -207,7 +216,7 @@ def _rank_probe(rank: int, ranks: int, threads: int, precision: str, port: int, 
         sync = dist.barrier
     try:
         a, w = torch.randn(PROBE_SIDE, PROBE_SIDE, dtype=dtype), torch.randn(PROBE_SIDE, PROBE_SIDE, dtype=dtype)
-        mm = 2 * PROBE_SIDE ** 3 / _median(lambda: torch.nn.functional.linear(a, w), sync, 2 * REPEATS)
+        mm = 2 * PROBE_SIDE ** 3 / _median(lambda: torch.nn.functional.linear(a, w), sync)
         mix, mix_bytes = _elementwise_mix(dtype)
         elementwise = mix_bytes / _median(mix, sync)
         scores, scores_bytes = _scores_mix(dtype)
@@ -224,12 +233,13 @@ def _rank_probe(rank: int, ranks: int, threads: int, precision: str, port: int, 
         if ranks > 1:
             t = torch.randn(COLLECTIVE_ELEMENTS)
             nbytes = t.numel() * t.element_size()
-            ar = 2 * (ranks - 1) / ranks * nbytes / _median(lambda: dist.all_reduce(t), sync)
+            ar = 2 * (ranks - 1) / ranks * nbytes / _median(lambda: dist.all_reduce(t), sync, calls=COLLECTIVE_CALLS)
             part = torch.randn(COLLECTIVE_ELEMENTS // ranks)
             out = torch.empty(part.numel() * ranks)
-            ag = (ranks - 1) / ranks * nbytes / _median(lambda: dist.all_gather_into_tensor(out, part), sync)
+            ag = (ranks - 1) / ranks * nbytes / _median(lambda: dist.all_gather_into_tensor(out, part), sync,
+                                                         calls=COLLECTIVE_CALLS)
             one = torch.zeros(1)
-            lat = _median(lambda: [dist.all_reduce(one) for _ in range(20)], sync) / 20
+            lat = _median(lambda: [dist.all_reduce(one) for _ in range(20)], sync, calls=COLLECTIVE_CALLS) / 20
         got = RankRates(ranks, threads, precision, mm, elementwise, scores_rate, loss_rate, ar, ag, lat, adam, per_tensor,
                         op)
         # every rank's figures: the slowest rank sets a lockstep trial's pace
