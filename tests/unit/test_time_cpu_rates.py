@@ -112,3 +112,23 @@ def test_the_probe_mixes_count_bytes_as_compute_does():
     _, loss = _loss_mix(torch.bfloat16)
     n_scores = SCORES_SHAPE[0] * SCORES_SHAPE[1] * SCORES_SHAPE[2] * SCORES_SHAPE[3]
     assert scores == 3 * 4 * n_scores * 2 and loss == 3 * 10 * LOGITS_SHAPE[0] * LOGITS_SHAPE[1] * LOGITS_SHAPE[2]
+
+
+def test_a_probe_keeps_the_ranks_busy_or_makes_a_fixed_number_of_collective_calls():
+    from zero_bench.devices import rate_probes
+
+    calls, synced = [], []
+    rate_probes._median(lambda: calls.append(1), lambda: synced.append(1), seconds=0.02)
+    assert len(calls) > rate_probes.MIN_CALLS and synced == [1]  # one barrier, then busy for the window
+    calls.clear()
+    rate_probes._median(lambda: calls.append(1), lambda: None, calls=5)
+    assert len(calls) == 6  # the untimed first + 5: every rank makes as many collective calls
+
+
+def test_a_stored_figure_without_the_scores_and_loss_rates_uses_the_layers_mix():
+    old = {k: v for k, v in RANKS.to_dict().items() if k not in ("scores_bytes_per_s", "loss_bytes_per_s")}
+    r = cpu_rates(bench(), {**MEASURED, "ranks": old})
+    assert r.scores_bytes_per_s is None and r.loss_bytes_per_s is None
+    from zero_bench.estimate.time.compute import elementwise_rates
+
+    assert {k: v.value for k, v in elementwise_rates(r).items()} == {"layers": 5e9, "scores": 5e9, "loss": 5e9}

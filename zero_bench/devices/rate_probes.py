@@ -235,8 +235,9 @@ def _rank_probe(rank: int, ranks: int, threads: int, precision: str, port: int, 
             nbytes = t.numel() * t.element_size()
             ar = 2 * (ranks - 1) / ranks * nbytes / _median(lambda: dist.all_reduce(t), sync, calls=COLLECTIVE_CALLS)
             part = torch.randn(COLLECTIVE_ELEMENTS // ranks)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13's name
             out = torch.empty(part.numel() * ranks)
-            ag = (ranks - 1) / ranks * nbytes / _median(lambda: dist.all_gather_into_tensor(out, part), sync,
+            ag = (ranks - 1) / ranks * nbytes / _median(lambda: gather(out, part), sync,
                                                          calls=COLLECTIVE_CALLS)
             one = torch.zeros(1)
             lat = _median(lambda: [dist.all_reduce(one) for _ in range(20)], sync, calls=COLLECTIVE_CALLS) / 20
