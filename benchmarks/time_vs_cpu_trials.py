@@ -11,7 +11,7 @@ memory-bound op mixes (the layers' norm/activation/softmax/residual, unfused att
 loss), gloo's all-reduce and all-gather bandwidth and latency, torch AdamW per parameter and per
 tensor; beside them one rank's matmul rate alone (metrics.cpu_peak_flops, the rate MFU uses) and the
 copy rate offload's host copies run at. NVMe's bandwidth is not measured: the stated default.
-Trials: run_launch forked from one pool, steps warmup 1 + timed 3, time/it their median (the trial's
+Trials: run_launch forked from one pool, steps warmup 1 + timed 5, time/it their median (the trial's
 own measurement, as the store records it): gpt-mini's ZeRO 0-3, offload (CPU and NVMe), recompute
 (full, selective, block, op), grad_accum 2, tp=2, FSDP2, and llama-tiny's Ulysses sp=2. Target (issue
 52, item 4): the prediction within 15 % of the measured time/it for at least 90 % of the trials; the
@@ -25,6 +25,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from zero_bench.config.configure import compose, from_cfg
@@ -39,6 +40,7 @@ from zero_bench.trial.machine import machine_lock
 from zero_bench.trial.pool import PoolSlot
 
 TOLERANCE, SHARE = 0.15, 0.90
+BUSY_LIMIT = 0.10  # others' share of the CPUs beyond which the run measured them too
 CONFIGS = {
     "zero0": ["zero=0"], "zero1": ["zero=1"], "zero2": ["zero=2"], "zero3": ["zero=3"],
     "zero2+offload": ["zero=2", "offload=true"], "zero3+offload": ["zero=3", "offload=true"],
@@ -56,7 +58,20 @@ def bench(model: str, micro: int, overrides: list[str]) -> BenchConfig:
     own = any(o.startswith("model=") for o in overrides)
     b = from_cfg(compose([*([] if own else [f"model={model}"]), "hardware=cpu", "parallel=dp2", f"batch.micro={micro}",
                           *overrides]))
-    return dataclasses.replace(b, steps=StepsConfig(warmup=1, timed=3))
+    return dataclasses.replace(b, steps=StepsConfig(warmup=1, timed=5))
+
+
+def others_busy(seconds: float = 2.0) -> float:
+    """The share of the machine's CPUs busy over `seconds` while this script waits: what other
+    processes (other sessions' tests) take from the trials. /proc/stat's busy jiffies over all."""
+    def busy_total() -> tuple[int, int]:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = v[3] + v[4]  # idle + iowait
+        return sum(v) - idle, sum(v)
+    b0, t0 = busy_total()
+    time.sleep(seconds)
+    b1, t1 = busy_total()
+    return (b1 - b0) / max(1, t1 - t0)
 
 
 def measured_rates(precision: str, ranks: int = 2) -> dict:
@@ -84,6 +99,7 @@ def main() -> int:
     else:
         with machine_lock(wait=True), tempfile.TemporaryDirectory() as tmp, PoolSlot(Path(tmp) / "pool") as pools:
             first = bench(model, micro, CONFIGS[names[0]])
+            busy = [others_busy()]
             measured = measured_rates(str(first.precision))
             for i, name in enumerate(names):
                 b = bench(model, micro, CONFIGS[name])
@@ -91,6 +107,8 @@ def main() -> int:
                 p = predict_time(b, micro, cpu_rates(b, measured))
                 got = res.time_per_step_s if res.status == "ok" else None
                 rows.append((name, got, p, res.status))
+            busy.append(others_busy())
+        measured["others_busy"] = busy
         if "save" in args:
             Path(args["save"]).write_text(json.dumps({"model": model, "micro": micro, "rates": measured,
                                                       "measured": {n: g for n, g, _, _ in rows}}, indent=1))
@@ -101,6 +119,11 @@ def main() -> int:
           f"{r['all_reduce_bytes_per_s'] / 1e9:.2f} GB/s, all-gather {r['all_gather_bytes_per_s'] / 1e9:.2f} GB/s, "
           f"latency {r['collective_latency_s'] * 1e6:.0f} us, torch AdamW {r['adam_params_per_s'] / 1e6:.0f} M params/s "
           f"+ {r['adam_per_tensor_s'] * 1e6:.0f} us/tensor; memory copy {measured['memory_bytes_per_s'] / 1e9:.1f} GB/s")
+    if measured.get("others_busy"):
+        before, after = measured["others_busy"]
+        print(f"other processes kept {before:.0%} of the CPUs busy just before the probes, {after:.0%} just after "
+              f"the trials (this script idle)" + (": the times are not the trials' alone, the table is no verdict on "
+                                                  "the model" if max(before, after) > BUSY_LIMIT else ""))
     print(f"{'config':>16}{'measured s':>12}{'predicted s':>13}{'error %':>9}  dominant predicted term")
     within = 0
     for name, got, p, status in rows:
