@@ -120,7 +120,7 @@ class RankRates:
         return asdict(self)
 
 
-def _median(run: Callable[[], object], sync: Callable[[], None], seconds: float = SUSTAIN_S,
+def _median(run: Callable[[], object], sync: Callable[[], None], seconds: Optional[float] = None,
             calls: Optional[int] = None) -> float:
     """Median seconds of `run`, called over and over for `seconds` after one untimed call, started on
     every rank at once behind `sync` (a barrier): the ranks stay busy together the whole window, as a
@@ -130,7 +130,7 @@ def _median(run: Callable[[], object], sync: Callable[[], None], seconds: float 
     run()
     sync()
     times = []
-    end = time.perf_counter() + seconds
+    end = time.perf_counter() + (SUSTAIN_S if seconds is None else seconds)
     # a collective: a fixed number of calls (every rank must make as many)
     while (len(times) < calls) if calls else (time.perf_counter() < end or len(times) < MIN_CALLS):
         t0 = time.perf_counter()
