@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from zero_bench.config.schema import BenchConfig, EngineName, Recompute, States
+from zero_bench.config.schema import BenchConfig, Recompute, States
 from zero_bench.devices.rates import HardwareRates, Rate
 from zero_bench.estimate.time.record import TimeTerm
 from zero_bench.models.flops import (attention_flops_per_seq, dense_flops_per_seq, hardware_flops_per_seq,
@@ -171,9 +171,9 @@ def optimizer_tensors(bench: BenchConfig) -> int:
     / fp32 engine) and FSDP2 (a DTensor shard per parameter) one per parameter; ZeRO 1-3 flatten the
     partition into one fp32 tensor per parameter group (one group here; ZeRO-3's sub_group_size 1e9:
     one sub-group below a billion parameters)."""
-    if bench.zero == 0 or bench.engine == EngineName.fsdp2:
-        return len(bench.layout.params)
-    return 1
+    from zero_bench.engines.specs import spec
+
+    return 1 if bench.zero in spec(bench.engine).flat_optimizer_stages else len(bench.layout.params)
 
 
 def measured_optimizer(bench: BenchConfig, rates: HardwareRates, name: str) -> Optional[TimeTerm]:
