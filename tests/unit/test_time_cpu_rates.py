@@ -83,6 +83,14 @@ def test_gloo_collectives_pay_their_bandwidth_and_a_latency_per_call():
     held = b.layout.held_params
     # ZeRO-3's reduce-scatter and all-gathers at the all-gather rate, one latency each
     assert p.term("gradient reduce-scatter").seconds == pytest.approx(held * 2 * 0.5 / 5e8 + 3e-4)
+    from zero_bench.estimate.time.comm import gathered_calls, gathered_params
+
+    calls = gathered_calls(b)  # gpt-mini: the 2 embeddings + 4 weights per layer; biases and norms stay resident
+    assert calls == 2 + 4 * 4
+    assert p.term("parameter all-gather (forward)").seconds == pytest.approx(
+        gathered_params(b) * 2 * 0.5 / 5e8 + calls * 3e-4)
+    fsdp2 = at("engine=fsdp2", "zero=3")
+    assert "10 call(s)" in fsdp2.term("parameter all-gather").source  # 2 passes x (4 layers + the root)
     z0 = at("zero=0").term("gradient all-reduce")
     assert z0.seconds == pytest.approx(held * 4 * 1.0 / 1e9 + 3e-4)  # bf16 ZeRO-0 reduces fp32 buffers
     tp = at("zero=1", "parallel.tp=2", "parallel.dp=1")

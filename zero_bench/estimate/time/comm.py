@@ -116,13 +116,23 @@ def overlap_comm(bench: BenchConfig) -> bool:
     return bench.zero == 3 if got is None else bool(got)
 
 
-def gathered_params(bench: BenchConfig) -> float:
-    """ZeRO-3: the parameters all-gathered per pass: all but those under the persistence threshold."""
+def _gathered(bench: BenchConfig) -> list[int]:
     from zero_bench.estimate.buffers import ds_full
 
     zo = ds_full(bench).get("zero_optimization") or {}
     threshold = zo.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)
-    return sum(p.numel for p in bench.layout.params if p.numel >= threshold)
+    return [p.numel for p in bench.layout.params if p.numel >= threshold]
+
+
+def gathered_params(bench: BenchConfig) -> float:
+    """ZeRO-3: the parameters all-gathered per pass: all but those under the persistence threshold."""
+    return sum(_gathered(bench))
+
+
+def gathered_calls(bench: BenchConfig) -> int:
+    """ZeRO-3: all-gather calls per pass, at most one per gathered parameter (the coordinator fetches
+    each module's parameters as it is entered, coalescing a module's; an upper bound on calls)."""
+    return len(_gathered(bench))
 
 
 # -- DeepSpeed ------------------------------------------------------------------------------------------
@@ -155,17 +165,18 @@ def zero3_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
     ga, zpp, dp, tp = bench.batch.grad_accum, bench.zeropp, bench.layout.dp, bench.parallel.tp
     span = bench.layout.spans["dp"]
     hidden = overlap_comm(bench)
-    gathered = gathered_params(bench)
+    gathered, calls = gathered_params(bench), ga * gathered_calls(bench)
     fwd_b = 1 if zpp.qwz else param_bytes(bench)
     out = [collective(bench, rates, "parameter all-gather (forward)", ALL_GATHER, ga * gathered * fwd_b, dp, span,
-                      not hidden, f"ZeRO-3: every micro-step, {fwd_b} B/param" + (" (qwZ int8)" if zpp.qwz else ""))]
+                      not hidden, f"ZeRO-3: every micro-step, {fwd_b} B/param" + (" (qwZ int8)" if zpp.qwz else ""),
+                      calls=calls)]
     if zpp.hpz > 1:
         out.append(collective(bench, rates, "parameter all-gather (backward)", ALL_GATHER,
                               ga * gathered * param_bytes(bench), zpp.hpz, tp * zpp.hpz, not hidden,
-                              f"hpZ: backward gathers the secondary partition within {zpp.hpz} ranks"))
+                              f"hpZ: backward gathers the secondary partition within {zpp.hpz} ranks", calls=calls))
     else:
         out.append(collective(bench, rates, "parameter all-gather (backward)", ALL_GATHER, ga * gathered * fwd_b, dp,
-                              span, not hidden, "ZeRO-3: re-gathered for backward, every micro-step"))
+                              span, not hidden, "ZeRO-3: re-gathered for backward, every micro-step", calls=calls))
     held = bench.layout.held_params
     nodes = bench.hardware.num_nodes
     if zpp.qgz and nodes > 1:
@@ -193,15 +204,17 @@ def fsdp2_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
     ga, layout, tp = bench.batch.grad_accum, bench.layout, bench.parallel.tp
     pb = BYTES[bench.precision]  # MixedPrecisionPolicy's param_dtype (bf16), or the fp32 parameters themselves
     passes = 2 if bench.zero == 3 else 1
+    units = bench.model.num_layers + 1  # fully_shard on every transformer layer and the root: one call each
     out = []
     for name, n_params, n, span in groups(bench):
         tag = f" ({name})" if name else ""
         out += [collective(bench, rates, f"parameter all-gather{tag}", ALL_GATHER, passes * ga * n_params * pb, n, span,
                            False, f"FSDP2 zero={bench.zero}: {passes} per micro-step (reshard_after_forward="
-                           f"{bench.zero == 3}), {pb} B/param, prefetched"),
+                           f"{bench.zero == 3}), {pb} B/param, prefetched", calls=passes * ga * units),
                 collective(bench, rates, f"gradient reduce-scatter{tag}", REDUCE_SCATTER,
                            ga * n_params * fsdp2_grad_bytes(bench), n, span, False,
-                           f"FSDP2: every micro-step, {fsdp2_grad_bytes(bench)} B/grad (reduce_dtype)")]
+                           f"FSDP2: every micro-step, {fsdp2_grad_bytes(bench)} B/grad (reduce_dtype)",
+                           calls=ga * units)]
     if layout.hybrid:
         out.append(collective(bench, rates, "gradient all-reduce across replicas", ALL_REDUCE,
                               ga * layout.held_params / layout.shard_size * fsdp2_grad_bytes(bench), layout.replicas,
