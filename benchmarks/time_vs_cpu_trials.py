@@ -108,6 +108,8 @@ def main() -> int:
                 got = res.time_per_step_s if res.status == "ok" else None
                 rows.append((name, got, p, res.status))
             busy.append(others_busy())
+            # the same probes again after the trials: how far the machine drifted while they ran
+            measured["ranks_after"] = rank_rates(2, rank_threads(), str(first.precision)).to_dict()
         measured["others_busy"] = busy
         if "save" in args:
             Path(args["save"]).write_text(json.dumps({"model": model, "micro": micro, "rates": measured,
@@ -115,10 +117,16 @@ def main() -> int:
     r = measured["ranks"]
     print(f"{model} micro {micro}, 2 gloo ranks, {first.precision}; rates measured here, both ranks at once: matmul "
           f"{r['matmul_flops'] / 1e9:.1f} GFLOP/s (one rank alone {measured['matmul_flops'][str(first.precision)] / 1e9:.1f}), "
-          f"memory-bound ops {r['elementwise_bytes_per_s'] / 1e9:.2f} GB/s, gloo all-reduce "
+          f"memory-bound ops {r['elementwise_bytes_per_s'] / 1e9:.2f} GB/s (scores {r.get('scores_bytes_per_s', 0) / 1e9:.2f}, "
+          f"loss {r.get('loss_bytes_per_s', 0) / 1e9:.2f}), gloo all-reduce "
           f"{r['all_reduce_bytes_per_s'] / 1e9:.2f} GB/s, all-gather {r['all_gather_bytes_per_s'] / 1e9:.2f} GB/s, "
           f"latency {r['collective_latency_s'] * 1e6:.0f} us, torch AdamW {r['adam_params_per_s'] / 1e6:.0f} M params/s "
           f"+ {r['adam_per_tensor_s'] * 1e6:.0f} us/tensor; memory copy {measured['memory_bytes_per_s'] / 1e9:.1f} GB/s")
+    if measured.get("ranks_after"):
+        a = measured["ranks_after"]
+        print(f"the same probes after the trials (not used): matmul {a['matmul_flops'] / 1e9:.1f} GFLOP/s, memory-bound "
+              f"ops {a['elementwise_bytes_per_s'] / 1e9:.2f} GB/s, loss {a['loss_bytes_per_s'] / 1e9:.2f} GB/s, gloo "
+              f"all-reduce {a['all_reduce_bytes_per_s'] / 1e9:.2f} GB/s")
     if measured.get("others_busy"):
         before, after = measured["others_busy"]
         print(f"other processes kept {before:.0%} of the CPUs busy just before the probes, {after:.0%} just after "
