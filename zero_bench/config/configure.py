@@ -15,7 +15,7 @@ from zero_bench.config import honoured
 from zero_bench.devices import cpu_features
 from zero_bench.config.checked import composition_error
 from zero_bench.config.schema import (CONF_DIR, DS_TEMPLATES, ZERO_STAGES, BenchConfig, Config, Device, EngineName,
-                                      HardwareConfig, OffloadDevice, Precision, Recompute, ReportConfig, SearchConfig,
+                                      HardwareConfig, OffloadDevice, PipelineSchedule, Precision, Recompute, ReportConfig, SearchConfig,
                                       States, structured)
 from zero_bench.engines.specs import Concern, spec
 from zero_bench.errors import ConfigError
@@ -203,6 +203,9 @@ def check_bench(b: BenchConfig) -> None:
     integer("parallel.ep", b.parallel.ep)
     integer("zeropp.hpz", b.zeropp.hpz)
     integer("parallel.sp", b.parallel.sp)
+    integer("parallel.pp", b.parallel.pp)
+    integer("parallel.vpp", b.parallel.vpp)
+    choice("parallel.pp_schedule", b.parallel.pp_schedule, tuple(s.value for s in PipelineSchedule))
     choice("zero", b.zero, ZERO_STAGES)
     integer("recompute_layers", b.recompute_layers)
     check_tiled_mlp(b.tiled_mlp)
@@ -232,6 +235,20 @@ def check_ulysses(b: BenchConfig) -> None:
         if bad:
             raise ConfigError(f"parallel.sp={b.parallel.sp}: not compared with sp=1 together with {key} yet; allowed "
                               f"with parallel.sp > 1: {allowed}")
+
+
+def check_pipeline(b: BenchConfig) -> None:
+    """parallel.pp > 1: the schedule's keys agree with each other; what runs under a pipeline is
+    what trials have compared with pp = 1."""
+    p = b.parallel
+    interleaved = p.pp_schedule == PipelineSchedule.interleaved_1f1b
+    if p.vpp > 1 and not interleaved:
+        raise ConfigError(f"parallel.vpp={p.vpp}: virtual stages run with parallel.pp_schedule=interleaved_1f1b (got "
+                          f"{p.pp_schedule}); allowed with {p.pp_schedule}: parallel.vpp=1")
+    if interleaved and p.vpp < 2:
+        raise ConfigError("parallel.pp_schedule=interleaved_1f1b: needs parallel.vpp >= 2 virtual stages per rank; "
+                          "allowed at parallel.vpp=1: parallel.pp_schedule=gpipe or 1f1b")
+    raise ConfigError(f"parallel.pp={p.pp}: pipeline training is not built yet; allowed: parallel.pp=1")
 
 
 def check_search(s: SearchConfig) -> None:
@@ -360,6 +377,8 @@ def validate_static(b: BenchConfig) -> None:
         spec(b.engine).validate(b, Concern.expert_parallel)
     if layout.sp > 1:
         check_ulysses(b)
+    if layout.pp > 1 or b.parallel.vpp > 1:
+        check_pipeline(b)
     if b.loss != "megatron" and tp > 1:
         raise ConfigError(f"loss={b.loss}: runs at parallel.tp=1 (at tp {tp} the vocabulary is split over the "
                           "ranks and only megatron's vocab-parallel loss reads it); allowed with tp > 1: "

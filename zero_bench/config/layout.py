@@ -7,7 +7,8 @@ partitions over), dp_shard (FSDP2's hybrid sharding: groups of dp_shard ranks ea
 the sharded states), ep (megatron's expert parallelism: each group of ep data-parallel ranks splits
 a mixture of experts' experts), sp (Ulysses sequence parallelism: each group of sp consecutive
 data-parallel ranks splits every sequence, models/ulysses.py; part of dp, not on top of it); pp is
-reserved for the pipeline-parallel degree (1 today, refused otherwise). Validated once, against the model where one
+the pipeline-parallel degree (pp groups of tp x dp ranks, each a stage of num_layers / pp layers;
+vpp virtual stages per rank when interleaved). Validated once, against the model where one
 is given: every refusal that is about the degrees alone (tp dividing the heads, the hidden size,
 the query groups and the MLP, and with megatron's sequence parallelism the sequence; ep dividing
 the experts and dp; dp_shard dividing dp; sp dividing dp, the heads and the sequence) is raised
@@ -51,7 +52,9 @@ class RankLayout:
     every sequence (seq_len / sp tokens a rank) and all-to-alls heads for sequence around
     attention. Within dp (the world stays tp x dp): ZeRO / FSDP2 shard over all dp ranks."""
     pp: int = 1
-    """Reserved: the pipeline-parallel degree, after sp. 1 today; anything else is refused."""
+    """Pipeline-parallel degree: the layers split into pp stages over pp groups of tp x dp ranks."""
+    vpp: int = 1
+    """Virtual stages per pipeline rank (interleaved 1F1B): pp x vpp chunks of layers."""
     sequence_parallel: bool = False
     """megatron's sequence parallelism runs (parallel.sequence_parallel at tp > 1): the norms,
     dropouts and residuals hold seq_len / tp tokens per rank (seq_shard). False at tp 1."""
@@ -60,12 +63,10 @@ class RankLayout:
     the degrees alone (the ZeRO paper's formula on a bare parameter count, a stored calibration)."""
 
     def __post_init__(self) -> None:
-        for key in ("tp", "dp", "ep", "sp") + (("dp_shard",) if self.dp_shard is not None else ()):
+        for key in ("tp", "dp", "ep", "sp", "pp", "vpp") + (("dp_shard",) if self.dp_shard is not None else ()):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"parallel.{key}={value}: must be an integer >= 1")
-        if self.pp != 1:
-            raise ConfigError(f"pp={self.pp}: not modelled yet (RankLayout reserves the degree); allowed: pp=1")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true: shards the sequence over tp ranks; at parallel.tp=1 "
                               "RankLayout takes sequence_parallel=False")
@@ -73,6 +74,7 @@ class RankLayout:
         self._check_experts()
         self._check_tensor_parallel()
         self._check_sequence()
+        self._check_pipeline()
 
     @classmethod
     def of(cls, degrees: Any, model: Optional[ModelConfig]) -> "RankLayout":
@@ -80,7 +82,8 @@ class RankLayout:
         config.schema's ParallelConfig) for `model`."""
         sequence_parallel = bool(getattr(degrees, "sequence_sharded", False))
         return cls(tp=degrees.tp, dp=degrees.dp, dp_shard=degrees.dp_shard, ep=degrees.ep,
-                   sequence_parallel=sequence_parallel, sp=getattr(degrees, "sp", 1), model=model)
+                   sequence_parallel=sequence_parallel, sp=getattr(degrees, "sp", 1), pp=getattr(degrees, "pp", 1),
+                   vpp=getattr(degrees, "vpp", 1), model=model)
 
     # -- validation: one line per refusal, the key first ----------------------------------------
     def _check_hybrid(self) -> None:
@@ -163,11 +166,24 @@ class RankLayout:
             raise ConfigError(f"parallel.sp={sp}: model.seq_len={m.seq_len} must be divisible by tp x sp = "
                               f"{self.tp * sp}")
 
+    def _check_pipeline(self) -> None:
+        """parallel.pp / parallel.vpp: the layers split evenly into pp x vpp chunks (megatron's
+        uniform split: get_num_layers_to_build), at least one layer each."""
+        pp, vpp, m = self.pp, self.vpp, self.model
+        if vpp > 1 and pp == 1:
+            raise ConfigError(f"parallel.vpp={vpp}: virtual stages split a pipeline; allowed at parallel.pp=1: "
+                              "parallel.vpp=1")
+        if m is None or pp == 1:
+            return
+        if m.num_layers % (pp * vpp):
+            raise ConfigError(f"parallel.pp={pp}: pp x vpp = {pp * vpp} must divide model.num_layers={m.num_layers} "
+                              "(each stage holds num_layers / (pp x vpp) layers)")
+
     # -- sizes and groups -----------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        """Every rank of the trial: tp x dp (x pp, 1 today), as ParallelConfig.world_size; the sp ranks
-        are data-parallel ranks."""
+        """Every rank of the trial: tp x dp x pp, as ParallelConfig.world_size; the sp ranks are
+        data-parallel ranks."""
         return self.tp * self.dp * self.pp
 
     @property
