@@ -21,6 +21,8 @@ step is the slowest stage's work on its micro-batches, plus the pipeline's bubbl
   interleaving). Neighbouring stages are tp x dp ranks apart (ranks laid out tp fastest, then dp,
   then pp: RankLayout.spans["pp_hop"]), so intra-node only where one hop stays on a node. Exposed
   (megatron's p2p waits for them; its overlap_p2p_comm is not modelled).
+- FSDP2 under torch.distributed.pipelining (fsdp2_collective): one reduce-scatter a step, after
+  the last backward (exposed), the parameters gathered once a step (zero=2) or once per forward.
 - Tied embeddings: the first and the last stage all-reduce the word embedding's gradient
   (megatron's embedding group, LanguageModule: _allreduce_word_embedding_grads) once a step.
 MFU and tokens/s divide by the world tp x dp x pp (predict_time, ParallelConfig.world_size).
@@ -58,6 +60,24 @@ def slowest_stage(bench: BenchConfig) -> BenchConfig:
     return stage_bench(bench, max(range(pp), key=lambda s: (stage_share(bench, s), s)))
 
 
+def fsdp2_collective(bench: BenchConfig, t: TimeTerm) -> TimeTerm:
+    """FSDP2's collectives as torch.distributed.pipelining runs them (stage.py backward_maybe_with_nosync,
+    perform_reduce_grad): the gradients reduce-scattered (and, HSDP, all-reduced) once a step after
+    the last backward, exposed; the parameters gathered once a step at zero=2, at zero=3 once per
+    micro-batch's forward (no reshard after backward). comm.py counts them per micro-step."""
+    if str(bench.engine) != "fsdp2":
+        return t
+    ga, passes = bench.batch.grad_accum, 2 if bench.zero == 3 else 1
+    if t.name.startswith(("gradient reduce-scatter", "gradient all-reduce across replicas")):
+        return TimeTerm(t.name, t.seconds / ga, True, f"{t.source}; under a pipeline once a step, after the last "
+                        "backward (torch.distributed.pipelining perform_reduce_grad)")
+    if t.name.startswith("parameter all-gather"):
+        times = ga if bench.zero == 3 else 1
+        return TimeTerm(t.name, t.seconds * times / (passes * ga), t.exposed,
+                        f"{t.source}; under a pipeline {times} a step (no reshard after backward)")
+    return t
+
+
 def pipeline_terms(bench: BenchConfig, rates: HardwareRates, micro: int, terms: list[TimeTerm]) -> list[TimeTerm]:
     """`terms` (the slowest stage's, its layers' work counted for the whole model) with the layers'
     work scaled to the stage, the bubble and the sends (module docstring); unchanged at pp 1."""
@@ -68,6 +88,7 @@ def pipeline_terms(bench: BenchConfig, rates: HardwareRates, micro: int, terms: 
     share = stage_share(bench, staged.layout.stage)
     out, work = [], 0.0
     for t in terms:
+        t = fsdp2_collective(bench, t)
         if t.name.startswith(LAYER_WORK):
             t = TimeTerm(t.name, t.seconds * share, t.exposed,
                          f"{t.source}; x {share:.3f}, pipeline stage {staged.layout.stage} of {layout.pp}'s share "
