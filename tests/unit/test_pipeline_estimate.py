@@ -175,3 +175,18 @@ def test_a_trial_still_asks_check_pipeline():
     finally:
         configure.check_pipeline = real
     assert called == [4]
+
+
+def test_interleaving_keeps_one_micro_batchs_logits_on_the_last_rank():
+    """With interleaving the last rank's warm-up runs its first chunk: the chunk with the loss holds one
+    micro-batch when the first backward starts, however many chunk micro-batches are in flight."""
+    from zero_bench.estimate.pipeline import chunks_in_flight
+
+    assert chunks_in_flight("interleaved_1f1b", 4, 2, 3, 16) == [4, 1]  # (vpp - 1) pp + 1 forwards
+    assert chunks_in_flight("interleaved_1f1b", 4, 2, 0, 16) == [7, 4]  # 2 (pp - 1) + (vpp - 1) pp + 1
+    b = bench(["model=gpt-mini", "hardware.device=cpu", "parallel.dp=1", "parallel.pp=2", "batch.grad_accum=8",
+               "zero=1", "precision=fp32", "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=2"])
+    last = estimate(stage_bench(b, 1)).activations
+    counts = chunks_in_flight("interleaved_1f1b", 2, 2, 1, 8)
+    assert counts == [2, 1]
+    assert last["pipeline_extra_in_flight"] == pytest.approx(last["layers"] / 2, abs=2)  # one more chunk, no logits

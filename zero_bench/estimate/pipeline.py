@@ -20,16 +20,19 @@ per-layer groups, its buffers, and one micro-batch's activations of the stage's 
                 one more before the first backward (Narayanan et al. 2021, PipeDream-Flush;
                 megatron-core schedules.py forward_backward_pipelining_without_interleaving:
                 num_warmup_microbatches = pp - rank - 1; torch's Schedule1F1B alike)
-    interleaved min(2 (pp - stage - 1) + (vpp - 1) pp + 1, m vpp) chunk micro-batches of one chunk
-                (num_layers / (pp vpp) layers): megatron-core's
+    interleaved min(2 (pp - stage - 1) + (vpp - 1) pp + 1, m vpp) chunk micro-batches (of
+                num_layers / (pp vpp) layers each): megatron-core's
                 forward_backward_pipelining_with_interleaving warm-up (microbatch_group_size_per_vp_stage
-                = pp) + 1, divided by vpp to count in the stage's activations. On stage 0 that is
-                pp + (pp - 1) / vpp = pp x (1 + (pp - 1) / (pp vpp)), Korthikanti et al. 2022,
-                section 4.2.3 ("Reducing Activation Recomputation in Large Transformer Models").
+                = pp) + 1, forward k on chunk (k mod pp vpp) // pp (chunks_in_flight); in the stage's
+                activations that is (warm-up + 1) / vpp, on stage 0 pp + (pp - 1) / vpp = pp x (1 +
+                (pp - 1) / (pp vpp)), Korthikanti et al. 2022, section 4.2.3 ("Reducing Activation
+                Recomputation in Large Transformer Models").
   The micro-batch in backward is at its peak moment (activations.py's total); each other one in
-  flight holds what its forward saved (`saved`, less the scratch buffer megatron's
-  GlobalMemoryBuffer keeps once per rank): + (in_flight - 1) x that per sample, every phase with
-  activations.
+  flight holds what its forward saved (extra_in_flight: per chunk, its layers' share, the
+  embedding on virtual stage 0, the final norm, output layer's input and logits on the last; not the
+  scratch buffer megatron's GlobalMemoryBuffer keeps once per rank), in every phase with
+  activations. So with interleaving the last rank holds one micro-batch's logits, not (warm-up + 1)
+  / vpp of them.
 - Point-to-point buffers, as torch.distributed.pipelining allocates them (torch 2.13, stage.py
   PipelineStage._setup_forward_recv_info and _create_grad_recv_info, called for each of the m
   micro-batches at the first step and kept): every stage but the first holds m activation receive
@@ -84,16 +87,47 @@ def warmup_chunks(schedule: str, pp: int, vpp: int, stage: int) -> int:
     return pp - stage - 1
 
 
+def chunks_in_flight(schedule: str, pp: int, vpp: int, stage: int, m: int) -> list[int]:
+    """Micro-batches in flight on each model chunk of the stage at its first backward: gpipe [m];
+    1f1b [min(pp - stage, m)]; interleaved the warm-up's forwards and one more (at most m x vpp),
+    forward k running chunk (k mod (pp x vpp)) // pp, megatron-core's get_model_chunk_id with
+    microbatch_group_size_per_vp_stage = pp; the first backward runs the last chunk."""
+    if pp == 1:
+        return [1]
+    if schedule == PipelineSchedule.gpipe:
+        return [m] * vpp
+    if schedule == PipelineSchedule.interleaved_1f1b:
+        out = [0] * vpp
+        for k in range(min(warmup_chunks(schedule, pp, vpp, stage) + 1, m * vpp)):
+            out[(k % (pp * vpp)) // pp] += 1
+        return out
+    return [min(pp - stage, m)]
+
+
 def in_flight(schedule: str, pp: int, vpp: int, stage: int, m: int) -> float:
     """Micro-batches' worth of the stage's activations alive at its peak (the module's docstring):
     gpipe m; 1f1b min(pp - stage, m); interleaved min(warm-up + 1, m x vpp) / vpp."""
-    if pp == 1:
-        return 1.0
-    if schedule == PipelineSchedule.gpipe:
-        return float(m)
-    if schedule == PipelineSchedule.interleaved_1f1b:
-        return min(warmup_chunks(schedule, pp, vpp, stage) + 1, m * vpp) / vpp
-    return float(min(pp - stage, m))
+    return sum(chunks_in_flight(schedule, pp, vpp, stage, m)) / max(1, vpp if pp > 1 else 1)
+
+
+def extra_in_flight(bench: BenchConfig, act: dict, counts: list[int]) -> float:
+    """Bytes per sample the micro-batches in flight beside the one in backward hold: each chunk's
+    saved tensors times its micro-batches in flight, less the one micro-batch activations.py counts
+    (a chunk's share: its layers, the embedding on virtual stage 0, the final norm, output layer's
+    input and logits on the last virtual stage; the scratch buffer is one per rank)."""
+    layout = bench.layout
+    vpp, stage = len(counts), layout.stage or 0
+    edge = act.get("embedding", 0)  # rank 0: the embedding's terms; the last rank: the head's
+    out = 0.0
+    for c, n in enumerate(counts):
+        virtual = c * layout.pp + stage
+        saved = act.get("layers", 0) / vpp
+        if virtual == 0:
+            saved += edge
+        if virtual == layout.pp * layout.vpp - 1:
+            saved += edge + act.get("logits", 0)
+        out += (n - 1) * saved
+    return max(0.0, out)
 
 
 def stage_bench(bench: BenchConfig, stage: int) -> BenchConfig:
@@ -136,11 +170,9 @@ def pipelined(bench: BenchConfig, pred: Prediction) -> Prediction:
     micro-batches; FSDP2's unsharded stage."""
     layout, p = bench.layout, bench.parallel
     m = micro_batches(bench)
-    flight = in_flight(p.pp_schedule, layout.pp, layout.vpp, layout.stage or 0, m)
-    # what one more micro-batch in flight holds: its forward's saved tensors, not the scratch buffer
-    # (megatron's GlobalMemoryBuffer, one per rank whatever the micro-batches)
-    saved = int(pred.activations.get("saved", 0) - pred.activations.get("scratch", 0))
-    extra = int(max(0.0, flight - 1) * saved)
+    counts = chunks_in_flight(p.pp_schedule, layout.pp, layout.vpp, layout.stage or 0, m)
+    flight = sum(counts) / layout.vpp
+    extra = int(extra_in_flight(bench, pred.activations, counts))
     p2p = p2p_per_sample(bench, flight)
     fsdp2 = str(bench.engine) == "fsdp2"
     steady = p.pp_schedule != PipelineSchedule.gpipe and m > flight  # a backward before the last forward
