@@ -112,6 +112,7 @@ class Estimate:
     pp: int = 1  # pipeline stages (parallel.pp)
     grad_accum: int = 1  # micro-batches per optimizer step (batch.grad_accum; a pipeline's micro-batches)
     stage: Optional[int] = None  # pp > 1: the stage this estimate is of (the whole pipeline's: its peak stage)
+    stage_layers: str = ""  # pp > 1: the stage's layers ("0-19")
     stages: tuple = ()  # pp > 1, the whole pipeline's estimate: each stage's Estimate (estimate/pipeline.py);
     # its own fields are the peak stage's, and the peaks and max micro are the largest / smallest over them
 
@@ -283,7 +284,7 @@ class Estimate:
         out = []
         for e in self.stages:
             s = e.states
-            out.append({"stage": e.stage, "layers": e.prediction.activations.get("stage_layers"),
+            out.append({"stage": e.stage, "layers": e.stage_layers,
                         "params_per_rank": e.params_per_shard, "in_flight": e.activations.get("pipeline_in_flight"),
                         "params": s.params, "grads": s.grads, "optimizer": s.optimizer, "device_states": s.device,
                         "buffers": e.buffers_total, "act_per_sample": e.act_per_sample,
@@ -303,16 +304,22 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     prediction = load(spec(bench.engine).predict)(bench, ds)
     if layout.pp > 1:
         prediction = pipelined(bench, prediction)
-        prediction.activations["stage_layers"] = f"{layout.stage_layers()[0]}-{layout.stage_layers()[-1]}" + (
-            f" ({layout.vpp} chunks)" if layout.vpp > 1 else "")
     return Estimate(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
                     offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=layout.dp, tp=layout.tp,
                     num_params=num_params(bench.model), params_per_shard=layout.held_params, prediction=prediction,
                     local_ranks=local_ranks(bench), engine=bench.engine, zeropp=bench.zeropp.tag(),
                     capacity=capacity if capacity is not None else search_capacity(bench), ep=layout.ep, sp=layout.sp,
                     time=TimeModel(bench if layout.stage is None else whole_pipeline(bench)), pp=layout.pp,
-                    grad_accum=bench.batch.grad_accum,
+                    grad_accum=bench.batch.grad_accum, stage_layers=layers_text(layout),
                     stage=layout.stage, **fixed_terms(bench))
+
+
+def layers_text(layout) -> str:
+    """A stage's layers as the per-stage table shows them: "0-19", "0-71 (2 chunks)"; "" at pp 1."""
+    if layout.pp == 1 or layout.stage is None:
+        return ""
+    held = layout.stage_layers()
+    return f"{held[0]}-{held[-1]}" + (f" ({layout.vpp} chunks)" if layout.vpp > 1 else "")
 
 
 def binding_stage(stages: tuple, micro: int) -> Estimate:

@@ -66,12 +66,22 @@ import dataclasses
 from typing import Optional
 
 from zero_bench.config.schema import BenchConfig, PipelineSchedule
+from zero_bench.engines.specs import spec
 from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction
 from zero_bench.estimate.states import master_bytes
 from zero_bench.units import BYTES
 
 FSDP2_GATHERED = ("root_gathered", "forward_allgather_output", "layer_gathered", "layer_prefetched", "root_grads",
                   "held_reduce_scatter_input")  # the per-layer gathers the pipeline's unsharded stage replaces
+
+
+def nosync_sharded(bench: BenchConfig) -> bool:
+    """The engine is FSDP2 (fully_shard), which torch.distributed.pipelining drives with its no-sync,
+    no-reshard backward (stage.py backward_maybe_with_nosync's FSDPModule branch): asked of the
+    engine's spec, as the one engine that reads no DeepSpeed config. (engines/specs.py is the
+    training side's; an EngineSpec field saying how a pipeline drives the engine belongs there once
+    pipelines train.)"""
+    return not spec(bench.engine).reads_ds_config
 
 
 def micro_batches(bench: BenchConfig) -> int:
@@ -174,7 +184,7 @@ def pipelined(bench: BenchConfig, pred: Prediction) -> Prediction:
     flight = sum(counts) / layout.vpp
     extra = int(extra_in_flight(bench, pred.activations, counts))
     p2p = p2p_per_sample(bench, flight)
-    fsdp2 = str(bench.engine) == "fsdp2"
+    fsdp2 = nosync_sharded(bench)
     steady = p.pp_schedule != PipelineSchedule.gpipe and m > flight  # a backward before the last forward
     phases, buffers = {}, list(pred.buffers)
     grads_after_backward = max((ph.grads for ph in pred.phases.values()), default=0)
@@ -211,7 +221,7 @@ def refusal(bench: BenchConfig) -> str:
     what no engine runs. DeepSpeed's PipelineEngine asserts ZeRO stage < 2 (deepspeed/runtime/pipe/
     engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism")."""
     p = bench.parallel
-    if p.pp > 1 and str(bench.engine) == "deepspeed" and bench.zero >= 2:
+    if p.pp > 1 and spec(bench.engine).reads_ds_config and bench.zero >= 2:  # DeepSpeed's engine
         return (f"zero={bench.zero}: DeepSpeed runs pipeline parallelism at ZeRO 0-1 only (its PipelineEngine refuses "
                 f"ZeRO-2/3); allowed with parallel.pp={p.pp}: zero=0 or 1, or engine=fsdp2")
     return ""

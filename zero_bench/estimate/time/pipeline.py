@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from zero_bench.config.schema import BenchConfig
 from zero_bench.devices.rates import HardwareRates
-from zero_bench.estimate.pipeline import boundary_bytes, stage_bench
+from zero_bench.estimate.pipeline import boundary_bytes, nosync_sharded, stage_bench
 from zero_bench.estimate.time.comm import ALL_REDUCE, collective, link
 from zero_bench.estimate.time.record import TimeTerm
 from zero_bench.models.flops import attention_flops_per_seq, dense_flops_per_seq
@@ -65,7 +65,7 @@ def fsdp2_collective(bench: BenchConfig, t: TimeTerm) -> TimeTerm:
     perform_reduce_grad): the gradients reduce-scattered (and, HSDP, all-reduced) once a step after
     the last backward, exposed; the parameters gathered once a step at zero=2, at zero=3 once per
     micro-batch's forward (no reshard after backward). comm.py counts them per micro-step."""
-    if str(bench.engine) != "fsdp2":
+    if not nosync_sharded(bench):
         return t
     ga, passes = bench.batch.grad_accum, 2 if bench.zero == 3 else 1
     if t.name.startswith(("gradient reduce-scatter", "gradient all-reduce across replicas")):
