@@ -190,3 +190,15 @@ def test_interleaving_keeps_one_micro_batchs_logits_on_the_last_rank():
     counts = chunks_in_flight("interleaved_1f1b", 2, 2, 1, 8)
     assert counts == [2, 1]
     assert last["pipeline_extra_in_flight"] == pytest.approx(last["layers"] / 2, abs=2)  # one more chunk, no logits
+
+
+def test_too_few_micro_batches_is_one_line_naming_the_key():
+    """torch's Schedule1F1B needs at least pp micro-batches, ScheduleInterleaved1F1B rounds of equal size:
+    the estimate refuses what the schedule would (configure.check_pipeline_estimate)."""
+    for extra, start in ((["batch.grad_accum=2"], "batch.grad_accum=2: the micro-batches of a pipeline step"),
+                         (["batch.grad_accum=9", "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=2"],
+                          "batch.grad_accum=9: parallel.pp_schedule=interleaved_1f1b runs")):
+        with pytest.raises(ConfigError) as err:
+            bench(H100_70B + ["zero=1"] + extra)
+        assert str(err.value).startswith(start) and "\n" not in str(err.value)
+    assert bench(H100_70B + ["zero=1", "batch.grad_accum=2", "parallel.pp_schedule=gpipe"]).layout.pp == 4

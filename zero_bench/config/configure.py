@@ -267,6 +267,16 @@ def check_pipeline_estimate(b: BenchConfig) -> None:
     if interleaved and p.vpp < 2:
         raise ConfigError("parallel.pp_schedule=interleaved_1f1b: needs parallel.vpp >= 2 virtual stages per rank; "
                           "allowed at parallel.vpp=1: parallel.pp_schedule=gpipe or 1f1b")
+    m = b.batch.grad_accum  # the micro-batches of one pipeline step, as torch.distributed.pipelining's schedules take them
+    if p.pp_schedule == PipelineSchedule.one_f_one_b and m < p.pp:  # Schedule1F1B's own ValueError
+        raise ConfigError(f"batch.grad_accum={m}: the micro-batches of a pipeline step; parallel.pp_schedule=1f1b needs "
+                          f"at least parallel.pp={p.pp} (torch's Schedule1F1B); allowed: batch.grad_accum >= {p.pp}, "
+                          "or parallel.pp_schedule=gpipe")
+    rounds = max(1, m // p.pp)
+    if interleaved and m % rounds:  # ScheduleInterleaved1F1B's own ValueError
+        raise ConfigError(f"batch.grad_accum={m}: parallel.pp_schedule=interleaved_1f1b runs the micro-batches in "
+                          f"{rounds} rounds of equal size (torch's ScheduleInterleaved1F1B); allowed: a multiple of "
+                          f"{rounds}, e.g. {rounds * p.pp}")
 
 
 def check_search(s: SearchConfig) -> None:

@@ -89,27 +89,35 @@ def micro_batches(bench: BenchConfig) -> int:
     return bench.batch.grad_accum
 
 
-def warmup_chunks(schedule: str, pp: int, vpp: int, stage: int) -> int:
+def round_size(pp: int, m: int) -> int:
+    """Micro-batches per round of an interleaved schedule: pp where m is a multiple of it (megatron's
+    microbatch_group_size_per_vp_stage), torch's m // max(1, m // pp) in general
+    (ScheduleInterleaved1F1B's microbatches_per_round)."""
+    return m // max(1, m // pp)
+
+
+def warmup_chunks(schedule: str, pp: int, vpp: int, stage: int, m: int) -> int:
     """Forwards (of one model chunk each) a stage runs before its first backward, as megatron-core's
-    schedules count them (before the cap by the micro-batches)."""
+    and torch's schedules count them (before the cap by the micro-batches)."""
     if schedule == PipelineSchedule.interleaved_1f1b:
-        return 2 * (pp - stage - 1) + (vpp - 1) * pp
+        return 2 * (pp - stage - 1) + (vpp - 1) * round_size(pp, m)
     return pp - stage - 1
 
 
 def chunks_in_flight(schedule: str, pp: int, vpp: int, stage: int, m: int) -> list[int]:
     """Micro-batches in flight on each model chunk of the stage at its first backward: gpipe [m];
     1f1b [min(pp - stage, m)]; interleaved the warm-up's forwards and one more (at most m x vpp),
-    forward k running chunk (k mod (pp x vpp)) // pp, megatron-core's get_model_chunk_id with
-    microbatch_group_size_per_vp_stage = pp; the first backward runs the last chunk."""
+    forward k running chunk (k mod (g x vpp)) // g, g = round_size (pp where m is a multiple of
+    it: megatron-core's get_model_chunk_id with microbatch_group_size_per_vp_stage = pp; torch's
+    ScheduleInterleaved1F1B alike); the first backward runs the last chunk."""
     if pp == 1:
         return [1]
     if schedule == PipelineSchedule.gpipe:
         return [m] * vpp
     if schedule == PipelineSchedule.interleaved_1f1b:
-        out = [0] * vpp
-        for k in range(min(warmup_chunks(schedule, pp, vpp, stage) + 1, m * vpp)):
-            out[(k % (pp * vpp)) // pp] += 1
+        out, group = [0] * vpp, round_size(pp, m)
+        for k in range(min(warmup_chunks(schedule, pp, vpp, stage, m) + 1, m * vpp)):
+            out[(k % (group * vpp)) // group] += 1
         return out
     return [min(pp - stage, m)]
 
