@@ -164,22 +164,18 @@ def boundary_bytes(bench: BenchConfig) -> int:
     return m.seq_len // (layout.sp * layout.seq_shard) * m.hidden_size * BYTES[bench.precision]
 
 
-def chunks(bench: BenchConfig) -> tuple[int, int]:
-    """(model chunks of this stage that receive activations, that receive gradients): the virtual
-    stages c x pp + stage other than the first, other than the last."""
-    layout = bench.layout
-    pp, vpp, s = layout.pp, layout.vpp, layout.stage or 0
-    virtual = [c * pp + s for c in range(vpp)]
-    return sum(v > 0 for v in virtual), sum(v < pp * vpp - 1 for v in virtual)
-
-
-def p2p_per_sample(bench: BenchConfig, flight: float) -> int:
-    """The receive buffers' bytes per sample of the micro-batch (module docstring), the ones of the
-    micro-batches in flight left out (their activations hold them)."""
-    m, vpp = micro_batches(bench), bench.layout.vpp
-    recv, grads = chunks(bench)
-    activations = max(0.0, m * recv - (flight * vpp if recv else 0))
-    return int((activations + m * grads) * boundary_bytes(bench))
+def p2p_per_sample(bench: BenchConfig, counts: list[int]) -> int:
+    """The receive buffers' bytes per sample of the micro-batch (module docstring): m activation
+    buffers on each model chunk but virtual stage 0, less the micro-batches in flight on it (their
+    inputs, counted with their activations), and m gradient buffers on each chunk but the last
+    virtual stage. counts: chunks_in_flight's."""
+    layout, m = bench.layout, micro_batches(bench)
+    pp, s = layout.pp, layout.stage or 0
+    buffers = 0
+    for c, n in enumerate(counts):
+        virtual = c * pp + s
+        buffers += (max(0, m - n) if virtual > 0 else 0) + (m if virtual < pp * layout.vpp - 1 else 0)
+    return buffers * boundary_bytes(bench)
 
 
 def pipelined(bench: BenchConfig, pred: Prediction) -> Prediction:
@@ -191,7 +187,7 @@ def pipelined(bench: BenchConfig, pred: Prediction) -> Prediction:
     counts = chunks_in_flight(p.pp_schedule, layout.pp, layout.vpp, layout.stage or 0, m)
     flight = sum(counts) / layout.vpp
     extra = int(extra_in_flight(bench, pred.activations, counts))
-    p2p = p2p_per_sample(bench, flight)
+    p2p = p2p_per_sample(bench, counts)
     fsdp2 = nosync_sharded(bench)
     steady = p.pp_schedule != PipelineSchedule.gpipe and m > flight  # a backward before the last forward
     phases, buffers = {}, list(pred.buffers)
