@@ -202,3 +202,40 @@ def test_too_few_micro_batches_is_one_line_naming_the_key():
             bench(H100_70B + ["zero=1"] + extra)
         assert str(err.value).startswith(start) and "\n" not in str(err.value)
     assert bench(H100_70B + ["zero=1", "batch.grad_accum=2", "parallel.pp_schedule=gpipe"]).layout.pp == 4
+
+
+def test_the_report_shows_the_pipeline_and_each_stages_peak(tmp_path, monkeypatch):
+    """A pipeline row: pp, the schedule, each stage's measured peak (its tp x dp ranks; ranks laid out
+    tp fastest, then dp, then pp) and the stage the estimate puts the peak on; a report without a
+    pipeline keeps its columns."""
+    import pandas as pd
+
+    from zero_bench import report
+    from zero_bench.config.schema import ReportConfig
+    from zero_bench.records import SearchResult
+    from zero_bench.store import Store
+
+    from synthetic import GPT345, measured
+
+    monkeypatch.setenv("ZERO_BENCH_CACHE", str(tmp_path / "cache"))
+
+    def write(cfgs, name):
+        store = Store(tmp_path / f"{name}.sqlite")
+        for cfg in cfgs:
+            t = measured(cfg, 4, 2.0, [30000, 30500, 20000, 21000][:cfg.parallel.world_size]
+                         if cfg.parallel.pp > 1 else [30000] * 8)
+            store.put_search(SearchResult(search_key=cfg.search_key(), label=cfg.label(), status="done", max_micro=4,
+                                          max_global_batch=t.global_batch, config=cfg.to_dict(), measure=t))
+        return pd.read_csv(report.write_reports(ReportConfig(runs=store.path, out=tmp_path / f"{name}.xlsx"))[1])
+
+    assert "pipeline parallel" not in write([GPT345], "flat").columns
+    piped = dataclasses.replace(GPT345, parallel=dataclasses.replace(GPT345.parallel, dp=2, pp=2),
+                                batch=dataclasses.replace(GPT345.batch, grad_accum=4))
+    both = write([GPT345, piped], "piped")
+    cols = list(both.columns)
+    assert cols.index("pipeline parallel") == cols.index("model parallel") + 1
+    row = both[both["pipeline parallel"] == 2].iloc[0]
+    assert row["# gpus"] == 4 and row["pp schedule"] == "1f1b" and " pp=2" in row["config"]
+    assert row["stage peaks (MiB)"] == "0: 30,500 | 1: 21,000 (peak: stage 0)"
+    assert row["peak stage est."] == "stage 0 of 2"
+    assert row["Max Global BSZ"] == 4 * 4 * 2  # micro x grad_accum x dp

@@ -25,6 +25,10 @@ zeropp.py is ZeRO++'s terms (hpZ's second partition, qwZ's and qgZ's quantized b
 communication ratio).
 seq.py is the predicted longest sequence at a micro-batch (the same estimate at each length; maxseq's seed).
 ulysses.py is what Ulysses' all-to-all changes in a layer's activations at parallel.sp > 1 (activations.py adds it).
+pipeline.py is pipeline parallelism (parallel.pp > 1): each stage's prediction (the engine's on the
+stage's layout) with the micro-batches in flight per schedule and the p2p buffers; the Estimate of
+a pipeline holds each stage's, its peak the largest stage's (the stage named), its max micro-batch
+the smallest.
 time/ is the time per optimizer step beside the memory (compute, communication, offload terms, each
 with its source; the rates in zero_bench/devices/rates.py): Estimate.time_at(micro).
 traced.py is the traced prediction beside the formula (`traced=true`): the real engine's step
