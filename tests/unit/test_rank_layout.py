@@ -160,7 +160,10 @@ def test_counts_follow_the_experts_a_rank_holds():
     (dict(dp=3, sp=2), "parallel.sp=2: must divide parallel.dp=3"),
     (dict(dp=2, sp=2, ep=2, name="moe-tiny"), "parallel.sp=2: with expert parallelism not modelled"),
     (dict(dp=16, sp=16, name="llama-tiny"), "parallel.sp=16: must divide the attention heads per tensor-parallel rank"),
-    (dict(pp=4), "pp=4: not modelled yet"),
+    (dict(pp=3, name="gpt-mini"), "parallel.pp=3: pp x vpp = 3 must divide model.num_layers=4"),
+    (dict(pp=2, vpp=4, name="gpt-mini"), "parallel.pp=2: pp x vpp = 8 must divide model.num_layers=4"),
+    (dict(vpp=2), "parallel.vpp=2: virtual stages split a pipeline"),
+    (dict(pp=0), "parallel.pp=0: must be an integer >= 1"),
 ])
 def test_refusals_are_one_line_naming_the_key(kwargs, message):
     name = kwargs.pop("name", None)

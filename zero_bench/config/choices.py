@@ -26,6 +26,12 @@ class Recompute(StrEnum):
     op = "op"  # torchtitan's per-op selective policy: odd matmuls and attention kernels kept
 
 
+class PipelineSchedule(StrEnum):
+    gpipe = "gpipe"  # all forwards, then all backwards: every micro-batch's activations in flight
+    one_f_one_b = "1f1b"  # PipeDream-Flush: at most pp - stage micro-batches in flight on a stage
+    interleaved_1f1b = "interleaved_1f1b"  # parallel.vpp virtual stages per rank (Megatron's interleaving)
+
+
 class States(StrEnum):
     mixed = "mixed"  # fp32 master weights, fp32 AdamW moments (what precision=bf16/fp16 trained before)
     bf16 = "bf16"  # pure bf16: weights, gradients and AdamW moments in bf16, no fp32 copy

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from zero_bench.config.checked import known_only, migrated, structured
 from zero_bench.config.choices import (DEFAULT_ENGINE, Device, EngineName, Launcher, Loss, ModuleLoading, OffloadDevice,
-                                        Precision, Recompute, States, Strategy)
+                                        PipelineSchedule, Precision, Recompute, States, Strategy)
 from zero_bench.config.command import ReportConfig, SearchConfig
 from zero_bench.config.layout import RankLayout
 from zero_bench.engines.specs import tag
@@ -26,7 +26,7 @@ from zero_bench.models import ModelConfig
 from zero_bench.models.description import key_fields
 
 __all__ = ["ConfigError", "BenchConfig", "EngineName", "ModelConfig", "ParallelConfig", "HardwareConfig",
-           "BatchConfig", "StepsConfig", "ZeroppConfig", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
+           "BatchConfig", "StepsConfig", "ZeroppConfig", "PipelineSchedule", "SearchConfig", "ReportConfig", "Config", "CONF_DIR", "structured"]
 
 _CHECKOUT = Path(__file__).resolve().parents[2]  # zero_bench/config/schema.py -> the checkout
 CONF_DIR = _CHECKOUT / "conf"
@@ -67,10 +67,24 @@ class ParallelConfig:
     ranks are tp x dp, dp / sp sequences a micro-step, and ZeRO / FSDP2 shard the states over all dp
     ranks. Must divide dp and the heads per tp rank; key/value heads fewer than sp must divide it
     (they are replicated); model.seq_len divisible by tp x sp. 1: every rank holds whole sequences."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers split into pp stages (the embedding on the first, the
+    output layer and the loss on the last), each stage on its own tp x dp ranks, activations sent
+    between stages point to point (torch.distributed.pipelining). The world is tp x dp x pp; the
+    micro-batches of one step (batch.grad_accum) flow through the stages by pp_schedule."""
+    pp_schedule: str = PipelineSchedule.one_f_one_b.value
+    """The pipeline schedule at pp > 1: gpipe (all forwards, then all backwards), 1f1b (one forward,
+    one backward: at most pp - stage micro-batches in flight on a stage), interleaved_1f1b (vpp
+    virtual stages per rank, a smaller bubble). A string (OmegaConf takes an enum's member names, and
+    "1f1b" is no identifier); configure checks it against config.choices.PipelineSchedule."""
+    vpp: int = 1
+    """Virtual pipeline stages per rank with pp_schedule=interleaved_1f1b (Megatron's
+    virtual_pipeline_model_parallel_size): the layers split into pp x vpp chunks, rank r holding
+    chunks r, r + pp, ... ; 1 otherwise."""
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.pp
 
     @property
     def sequence_sharded(self) -> bool:
@@ -350,6 +364,9 @@ class BenchConfig:
             d["parallel"].pop("sequence_parallel", None)
         if d["parallel"].get("sp") == 1:
             d["parallel"].pop("sp")
+        if d["parallel"].get("pp", 1) == 1:  # no pipeline: the keys configurations had before parallel.pp
+            for k in ("pp", "pp_schedule", "vpp"):
+                d["parallel"].pop(k, None)
         return d
 
     def label(self) -> str:
@@ -358,6 +375,7 @@ class BenchConfig:
                   "sequence_parallel=false" if self.parallel.tp > 1 and not self.parallel.sequence_sharded else "",
                   f"ep={self.parallel.ep}" if self.parallel.ep > 1 else "",
                   f"sp={self.parallel.sp}" if self.parallel.sp > 1 else "",
+                  pipeline_tag(self.parallel),
                   f"states={self.states}" if self.states != States.mixed else "",
                   f"loss={self.loss}" if self.loss != Loss.megatron else "", self.zeropp.tag(),
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",
@@ -368,6 +386,15 @@ class BenchConfig:
                   "fusions=false" if not self.fusions and self.hardware.device != Device.cpu else ""]
         return " ".join([make_label(self.model.name, self.parallel.tp, self.parallel.dp, self.zero,
                                     "nvme" if self.nvme else self.offload, self.precision, self.engine)] + [x for x in extras if x])
+
+
+def pipeline_tag(p: ParallelConfig) -> str:
+    """How a label names a pipeline: "pp=4", with the schedule where it is not 1f1b and the virtual
+    stages ("pp=4 gpipe", "pp=4 interleaved_1f1b vpp=2"); "" at pp 1."""
+    if p.pp == 1:
+        return ""
+    schedule = "" if p.pp_schedule == PipelineSchedule.one_f_one_b else f" {p.pp_schedule}"
+    return f"pp={p.pp}{schedule}" + (f" vpp={p.vpp}" if p.vpp > 1 else "")
 
 
 def make_label(model: str, tp: int, dp: int, zero: Any, offload: Any, precision: str,

@@ -7,6 +7,7 @@ compute.py  the matmuls (forward, backward = 2 x forward, what recompute re-runs
 comm.py     one entry per collective an engine issues (ZeRO 0-3, ZeRO++, FSDP2, TP/SP, Ulysses,
             experts), its algorithm factor, intra- or inter-node bandwidth, overlapped or exposed
 offload.py  PCIe copies, the optimizer step on the host's cores, NVMe reads and writes
+pipeline.py parallel.pp > 1: the slowest stage's share of the work, the bubble, the stages' sends
 record.py   the typed records: TimeTerm (name, seconds, exposed, source), TimePrediction
 table.py    `zero_bench estimate`'s time sheet and the JSON's `time`
 The rates: zero_bench/devices/rates.py (each with its published source, or marked assumed).
@@ -16,8 +17,8 @@ ZeRO-2's with overlap_comm) hide behind the step's compute; what they exceed it 
 exposed term ("communication beyond compute"). On CPU the rates are the ranks' own, measured with
 every rank busy at once (devices/rate_probes.rank_rates, `zero_bench calibrate`): the matmul, the
 memory-bound ops by kind, gloo's bandwidth and a latency per collective call, torch AdamW per
-parameter and per tensor. Not modelled: pipeline bubbles (no pp), kernel efficiency by GEMM shape
-(every matmul at MAMF on GPU), the framework's time outside kernels (Python, autograd, DeepSpeed's
+parameter and per tensor. Not modelled: kernel efficiency by GEMM shape (every matmul at MAMF on
+GPU), the framework's time outside kernels (Python, autograd, DeepSpeed's
 hooks: 50-100 ms a step on the CPU trials, docs/estimate.md), GPU collective latency, stragglers.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from zero_bench.devices.rates import HardwareRates, rates_for
 from zero_bench.estimate.time.comm import comm_terms
 from zero_bench.estimate.time.compute import compute_terms, optimizer_terms
 from zero_bench.estimate.time.offload import offload_terms
+from zero_bench.estimate.time.pipeline import pipeline_terms, slowest_stage
 from zero_bench.estimate.time.record import TimePrediction, TimeTerm
 from zero_bench.models.flops import model_flops_per_seq
 
@@ -62,8 +64,10 @@ def predict_time(bench: BenchConfig, micro: int, rates: Optional[HardwareRates] 
     rates = rates or rates_for(bench)
     if rates is None or micro < 1:
         return None
-    terms = (compute_terms(bench, rates, micro) + optimizer_terms(bench, rates) + comm_terms(bench, rates, micro)
-             + offload_terms(bench, rates))
+    staged = slowest_stage(bench)  # pp > 1: the slowest stage's layout (pipeline.py); bench itself at pp 1
+    terms = (compute_terms(staged, rates, micro) + optimizer_terms(staged, rates) + comm_terms(staged, rates, micro)
+             + offload_terms(staged, rates))
+    terms = pipeline_terms(bench, rates, micro, terms)  # pp > 1: the stage's share, the bubble, the sends
     terms.append(overlap_term(terms))
     terms.append(TimeTerm("step overhead", rates.step_overhead_s.value, True, rates.step_overhead_s.source))
     step = sum(t.seconds for t in terms if t.exposed)
