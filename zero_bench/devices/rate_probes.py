@@ -70,11 +70,12 @@ def cpu_adam_params_per_s(threads: int = 1, n: int = ADAM_PARAMS) -> Optional[fl
 
 
 # -- the ranks' own rates: every rank of the machine busy at once ------------------------------------
-# A trial's ranks compute in lockstep on cores that may share one physical core's units (a VM's
-# vCPUs): on this 2-vCPU EPYC one rank's bf16 F.linear 1024^2 ran at ~210 GFLOP/s alone and ~100 with
-# the other rank multiplying at the same time (2026-11-28). So the rates a trial's rank sees are
-# measured with `ranks` processes doing the same thing together, behind a barrier, and the collectives
-# between them over gloo, as the trial's ranks talk.
+# A trial's ranks compute together on the machine's cores and talk over gloo: the rates they see are
+# measured with `ranks` processes doing the same thing at once, behind a barrier, and the collectives
+# between them over gloo, as the trial's ranks talk. On this 2-vCPU EPYC a quiet machine's both-ranks
+# bf16 F.linear 1024^2 ran at 201.7 GFLOP/s against ~210 alone; other processes beside a run moved it
+# to 33-115 (2026-11-28): the figure is the machine's state as much as its hardware, and is best
+# measured right beside the trials it predicts (benchmarks/time_vs_cpu_trials.py does).
 PROBE_SIDE = 1024  # the matmul: metrics.matmul_flops' 1024^2 F.linear
 ELEMENTWISE_ROWS, ELEMENTWISE_WIDTH = 1024, 1024  # the memory-bound mix: [tokens, width] activations
 COLLECTIVE_ELEMENTS = 4_000_000  # 16 MB of fp32: a gradient bucket's order
@@ -124,9 +125,7 @@ def _median(run: Callable[[], object], sync: Callable[[], None], seconds: Option
             calls: Optional[int] = None) -> float:
     """Median seconds of `run`, called over and over for `seconds` after one untimed call, started on
     every rank at once behind `sync` (a barrier): the ranks stay busy together the whole window, as a
-    trial's ranks do. Short bursts after a barrier read up to 2x faster on this VM's 2 vCPUs than the
-    same work kept up (bf16 F.linear 1024^2: ~200 GFLOP/s per rank in 10 ms bursts, ~100 sustained,
-    2026-11-28): a trial's step is sustained."""
+    trial's ranks do through a step (a median over many calls, not a best-of burst)."""
     run()
     sync()
     times = []
