@@ -223,6 +223,26 @@ def test_cpu_figures_from_the_rank_records():
     assert len(text) == 5 and "100.0 GFLOP/s" in text[2] and text[-1].startswith("wrote ")
 
 
+def test_cpu_calibration_keeps_the_ranks_rates_and_the_estimate_reads_them():
+    """calibrate's rank probes (rate_probes.rank_rates) stored with the entry, printed, and read back by
+    the time estimate's cpu_rates for a configuration of this CPU in their precision."""
+    from zero_bench.devices.rate_probes import RankRates
+    from zero_bench.devices.rates import cpu_rates
+
+    b = bench("hardware=cpu", "precision=bf16")
+    ranks = [RankRecord(rank=r, event=Event.END, runtime_bytes=300 * MiB, peak_rss_bytes=480 * MiB,
+                        peak_live_bytes=50 * MiB) for r in range(2)]
+    rr = RankRates(2, 1, "bf16", 9e10, 6e9, 7e9, 2e9, 1e9, 6e8, 4e-4, 2e8, 2.5e-5, 1e-6).to_dict()
+    cal = from_result(b, result(ranks), cpu_key(), cpu_model(), {}, {"fp32": 1e11, "bf16": 2e11},
+                      {"memory_bytes_per_s": 2e10, "cpu_adam_params_per_s": None, "rank_rates": rr})
+    calibration.save(cal)
+    text = "\n".join(lines(cal, calibration.cache_path()))
+    assert "gloo all-reduce" in text and "1.00 GB/s" in text and "torch AdamW" in text
+    r = cpu_rates(b)
+    assert r.matmul_flops.value == 9e10 and r.loss_bytes_per_s.value == 2e9 and r.collective_latency_s.value == 4e-4
+    assert "calibrated on" in r.matmul_flops.source
+
+
 # -- a GPU rank's probe at the fake-CUDA seam ------------------------------------------------------
 
 class ProbeCuda(FakeCuda):

@@ -223,3 +223,40 @@ def test_the_longest_sequence_names_the_winners_sp_tiling_and_checkpoint_offload
     (plain,) = recommend(details.iloc[2:])  # a winner that runs neither saver says so
     assert plain.picks[0].sentence.startswith("At 8 GPUs, ZeRO-3 at sp 1 without tiled MLP or checkpoint offload "
                                               "trains 16,384"), plain.picks[0].sentence
+
+
+# -- the time estimate's picks (issue 52): a store with no GPU rows ----------------------------------
+
+def predicted(*configs: dict) -> pd.DataFrame:
+    """DEMO's configurations with the time estimate's columns (tables.PREDICTED_TIME_COLUMNS)."""
+    return details(*({"time/it (ms, predicted)": 1000 * c["Max Global BSZ"] / c["Throughput (samples/sec, predicted)"],
+                      "tokens/s (predicted)": c["Throughput (samples/sec, predicted)"] * SEQ,
+                      "dominant term (predicted)": "backward matmuls", **c} for c in configs))
+
+
+PREDICTED = predicted({"ZeRO Stage": 0, "Max Global BSZ": 54, "Throughput (samples/sec)": 15.70,
+                       "Throughput (samples/sec, predicted)": 20.0},
+                      {"ZeRO Stage": 1, "Max Global BSZ": 94, "Throughput (samples/sec)": 17.83,
+                       "Throughput (samples/sec, predicted)": 16.0},
+                      {"ZeRO Stage": 3, "Max Global BSZ": 70, "Throughput (samples/sec, predicted)": 10.0})
+
+
+def test_a_store_without_gpu_rows_is_ranked_by_predicted_throughput_and_cost_named_predicted():
+    (a,) = recommend(with_costs(PREDICTED, price=2.0, train_tokens=None))
+    picks = {p.kind: p for p in a.picks}
+    fast, cheap = picks["fastest (predicted)"], picks["cheapest (predicted)"]
+    # ZeRO-0: 20 predicted samples/s, 25 % more than ZeRO-1's 16 and 100 % more than ZeRO-3's 10 (which
+    # no trial measured at its max batch: it fits, and the estimate ranks it too)
+    assert fast.config == "GPT-demo dp2 zero0" and "(predicted" in fast.sentence
+    assert "25 % more than ZeRO-1 (16.0)" in fast.sentence and "100 % more than ZeRO-3 (10.0)" in fast.sentence
+    # 2 devices x 2.0 per hour / (20 x 64 tokens/s x 3600) x 1e6 = 0.868 per 1M tokens
+    assert cheap.config == "GPT-demo dp2 zero0" and "0.868 per 1M tokens (predicted)" in cheap.sentence
+    assert picks["fastest"].config == "GPT-demo dp2 zero1"  # the measured picks stay measured
+
+
+def test_a_store_with_gpu_rows_keeps_to_what_was_measured():
+    gpu = PREDICTED.assign(device="gpu")
+    (a,) = recommend(gpu)
+    assert not [p for p in a.picks if "predicted" in p.kind]
+    (b,) = recommend(DEMO)  # no predicted columns: nothing predicted to rank
+    assert not [p for p in b.picks if "predicted" in p.kind]

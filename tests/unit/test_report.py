@@ -318,6 +318,47 @@ def test_predicted_vs_measured_names_the_term_that_is_off(synthetic):
     assert "NCCL buffers" in df.loc["outside the allocator (NVML used - reserved)", "predicted from"]
 
 
+def test_predicted_vs_measured_puts_the_time_estimate_beside_the_measured_time_per_step(synthetic):
+    """Issue 52: the sheet's time columns, on each configuration's first line: the time estimate at
+    the measured micro-batch, the trial's median time/it, the error, the terms' hardware and the
+    dominant term."""
+    from zero_bench.estimate import estimate
+    from zero_bench.report.predicted import predicted_frame
+
+    rows = report.rows_of(report.load([synthetic]))
+    row = next(r for r in rows if r.key == GPT345.search_key())
+    h100 = {**row.config, "hardware": {**row.config["hardware"], "card": "NVIDIA H100 80GB HBM3"}}
+    row = dataclasses.replace(row, config=h100)  # the synthetic GPU rows name no card: no rates
+    t = row.measure
+    df = predicted_frame([row])
+    first = df.iloc[0]
+    p = estimate(row.bench).time_at(t.micro)
+    assert first["predicted time/it (ms)"] == pytest.approx(p.step_s * 1e3)
+    assert first["measured time/it (ms)"] == pytest.approx(t.time_per_step_s * 1e3)
+    assert first["time/it error (%)"] == pytest.approx((p.step_s / t.time_per_step_s - 1) * 100)
+    assert p.dominant.name in first["time predicted from"]
+    assert df.iloc[1:]["predicted time/it (ms)"].isna().all()  # one figure per configuration
+
+
+def test_details_carry_the_time_estimate_named_predicted_and_its_costs(synthetic, monkeypatch):
+    """Every row with a max batch gets the time estimate's figures, each column named predicted, and
+    with a price the predicted cost per 1M tokens beside the measured one."""
+    from zero_bench.devices.rates import gpu_rates
+
+    monkeypatch.setattr("zero_bench.estimate.time.rates_for", lambda b: gpu_rates("H100"))  # no card in the rows
+    rep = report.build(synthetic, options=ReportConfig(price_per_device_hour=2.0, train_tokens=1e9))
+    d = rep.summary
+    from zero_bench.report.tables import PREDICTED_TIME_COLUMNS
+
+    assert all("predicted" in c for c in PREDICTED_TIME_COLUMNS) and set(PREDICTED_TIME_COLUMNS) <= set(d.columns)
+    row = d[d["search key"] == GPT345.search_key()].iloc[0]
+    assert row["tokens/s (predicted)"] == pytest.approx(row["tokens/s per GPU (predicted)"] * row["# gpus"])
+    assert row["cost per 1M tokens (predicted)"] == pytest.approx(
+        row["# gpus"] * 2.0 / (row["tokens/s (predicted)"] * 3600) * 1e6)
+    assert "cost per 1M tokens (predicted)" in rep.sheets()["Summary"].columns
+    assert "named predicted" in rep.assumptions
+
+
 def test_a_mixture_of_experts_names_its_active_parameters(tmp_path, monkeypatch):
     """Total and active parameters side by side where a row is an MoE (FLOPs and MFU count the
     active ones); a report of dense models keeps the reference table's columns."""

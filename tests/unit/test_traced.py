@@ -265,4 +265,5 @@ def test_the_predicted_sheet_puts_the_trace_between_formula_and_measurement():
     assert runtime["traced MiB"] is None or runtime["traced MiB"] != runtime["traced MiB"]  # the trace has no runtime
     assert df[df["config"] == ds.label()]["traced from"].str.startswith("engine=deepspeed: traced=true").all()
     assert list(predicted_frame([row(fsdp2, 3.66)]).columns) == [
-        "config", "micro batch", "term", "predicted MiB", "measured MiB", "error (%)", "predicted from"]
+        "config", "micro batch", "term", "predicted MiB", "measured MiB", "error (%)", "predicted from",
+        "predicted time/it (ms)", "measured time/it (ms)", "time/it error (%)", "time predicted from"]

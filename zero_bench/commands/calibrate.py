@@ -20,7 +20,7 @@ from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig, Device, software_versions
 from zero_bench.devices.calibration import Calibration, cpu_key, gpu_identity, gpu_key, save
 from zero_bench.devices.metrics import cpu_model, measure_cpu_peak, rank_threads
-from zero_bench.devices.rate_probes import cpu_adam_params_per_s, memory_bytes_per_s
+from zero_bench.devices.rate_probes import cpu_adam_params_per_s, memory_bytes_per_s, rank_rates
 from zero_bench.estimate.gpu import communicators
 from zero_bench.records import Entry, Mode, RankRecord, Status, TrialResult
 from zero_bench.trial.launch import LaunchOptions, run_launch
@@ -47,7 +47,10 @@ def calibrate(bench: BenchConfig, out: Path) -> tuple[Calibration, Path]:
         rates = {p: measure_cpu_peak(p, threads)["flops"] for p in CPU_PRECISIONS} if on_cpu else {}
         # the time estimate's CPU rates (devices/rates.py cpu_rates), on the same threads
         time_rates = ({"memory_bytes_per_s": memory_bytes_per_s(threads),
-                       "cpu_adam_params_per_s": cpu_adam_params_per_s(threads)} if on_cpu else {})
+                       "cpu_adam_params_per_s": cpu_adam_params_per_s(threads),
+                       # the launch's ranks all probing at once: matmul, memory-bound ops, gloo, torch AdamW
+                       "rank_rates": rank_rates(bench.parallel.world_size, threads, str(bench.precision)).to_dict()}
+                      if on_cpu else {})
     cal = from_result(bench, res, key, device, software, rates, time_rates)
     return cal, save(cal)
 
@@ -125,6 +128,7 @@ def terms(cal: Calibration) -> list[tuple[str, str, str]]:
         if cal.cpu_adam_params_per_s:
             rates.append(("CPU Adam", f"{cal.cpu_adam_params_per_s / 1e6:,.0f} M params/s",
                           "best DeepSpeedCPUAdam step of 4M fp32 parameters, in the runner"))
+        rates += rank_rate_lines(cal.rank_rates)
         return [("runtime before the model", _mib(cal.runtime_bytes),
                  "RSS at each rank's start, before its model is built (largest rank)"),
                 ("rank overhead (the estimate's term)", _mib(cal.overhead_bytes),
@@ -145,6 +149,28 @@ def terms(cal: Calibration) -> list[tuple[str, str, str]]:
              f"outside at the end - {comms} communicator(s) x NCCL's{probe}"),
             ("allocator reserved / allocated", frag, f"{_mib(cal.peak_reserved_bytes)} / "
              f"{_mib(cal.peak_allocated_bytes)} at the entry's peak ({cal.model} ZeRO-{cal.zero})")]
+
+
+def rank_rate_lines(r: dict) -> list[tuple[str, str, str]]:
+    """calibrate's lines for rate_probes.RankRates' figures (none where not measured)."""
+    if not r:
+        return []
+    at_once = f"{r['ranks']} rank(s) at once, {r['threads']} thread(s) each, in spawned processes"
+    out = [(f"matmul {r['precision']}, ranks at once", f"{r['matmul_flops'] / 1e9:,.1f} GFLOP/s",
+            f"median 1024 x 1024 F.linear, {at_once}"),
+           ("memory-bound ops", f"{r['elementwise_bytes_per_s'] / 1e9:,.2f} GB/s",
+            f"norm + GeLU + softmax + add forward and backward, {at_once}"),
+           ("attention scores (unfused)", f"{r['scores_bytes_per_s'] / 1e9:,.2f} GB/s",
+            f"masked_fill + softmax forward and backward, {at_once}"),
+           ("loss (logits to fp32, cross-entropy)", f"{r['loss_bytes_per_s'] / 1e9:,.2f} GB/s",
+            f"forward and backward of [256, 4, 8192] logits, {at_once}"),
+           ("torch AdamW", f"{r['adam_params_per_s'] / 1e6:,.0f} M params/s",
+            f"one 4M fp32 tensor, + {r['adam_per_tensor_s'] * 1e6:,.0f} us per tensor, {at_once}")]
+    if r.get("all_reduce_bytes_per_s"):
+        out += [("gloo all-reduce", f"{r['all_reduce_bytes_per_s'] / 1e9:,.2f} GB/s", f"bus bandwidth, 16 MB fp32, {at_once}"),
+                ("gloo all-gather", f"{r['all_gather_bytes_per_s'] / 1e9:,.2f} GB/s", f"bus bandwidth, 16 MB fp32, {at_once}"),
+                ("gloo latency", f"{r['collective_latency_s'] * 1e6:,.0f} us", f"one-element all-reduce, {at_once}")]
+    return out
 
 
 def lines(cal: Calibration, path: Path) -> list[str]:

@@ -76,6 +76,9 @@ class Calibration:
     memory-bound rate. Entries written before it was measured: None (the stated default is used)."""
     cpu_adam_params_per_s: Optional[float] = None
     """CPU: parameters/s DeepSpeedCPUAdam steps on one rank's threads (rate_probes.py); None: not measured."""
+    rank_rates: dict = field(default_factory=dict)
+    """CPU: rate_probes.RankRates of the launch's ranks all probing at once (matmul, memory-bound ops,
+    gloo's collectives, torch AdamW) in the launch's precision; {}: not measured."""
     # -- GPU ---------------------------------------------------------------------------------------
     module_loading: Optional[str] = None
     """GPU: CUDA_MODULE_LOADING the ranks ran with (lazy / eager): it sets the context's size."""

@@ -72,6 +72,25 @@ class HardwareRates:
     """One node's NVMe bandwidth, shared by its ranks (ZeRO-Infinity's swap files)."""
     step_overhead_s: Rate
     """Per optimizer step outside the model's kernels (Python, launches, the loss's reduction)."""
+    # -- measured on CPU only (rate_probes.rank_rates, all the machine's ranks busy at once); None on GPU,
+    # where the terms above stand for them
+    elementwise_bytes_per_s: Optional[Rate] = None
+    """The layer's memory-bound ops (norm, activation, softmax, residual) in the compute precision:
+    what compute.py's memory-bound bytes run at (else memory_bytes_per_s)."""
+    scores_bytes_per_s: Optional[Rate] = None
+    """Unfused attention's mask and softmax over the [b, a, s, s] scores (else elementwise_bytes_per_s)."""
+    loss_bytes_per_s: Optional[Rate] = None
+    """The loss: the 16-bit logits upcast to fp32 and their cross-entropy (else elementwise_bytes_per_s)."""
+    gather_bytes_per_s: Optional[Rate] = None
+    """Bus bandwidth of all-gathers, reduce-scatters and all-to-alls where it differs from the
+    all-reduce's intra_node_bytes_per_s (gloo's all-gather is its own algorithm)."""
+    collective_latency_s: Optional[Rate] = None
+    """What each collective call costs before its bytes (gloo's round trip)."""
+    optimizer_params_per_s: Optional[Rate] = None
+    """The optimizer the ranks step on CPU (torch.optim.AdamW: ds_configs/cpu.json's torch_adam,
+    FSDP2's) per parameter; with it the device's step is timed by it, not by memory bandwidth."""
+    optimizer_per_tensor_s: Optional[Rate] = None
+    """What each tensor adds to that optimizer's step (its per-parameter loop)."""
 
     def flops(self, precision: str) -> Rate:
         """The matmul rate a precision runs at."""
@@ -153,17 +172,23 @@ CPU_DEFAULTS = dict(
 
 def cpu_rates(bench: BenchConfig, measured: Optional[dict] = None) -> HardwareRates:
     """One CPU rank's rates: what `zero_bench calibrate` measured here (the matmul rate, memory
-    bandwidth, CPU Adam: devices/calibration.py), else metrics.cpu_peak_flops for the matmul (cached per
-    machine, measured on first use) and CPU_DEFAULTS for the rest. `measured`: the same figures from
-    elsewhere (a benchmark measuring them itself): {"matmul_flops": {precision: FLOP/s},
-    "memory_bytes_per_s": ..., "cpu_adam_params_per_s": ..., "said": how they were measured}."""
+    bandwidth, CPU Adam, and the ranks' own rates: devices/calibration.py), else
+    metrics.cpu_peak_flops for the matmul (cached per machine, measured on first use) and CPU_DEFAULTS
+    for the rest. `measured`: the same figures from elsewhere (a benchmark measuring them itself):
+    {"matmul_flops": {precision: FLOP/s}, "memory_bytes_per_s": ..., "cpu_adam_params_per_s": ...,
+    "ranks": rate_probes.RankRates.to_dict(), "said": how they were measured}.
+
+    The ranks' rates (rate_probes.rank_rates: every rank of the machine running the probe at once)
+    replace the single-rank ones where their precision is the configuration's: the matmul rate, the
+    memory-bound ops' rate, gloo's all-reduce and all-gather bandwidth and latency, torch AdamW."""
     from zero_bench.devices import calibration
     from zero_bench.devices.metrics import cpu_peak_flops
 
     if measured is None:
         cal = calibration.for_bench(bench)
         measured = {} if cal is None else {"matmul_flops": cal.matmul_flops, "memory_bytes_per_s": cal.memory_bytes_per_s,
-                                           "cpu_adam_params_per_s": cal.cpu_adam_params_per_s, "said": cal.said}
+                                           "cpu_adam_params_per_s": cal.cpu_adam_params_per_s,
+                                           "ranks": cal.rank_rates, "said": cal.said}
     said, prec = measured.get("said", "measured here"), str(bench.precision)
     got = measured.get("matmul_flops") or {}
     flops = (Rate(got[prec], f"{prec} F.linear 1024^2 on one rank, {said}", calibrated=True) if prec in got else
@@ -176,7 +201,40 @@ def cpu_rates(bench: BenchConfig, measured: Optional[dict] = None) -> HardwareRa
     if measured.get("cpu_adam_params_per_s"):
         rates["cpu_adam_params_per_s_per_core"] = Rate(measured["cpu_adam_params_per_s"] / rates["host_cores"].value,
                                                        f"DeepSpeedCPUAdam on one rank, {said}", calibrated=True)
+    ranks = measured.get("ranks") or {}
+    if ranks and ranks.get("precision") == prec:
+        flops, more = rank_rates_of(ranks, said)
+        rates.update(more)
     return HardwareRates("this CPU", matmul_flops=flops, fp32_flops=flops, **rates)
+
+
+def rank_rates_of(r: dict, said: str) -> tuple[Rate, dict]:
+    """(the matmul rate, the other HardwareRates fields) of a rate_probes.RankRates' figures."""
+    n, p = r["ranks"], r["precision"]
+    together = f"{n} ranks at once, {r['threads']} thread(s) each"
+    out = {"elementwise_bytes_per_s": Rate(r["elementwise_bytes_per_s"], f"{p} norm + GeLU + softmax + add forward "
+                                           f"and backward on [1024, 1024], {together}, {said}", calibrated=True),
+           "optimizer_params_per_s": Rate(r["adam_params_per_s"], f"torch AdamW on one 4M fp32 tensor, {together}, "
+                                          f"{said}", calibrated=True),
+           "optimizer_per_tensor_s": Rate(r["adam_per_tensor_s"], f"torch AdamW's per-tensor cost (64 x 1024 "
+                                          f"tensors), {together}, {said}", calibrated=True)}
+    if r.get("scores_bytes_per_s"):  # figures stored before these were probed: the layers' mix stands in
+        out["scores_bytes_per_s"] = Rate(r["scores_bytes_per_s"], f"{p} masked_fill + softmax forward and backward "
+                                         f"on [4, 4, 256, 256] scores, {together}, {said}", calibrated=True)
+    if r.get("loss_bytes_per_s"):
+        out["loss_bytes_per_s"] = Rate(r["loss_bytes_per_s"], f"{p} [256, 4, 8192] logits to fp32 + cross-entropy "
+                                       f"forward and backward, {together}, {said}", calibrated=True)
+    if r.get("all_reduce_bytes_per_s"):
+        out["intra_node_bytes_per_s"] = Rate(r["all_reduce_bytes_per_s"], f"gloo all-reduce busbw of 16 MB fp32, "
+                                             f"{together}, {said}", calibrated=True)
+    if r.get("all_gather_bytes_per_s"):
+        out["gather_bytes_per_s"] = Rate(r["all_gather_bytes_per_s"], f"gloo all-gather busbw of 16 MB fp32, "
+                                         f"{together}, {said}", calibrated=True)
+    if r.get("collective_latency_s"):
+        out["collective_latency_s"] = Rate(r["collective_latency_s"], f"gloo one-element all-reduce, {together}, "
+                                           f"{said}", calibrated=True)
+    flops = Rate(r["matmul_flops"], f"{p} F.linear 1024^2, {together}, {said}", calibrated=True)
+    return flops, out
 
 
 def rates_for(bench: BenchConfig) -> Optional[HardwareRates]:

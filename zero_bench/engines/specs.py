@@ -76,6 +76,10 @@ class EngineSpec:
     prediction, `traced=true`); "" where the engine cannot be traced, and `untraced` says why."""
     untraced: str = ""
     """Why the engine cannot be traced, in words (the refusal's tail); "" where it can."""
+    flat_optimizer_stages: tuple[int, ...] = ()
+    """ZeRO stages at which the optimizer steps one flat fp32 partition per parameter group rather than
+    each parameter (DeepSpeed ZeRO 1-3; ZeRO-0 and FSDP2's DTensor shards: one tensor per parameter):
+    what the time estimate's per-tensor optimizer cost counts (estimate/time/compute.py)."""
 
     def validate(self, b: Any, concern: Concern) -> None:
         """Raises ConfigError for what this engine cannot run of `concern` in BenchConfig `b`."""
@@ -111,6 +115,7 @@ SPECS: dict[str, EngineSpec] = {s.name: s for s in (
                stored_states="zero_bench.estimate.states:stored_states",
                refusals="zero_bench.engines.refusals:deepspeed", offload_param_follows=lambda zero: zero == 3,
                reads_ds_config=True, builds_deepspeed_ops=True, runs_fp16=True, published_fragmentation=True,
+               flat_optimizer_stages=(1, 2, 3),
                untraced=DEEPSPEED_UNTRACED),
     EngineSpec(name="fsdp2", tag="fsdp2", title="FSDP2",
                trainer="zero_bench.engines.fsdp2:Fsdp2Engine",

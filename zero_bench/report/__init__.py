@@ -27,8 +27,8 @@ from zero_bench.report.markdown import markdown_report, write_csv, write_markdow
 from zero_bench.report.predicted import predicted_frame
 from zero_bench.report.recommend import Advice, advice_lines, recommend
 from zero_bench.report.rows import find_stores, load, rows_of
-from zero_bench.report.tables import (ESTIMATE_COLUMNS, SEED_COLUMNS, Peaks, compare_frame, environment_frames, recorded_environment,
-                                      scaling_frame, summary_frame, trials_frame)
+from zero_bench.report.tables import (ESTIMATE_COLUMNS, PRED_TPS, SEED_COLUMNS, Peaks, compare_frame, environment_frames,
+                                      recorded_environment, scaling_frame, summary_frame, trials_frame)
 from zero_bench.report.views import breakdown_frame, buys_frame, summary_view
 from zero_bench.report.xlsx import BREAKDOWN, BUYS, PREDICTED, write_xlsx
 
@@ -89,7 +89,7 @@ def build(runs: str | Path, key: str = "report.runs", options: Optional[ReportCo
                   environment=environment_frames(env, env_source, peaks, rows, loaded, sources), env=env,
                   breakdown=breakdown_frame(rows), buys=buys_frame(summary), advice=recommend(summary, tokens),
                   predicted=predicted_frame(rows, traced),
-                  assumptions=assumptions(price, tokens))
+                  assumptions=assumptions(price, tokens, PRED_TPS in summary.columns))
 
 
 # Older reports' spellings of the seed table's columns (shared/seeds/zero_table_8xA100.md spells them now).

@@ -13,7 +13,13 @@ COST_PER_HOUR = "cost per hour"
 COST_PER_MTOK = "cost per 1M tokens"
 DAYS_TO_TRAIN = "time to train (days)"
 COST_TO_TRAIN = "cost to train"
+# the same from the time estimate's tokens/s (tables.PRED_TPS), every one named predicted
+PRED_COST_PER_MTOK = "cost per 1M tokens (predicted)"
+PRED_DAYS_TO_TRAIN = "time to train (days, predicted)"
+PRED_COST_TO_TRAIN = "cost to train (predicted)"
+PREDICTED_TPS = "tokens/s (predicted)"  # tables.PRED_TPS
 COST_COLUMNS = [COST_PER_HOUR, COST_PER_MTOK, DAYS_TO_TRAIN, COST_TO_TRAIN]
+PREDICTED_COST_COLUMNS = [PRED_COST_PER_MTOK, PRED_DAYS_TO_TRAIN, PRED_COST_TO_TRAIN]
 
 
 def cost_per_hour(devices: float, price: float) -> float:
@@ -45,11 +51,21 @@ def with_costs(details: pd.DataFrame, price: Optional[float], train_tokens: Opti
               COST_PER_MTOK: lambda: cost_per_million_tokens(devices, price, tps),
               DAYS_TO_TRAIN: lambda: days_to_train(train_tokens, tps),
               COST_TO_TRAIN: lambda: cost_to_train(devices, price, train_tokens, tps)}
+    if PREDICTED_TPS in details.columns:  # the time estimate's: every configuration with a max batch
+        ptps = pd.to_numeric(details[PREDICTED_TPS], errors="coerce")
+        ptps = ptps.where(ptps > 0)
+        values.update({PRED_COST_PER_MTOK: lambda: cost_per_million_tokens(devices, price, ptps),
+                       PRED_DAYS_TO_TRAIN: lambda: days_to_train(train_tokens, ptps),
+                       PRED_COST_TO_TRAIN: lambda: cost_to_train(devices, price, train_tokens, ptps)})
+        cols += [PREDICTED[c] for c in cols if c in PREDICTED]
     out = details.copy()
     at = list(out.columns).index("Notes") if "Notes" in out.columns else len(out.columns)
     for i, col in enumerate(cols):
         out.insert(at + i, col, values[col]())
     return out
+
+
+PREDICTED = {COST_PER_MTOK: PRED_COST_PER_MTOK, DAYS_TO_TRAIN: PRED_DAYS_TO_TRAIN, COST_TO_TRAIN: PRED_COST_TO_TRAIN}
 
 
 def _columns(price: Optional[float], train_tokens: Optional[float]) -> list[str]:
@@ -62,11 +78,12 @@ def _columns(price: Optional[float], train_tokens: Optional[float]) -> list[str]
 def present(columns) -> list[str]:
     """The cost columns among `columns` (a frame's columns, a row's index), in their order."""
     have = set(columns)
-    return [c for c in COST_COLUMNS if c in have]
+    return [c for c in COST_COLUMNS + PREDICTED_COST_COLUMNS if c in have]
 
 
-def assumptions(price: Optional[float], train_tokens: Optional[float]) -> str:
-    """One line saying what the cost columns assume ("" when there are none)."""
+def assumptions(price: Optional[float], train_tokens: Optional[float], predicted: bool = False) -> str:
+    """One line saying what the cost columns assume ("" when there are none); `predicted`: the
+    frame has the time estimate's cost columns too."""
     parts = []
     if price:
         parts.append(f"costs at {price:g} per device-hour (report.price_per_device_hour; devices = # gpus, "
@@ -74,6 +91,9 @@ def assumptions(price: Optional[float], train_tokens: Optional[float]) -> str:
     if train_tokens:
         parts.append(f"time to train {tokens_text(train_tokens)} tokens (report.train_tokens) at each configuration's "
                      "measured tokens/s at its max batch")
+    if predicted and (price or train_tokens):
+        parts.append("the columns named predicted from the time estimate's tokens/s at the max batch "
+                     "(zero_bench/estimate/time/), not measured")
     text = "; ".join(parts)
     return f"{text[:1].upper()}{text[1:]}." if text else ""
 

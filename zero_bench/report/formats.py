@@ -10,7 +10,12 @@ FORMATS = {"MFU": "0.00%", "HFU": "0.00%", "peak memory used": "0.0%", "scaling 
            "tokens/s per GPU": "#,##0", "model TFLOP/s per GPU": "0.000", "speedup": "0.00", "ideal speedup": "0.00",
            "duration (s)": "0.0", "peak FLOP/s per device": "0.00E+00", "created": "yyyy-mm-dd hh:mm:ss",
            "cost per hour": "#,##0.00", "cost per 1M tokens": "#,##0.000", "time to train (days)": "#,##0.0",
-           "cost to train": "#,##0", "other MiB (peak - rest)": "#,##0"}
+           "cost to train": "#,##0", "other MiB (peak - rest)": "#,##0",
+           # the time estimate's (estimate/time/), as their measured columns
+           "MFU (predicted)": "0.00%", "Throughput (samples/sec, predicted)": "#,##0.00", "tokens/s (predicted)": "#,##0",
+           "tokens/s per GPU (predicted)": "#,##0", "cost per 1M tokens (predicted)": "#,##0.000",
+           "time to train (days, predicted)": "#,##0.0", "cost to train (predicted)": "#,##0",
+           "predicted time/it (ms)": "#,##0.0", "measured time/it (ms)": "#,##0.0"}
 # The same formats for the Markdown table.
 PY_FORMATS = {"0.00%": "{:.2%}", "0.0%": "{:.1%}", "#,##0": "{:,.0f}", "#,##0.0": "{:,.1f}", "#,##0.00": "{:,.2f}",
               "#,##0.000": "{:,.3f}", "0.000": "{:.3f}", "0.00": "{:.2f}", "0.0": "{:.1f}", "0.00E+00": "{:.2e}"}

@@ -30,9 +30,13 @@ from zero_bench.report.rows import Row, bench_of
 from zero_bench.report.tables import estimated_model_states, measured_model_states
 from zero_bench.units import MiB
 
-COLUMNS = ["config", "micro batch", "term", "predicted MiB", "measured MiB", "error (%)", "predicted from"]
+# the time estimate (estimate/time/) at the measured micro-batch against the trial's median time/it, on
+# each configuration's first line (the time is one figure per configuration, not per memory term)
+TIME_COLUMNS = ["predicted time/it (ms)", "measured time/it (ms)", "time/it error (%)", "time predicted from"]
+COLUMNS = ["config", "micro batch", "term", "predicted MiB", "measured MiB", "error (%)", "predicted from",
+           *TIME_COLUMNS]
 TRACED_COLUMNS = ["config", "micro batch", "term", "predicted MiB", "traced MiB", "measured MiB", "error (%)",
-                  "traced error (%)", "predicted from", "traced from"]
+                  "traced error (%)", "predicted from", "traced from", *TIME_COLUMNS]
 
 
 def predicted_frame(rows: list[Row], traced: bool = False) -> pd.DataFrame:
@@ -45,7 +49,10 @@ def predicted_frame(rows: list[Row], traced: bool = False) -> pd.DataFrame:
         est = r.estimate()
         if est is not None:
             got = _lines(r.label, r.measure, est)
-            lines += _with_trace(got, r, est) if traced else got
+            got = _with_trace(got, r, est) if traced else got
+            if got:
+                got[0] = {**got[0], **time_cells(r.measure, est)}
+            lines += got
     return pd.DataFrame(lines, columns=TRACED_COLUMNS if traced else COLUMNS)
 
 
@@ -84,6 +91,19 @@ def _lines(label: str, t: TrialResult, est: Estimate) -> list[dict]:
              "measured MiB": measured / MiB if measured is not None else None,
              "error (%)": _error(predicted, measured), "predicted from": source}
             for name, predicted, measured, source in terms]
+
+
+def time_cells(t: TrialResult, est: Estimate) -> dict:
+    """The predicted step at the trial's micro-batch beside its measured time/it ({} without either)."""
+    p = est.time_at(t.micro)
+    measured = t.time_per_step_s
+    if p is None:
+        return {}
+    rates = p.rates or "the hardware's rates"
+    return {"predicted time/it (ms)": p.step_s * 1e3,
+            "measured time/it (ms)": measured * 1e3 if measured else None,
+            "time/it error (%)": _error(p.step_s, measured),
+            "time predicted from": f"estimate/time/: {len(p.terms)} terms at {rates}, dominant {p.dominant.name}"}
 
 
 def _error(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:

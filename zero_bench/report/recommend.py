@@ -6,7 +6,11 @@ their max batch,
   ZeRO stage, no offload, ...; the runner-up when the winner is the baseline);
 - fastest: the most samples/s at its own max batch (ties: the larger batch), compared with the others;
 - cheapest (with a price): the lowest cost per 1M tokens (ties: the faster), compared with the others.
-Each is one sentence with its numbers. maxseq's rows (`search` = maxseq) are judged apart, by one rule:
+Each is one sentence with its numbers. On a store with no GPU rows, where nothing measured says how a
+configuration runs on the devices being chosen, two more rank every configuration with a max batch by
+the time estimate (estimate/time/, the Details sheet's "(predicted)" columns), each figure named predicted:
+- fastest (predicted): the most predicted samples/s at its max batch;
+- cheapest (predicted, with a price): the lowest predicted cost per 1M tokens. maxseq's rows (`search` = maxseq) are judged apart, by one rule:
 - longest sequence: the highest Max seq len (ties: the more tokens/s), compared with the others; the
   winner named with its long-sequence settings (sp degree, tiled MLP, checkpoint offload) wherever the
   report shows them, as an engineer planning a long fine-tune would set them.
@@ -20,11 +24,14 @@ import pandas as pd
 
 from zero_bench.config.schema import DEFAULT_ENGINE
 from zero_bench.engines.specs import SPECS
-from zero_bench.report.costs import COST_PER_HOUR, COST_PER_MTOK, COST_TO_TRAIN, DAYS_TO_TRAIN, tokens_text
+from zero_bench.report.costs import (COST_PER_HOUR, COST_PER_MTOK, COST_TO_TRAIN, DAYS_TO_TRAIN, PRED_COST_PER_MTOK,
+                                     PRED_DAYS_TO_TRAIN, tokens_text)
 from zero_bench.report.views import baseline_index
 
 GROUP = ["Model", "num_layers", "hidden_size", "num_heads", "device"]
 SPS, BSZ, SEQ, TPS = "Throughput (samples/sec)", "Max Global BSZ", "Max seq len", "tokens/s"
+PRED_SPS, PRED_TIME, PRED_TERM = ("Throughput (samples/sec, predicted)", "time/it (ms, predicted)",
+                                  "dominant term (predicted)")  # tables.PREDICTED_TIME_COLUMNS
 # Keys that tell configurations of one group apart, and how a name shows each (ZeRO stage always).
 NAMED = {"engine": lambda v: f"on {SPECS.get(v, SPECS[DEFAULT_ENGINE]).title}",
          "data parallel": lambda v: f"dp{v:g}", "model parallel": lambda v: f"tp{v:g}",
@@ -62,11 +69,15 @@ def recommend(details: pd.DataFrame, train_tokens: Optional[float] = None) -> li
     if details.empty:
         return []
     groups = details.groupby([c for c in GROUP if c in details.columns], dropna=False, sort=False)
+    no_gpu = "device" not in details.columns or not (details["device"].astype(str) == "gpu").any()
     out = []
     for _, g in groups:
         seq = g["search"] == "maxseq" if "search" in g.columns else pd.Series(False, index=g.index)
         if not seq.all():
-            out.append(_advice(g[~seq], train_tokens))
+            advice = _advice(g[~seq], train_tokens)
+            if no_gpu:
+                advice = Advice(advice.heading, advice.picks + predicted_picks(g[~seq], train_tokens), advice.unmeasured)
+            out.append(advice)
         if seq.any():
             out.append(_seq_advice(g[seq]))
     return out
@@ -167,6 +178,36 @@ def cheapest(ok: pd.DataFrame, names: dict, train_tokens: Optional[float] = None
         text += (f"; training {tokens_text(train_tokens)} tokens costs {fmt(w[COST_TO_TRAIN])} and takes "
                  f"{fmt(w[DAYS_TO_TRAIN])} days")
     return Pick("cheapest", str(w["config"]), text + ".")
+
+
+def predicted_picks(g: pd.DataFrame, train_tokens: Optional[float] = None) -> tuple[Pick, ...]:
+    """The time estimate's fastest and (with a price) cheapest among the group's configurations with a
+    max batch and a prediction (none where fewer than two have one)."""
+    if PRED_SPS not in g.columns:
+        return ()
+    fit = g[g[BSZ].notna() & pd.to_numeric(g[PRED_SPS], errors="coerce").notna()]
+    if len(fit) < 2:
+        return ()
+    names = config_names(g, unique_among=fit.index)
+    order = fit.sort_values([PRED_SPS, BSZ], ascending=False).index
+    w = fit.loc[order[0]]
+    term = f", its predicted time dominated by {w[PRED_TERM]}" if PRED_TERM in fit.columns and not pd.isna(
+        w[PRED_TERM]) else ""
+    text = (f"Fastest (predicted): {names[order[0]]} would run {fmt(w[PRED_SPS])} samples/s (predicted, "
+            f"{fmt(w[PRED_TIME])} ms/it{term}) at its max batch of {w[BSZ]:,.0f}, "
+            + _versus(fit, order, names, PRED_SPS, "more"))
+    if train_tokens and PRED_DAYS_TO_TRAIN in fit.columns and not pd.isna(w[PRED_DAYS_TO_TRAIN]):
+        text += f"; it would train {tokens_text(train_tokens)} tokens in {fmt(w[PRED_DAYS_TO_TRAIN])} days (predicted)"
+    picks = (Pick("fastest (predicted)", str(w["config"]), text + "."),)
+    if PRED_COST_PER_MTOK in fit.columns and fit[PRED_COST_PER_MTOK].notna().any():
+        priced = fit[fit[PRED_COST_PER_MTOK].notna()]
+        order = priced.assign(_neg=-priced[PRED_SPS]).sort_values([PRED_COST_PER_MTOK, "_neg"]).index
+        c = priced.loc[order[0]]
+        text = (f"Cheapest (predicted): {names[order[0]]} at {fmt(c[PRED_COST_PER_MTOK])} per 1M tokens (predicted), "
+                + _versus(priced, order, names, PRED_COST_PER_MTOK, "less") if len(order) > 1 else
+                f"Cheapest (predicted): {names[order[0]]} at {fmt(c[PRED_COST_PER_MTOK])} per 1M tokens (predicted)")
+        picks += (Pick("cheapest (predicted)", str(c["config"]), text + "."),)
+    return picks
 
 
 RUNGS = ("none", "cpu", "nvme")  # ZeRO's offload ladder, from host memory only to the disk

@@ -29,6 +29,10 @@ SEED_COLUMNS = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "da
 REPEAT_COLUMNS = ["time/it median (ms)", "time/it min (ms)", "time/it max (ms)", "repeats"]
 ESTIMATE_COLUMNS = ["model states est. (MiB/rank)", "model states measured (MiB/rank)", "model states error (%)"]
 NOTE_KEY = "_note"  # a record's extra note, moved into Notes
+# Details: the time estimate (estimate/time/) at the row's max micro-batch, every figure named predicted
+PRED_TIME, PRED_SPS, PRED_TPS = "time/it (ms, predicted)", "Throughput (samples/sec, predicted)", "tokens/s (predicted)"
+PRED_TPS_GPU, PRED_MFU, PRED_TERM = "tokens/s per GPU (predicted)", "MFU (predicted)", "dominant term (predicted)"
+PREDICTED_TIME_COLUMNS = [PRED_TIME, PRED_SPS, PRED_TPS, PRED_TPS_GPU, PRED_MFU, PRED_TERM]
 TAIL_COLUMNS = ["Notes", "status", "device", "config", "search key", "source"]
 # What identifies "the same configuration" across stores (the Compare and Scaling sheets).
 CONFIG_KEY = ["Model", "num_layers", "hidden_size", "num_heads", "# gpus", "data parallel", "model parallel",
@@ -159,6 +163,8 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
         at = cols.index("Max Global BSZ")
         cols[at:at] = SEQ_COLUMNS + [SEQ_ESTIMATE]
     cols += REPEAT_COLUMNS if any(len(r.repeats) > 1 for r in rows) else []
+    if PRED_TIME in df.columns and df[PRED_TIME].notna().any():
+        cols += PREDICTED_TIME_COLUMNS
     if df.get(ESTIMATE_COLUMNS[1]) is not None and df[ESTIMATE_COLUMNS[1]].notna().any():
         cols += ESTIMATE_COLUMNS
     cols += ["memory of"] + devs + ["peak memory used"] + TAIL_COLUMNS
@@ -197,7 +203,24 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
         rec.update(states)
         rec["Notes"] = "; ".join(x for x in (r.note, emulation_note(r.measure), failed) if x)
     rec.update(_repeats(r.repeats))
+    rec.update(predicted_time(r))
     return rec
+
+
+def predicted_time(r: Row) -> dict:
+    """The time estimate's figures at the row's max micro-batch ({} where there is none: nothing fitted,
+    no estimate, no rates for the hardware)."""
+    if not r.max_micro:
+        return {}
+    est = r.estimate()
+    p = est.time_at(r.max_micro) if est is not None else None
+    if p is None:
+        return {}
+    s = r.bench
+    world = s.parallel.world_size
+    samples = r.max_micro * s.batch.grad_accum * s.parallel.dp / s.parallel.sp  # per optimizer step
+    return {PRED_TIME: p.step_s * 1e3, PRED_SPS: samples / p.step_s, PRED_TPS: p.tokens_per_s_per_device * world,
+            PRED_TPS_GPU: p.tokens_per_s_per_device, PRED_MFU: p.mfu, PRED_TERM: p.dominant.name}
 
 
 PIPELINE_COLUMNS = ["pipeline parallel", "pp schedule", "stage peaks (MiB)", "peak stage est."]

@@ -14,8 +14,12 @@ The rates: zero_bench/devices/rates.py (each with its published source, or marke
 
 The step is the exposed terms' sum. Overlapped terms (ZeRO-3's and FSDP2's prefetched collectives,
 ZeRO-2's with overlap_comm) hide behind the step's compute; what they exceed it by is one more
-exposed term ("communication beyond compute"). Not modelled: kernel
-efficiency by GEMM shape (every matmul at MAMF), latency of small messages, stragglers.
+exposed term ("communication beyond compute"). On CPU the rates are the ranks' own, measured with
+every rank busy at once (devices/rate_probes.rank_rates, `zero_bench calibrate`): the matmul, the
+memory-bound ops by kind, gloo's bandwidth and a latency per collective call, torch AdamW per
+parameter and per tensor. Not modelled: kernel efficiency by GEMM shape (every matmul at MAMF on
+GPU), the framework's time outside kernels (Python, autograd, DeepSpeed's
+hooks: 50-100 ms a step on the CPU trials, docs/estimate.md), GPU collective latency, stragglers.
 """
 from __future__ import annotations
 

@@ -67,11 +67,18 @@ def link(bench: BenchConfig, rates: HardwareRates, span: int) -> Rate:
 
 
 def collective(bench: BenchConfig, rates: HardwareRates, name: str, kind: str, nbytes: float, n: int, span: int,
-               exposed: bool, source: str) -> TimeTerm:
-    """One collective (or the sum of a step's collectives of one cause): nbytes of tensor over n ranks."""
+               exposed: bool, source: str, calls: float = 1) -> TimeTerm:
+    """One collective (or the sum of a step's `calls` collectives of one cause): nbytes of tensor over
+    n ranks, each call paying the measured latency where there is one (CPU: gloo's)."""
     bw = link(bench, rates, span)
     where = "intra-node" if bw is rates.intra_node_bytes_per_s else "inter-node"
+    if where == "intra-node" and kind != ALL_REDUCE and rates.gather_bytes_per_s is not None:
+        bw = rates.gather_bytes_per_s
     seconds = nbytes * moved_fraction(kind, n) / bw.value
+    lat = rates.collective_latency_s
+    if lat is not None and n > 1:
+        seconds += calls * lat.value
+        source += f"; + {calls:g} call(s) x {lat.source}"
     return TimeTerm(name, seconds, exposed, f"{source}; {kind} over {n} ranks {where} at {bw.source}")
 
 
@@ -109,13 +116,23 @@ def overlap_comm(bench: BenchConfig) -> bool:
     return bench.zero == 3 if got is None else bool(got)
 
 
-def gathered_params(bench: BenchConfig) -> float:
-    """ZeRO-3: the parameters all-gathered per pass: all but those under the persistence threshold."""
+def _gathered(bench: BenchConfig) -> list[int]:
     from zero_bench.estimate.buffers import ds_full
 
     zo = ds_full(bench).get("zero_optimization") or {}
     threshold = zo.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)
-    return sum(p.numel for p in bench.layout.params if p.numel >= threshold)
+    return [p.numel for p in bench.layout.params if p.numel >= threshold]
+
+
+def gathered_params(bench: BenchConfig) -> float:
+    """ZeRO-3: the parameters all-gathered per pass: all but those under the persistence threshold."""
+    return sum(_gathered(bench))
+
+
+def gathered_calls(bench: BenchConfig) -> int:
+    """ZeRO-3: all-gather calls per pass, at most one per gathered parameter (the coordinator fetches
+    each module's parameters as it is entered, coalescing a module's; an upper bound on calls)."""
+    return len(_gathered(bench))
 
 
 # -- DeepSpeed ------------------------------------------------------------------------------------------
@@ -148,17 +165,18 @@ def zero3_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
     ga, zpp, dp, tp = bench.batch.grad_accum, bench.zeropp, bench.layout.dp, bench.parallel.tp
     span = bench.layout.spans["dp"]
     hidden = overlap_comm(bench)
-    gathered = gathered_params(bench)
+    gathered, calls = gathered_params(bench), ga * gathered_calls(bench)
     fwd_b = 1 if zpp.qwz else param_bytes(bench)
     out = [collective(bench, rates, "parameter all-gather (forward)", ALL_GATHER, ga * gathered * fwd_b, dp, span,
-                      not hidden, f"ZeRO-3: every micro-step, {fwd_b} B/param" + (" (qwZ int8)" if zpp.qwz else ""))]
+                      not hidden, f"ZeRO-3: every micro-step, {fwd_b} B/param" + (" (qwZ int8)" if zpp.qwz else ""),
+                      calls=calls)]
     if zpp.hpz > 1:
         out.append(collective(bench, rates, "parameter all-gather (backward)", ALL_GATHER,
                               ga * gathered * param_bytes(bench), zpp.hpz, tp * zpp.hpz, not hidden,
-                              f"hpZ: backward gathers the secondary partition within {zpp.hpz} ranks"))
+                              f"hpZ: backward gathers the secondary partition within {zpp.hpz} ranks", calls=calls))
     else:
         out.append(collective(bench, rates, "parameter all-gather (backward)", ALL_GATHER, ga * gathered * fwd_b, dp,
-                              span, not hidden, "ZeRO-3: re-gathered for backward, every micro-step"))
+                              span, not hidden, "ZeRO-3: re-gathered for backward, every micro-step", calls=calls))
     held = bench.layout.held_params
     nodes = bench.hardware.num_nodes
     if zpp.qgz and nodes > 1:
@@ -186,15 +204,17 @@ def fsdp2_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
     ga, layout, tp = bench.batch.grad_accum, bench.layout, bench.parallel.tp
     pb = BYTES[bench.precision]  # MixedPrecisionPolicy's param_dtype (bf16), or the fp32 parameters themselves
     passes = 2 if bench.zero == 3 else 1
+    units = bench.model.num_layers + 1  # fully_shard on every transformer layer and the root: one call each
     out = []
     for name, n_params, n, span in groups(bench):
         tag = f" ({name})" if name else ""
         out += [collective(bench, rates, f"parameter all-gather{tag}", ALL_GATHER, passes * ga * n_params * pb, n, span,
                            False, f"FSDP2 zero={bench.zero}: {passes} per micro-step (reshard_after_forward="
-                           f"{bench.zero == 3}), {pb} B/param, prefetched"),
+                           f"{bench.zero == 3}), {pb} B/param, prefetched", calls=passes * ga * units),
                 collective(bench, rates, f"gradient reduce-scatter{tag}", REDUCE_SCATTER,
                            ga * n_params * fsdp2_grad_bytes(bench), n, span, False,
-                           f"FSDP2: every micro-step, {fsdp2_grad_bytes(bench)} B/grad (reduce_dtype)")]
+                           f"FSDP2: every micro-step, {fsdp2_grad_bytes(bench)} B/grad (reduce_dtype)",
+                           calls=ga * units)]
     if layout.hybrid:
         out.append(collective(bench, rates, "gradient all-reduce across replicas", ALL_REDUCE,
                               ga * layout.held_params / layout.shard_size * fsdp2_grad_bytes(bench), layout.replicas,
@@ -219,9 +239,10 @@ def tensor_parallel_terms(bench: BenchConfig, rates: HardwareRates, micro: int) 
     if p.sequence_sharded:  # each of the 2L+1 points is an all-gather one way, a reduce-scatter the other
         return [collective(bench, rates, "tensor-parallel all-gather/reduce-scatter", ALL_GATHER, 2 * count * act,
                            p.tp, p.tp, True, "megatron SP: 2 all-gathers + 2 reduce-scatters of [b, s, h] per layer "
-                           "each way, +1 for the embedding / output layer")]
+                           "each way, +1 for the embedding / output layer", calls=2 * count)]
     return [collective(bench, rates, "tensor-parallel all-reduce", ALL_REDUCE, count * act, p.tp, p.tp, True,
-                       "megatron TP: 2 all-reduces of [b, s, h] per layer each way, +1 for the embedding / output")]
+                       "megatron TP: 2 all-reduces of [b, s, h] per layer each way, +1 for the embedding / output",
+                       calls=count)]
 
 
 def ulysses_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
@@ -234,7 +255,8 @@ def ulysses_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[
     heads = 2 * m.num_heads // p.tp + 2 * kv  # q and the output, k and v
     nbytes = tokens * heads * m.kv_channels * BYTES[bench.precision] * m.num_layers * passes(bench)
     return [collective(bench, rates, "Ulysses all-to-all", ALL_TO_ALL, bench.batch.grad_accum * nbytes, p.sp,
-                       bench.layout.spans["sp"], True, "DistributedAttention: q, k, v in and the output out per layer each way")]
+                       bench.layout.spans["sp"], True, "DistributedAttention: q, k, v in and the output out per layer each way",
+                       calls=4 * m.num_layers * passes(bench) * bench.batch.grad_accum)]
 
 
 def expert_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
@@ -245,7 +267,8 @@ def expert_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[T
     tokens = micro * m.seq_len / p.sp * m.moe_router_topk
     nbytes = 2 * tokens * m.hidden_size * BYTES[bench.precision] * m.num_moe_layers * passes(bench)
     return [collective(bench, rates, "expert all-to-all", ALL_TO_ALL, bench.batch.grad_accum * nbytes, p.ep,
-                       bench.layout.spans["ep"], True, "megatron alltoall dispatcher: dispatch + combine per MoE layer each way")]
+                       bench.layout.spans["ep"], True, "megatron alltoall dispatcher: dispatch + combine per MoE layer each way",
+                       calls=2 * m.num_moe_layers * passes(bench) * bench.batch.grad_accum)]
 
 
 def comm_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:

@@ -15,8 +15,10 @@ one). The optimizer step reads and writes the rank's partition of the states (op
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from zero_bench.config.schema import BenchConfig, Recompute, States
-from zero_bench.devices.rates import HardwareRates
+from zero_bench.devices.rates import HardwareRates, Rate
 from zero_bench.estimate.time.record import TimeTerm
 from zero_bench.models.flops import (attention_flops_per_seq, dense_flops_per_seq, hardware_flops_per_seq,
                                      model_flops_per_seq)
@@ -67,12 +69,13 @@ def recompute_fraction(bench: BenchConfig) -> float:
     return 0.0
 
 
-def norm_elements(bench: BenchConfig) -> float:
+def norm_elements(bench: BenchConfig, scores: bool = True) -> float:
     """Elements read + written per token per layer by a layer's memory-bound ops on one rank: two
     norms (read h, write h), two residual adds (read 2h, write h), RoPE on q and k (read + write
     each), the MLP's activation (SwiGLU: read 2 f, write f; GeLU: read f, write f), unfused
-    attention's softmax (read + write a x s scores, twice: mask and softmax). The hidden-sized ones
-    are split over tp with sequence parallelism, the head- and ffn-sized ones over tp always."""
+    attention's softmax (read + write a x s scores, twice: mask and softmax; scores=False leaves
+    them out). The hidden-sized ones are split over tp with sequence parallelism, the head- and
+    ffn-sized ones over tp always."""
     m, p = bench.model, bench.parallel
     h, d = m.hidden_size, m.kv_channels
     seq_shard = p.tp if p.sequence_sharded else 1
@@ -81,18 +84,31 @@ def norm_elements(bench: BenchConfig) -> float:
         moe = (3 if m.gated else 2) * (m.moe_router_topk * m.moe_ffn + (m.moe_shared_expert_intermediate_size or 0))
         mlp = (mlp * (m.num_layers - m.num_moe_layers) + moe * m.num_moe_layers) / m.num_layers
     rope = 2 * (m.num_heads + m.query_groups) * d if m.position_embedding == "rope" else 0
-    scores = 4 * m.num_heads * m.seq_len / p.sp if m.attention == "unfused" else 0
-    return 10 * h / seq_shard + (rope + mlp + scores) / p.tp
+    return 10 * h / seq_shard + (rope + mlp + (score_elements(bench) if scores else 0)) / p.tp
+
+
+def score_elements(bench: BenchConfig) -> float:
+    """Unfused attention's mask and softmax per token per layer (all heads): read + write a x s
+    scores twice; 0 for sdpa (the kernel keeps them)."""
+    m = bench.model
+    return 4 * m.num_heads * m.seq_len / bench.parallel.sp if m.attention == "unfused" else 0.0
+
+
+def memory_bound_parts(bench: BenchConfig, micro: int) -> dict[str, float]:
+    """Forward memory-bound bytes per micro-step on one rank, by the kind of op: "layers" (norms,
+    residuals, RoPE, activation), "scores" (unfused attention's mask and softmax), "loss" (the
+    logits read, an fp32 softmax written and read: 2 + 4 + 4 bytes per vocabulary entry)."""
+    m, p = bench.model, bench.parallel
+    tokens = micro * m.seq_len / p.sp
+    width = BYTES[bench.precision]
+    return {"layers": tokens * m.num_layers * norm_elements(bench, scores=False) * width,
+            "scores": tokens * m.num_layers * score_elements(bench) / p.tp * width,
+            "loss": tokens * m.padded_vocab(p.tp) / p.tp * (2 + 4 + 4)}
 
 
 def memory_bound_bytes(bench: BenchConfig, micro: int) -> float:
-    """Forward memory-bound bytes per micro-step on one rank: every layer's ops plus the loss (the
-    logits read, an fp32 softmax written and read: 2 + 4 + 4 bytes per vocabulary entry)."""
-    m = bench.model
-    tokens = micro * m.seq_len / bench.parallel.sp
-    layers = tokens * m.num_layers * norm_elements(bench) * BYTES[bench.precision]
-    loss = tokens * m.padded_vocab(bench.parallel.tp) / bench.parallel.tp * (2 + 4 + 4)
-    return layers + loss
+    """Forward memory-bound bytes per micro-step on one rank (memory_bound_parts, summed)."""
+    return sum(memory_bound_parts(bench, micro).values())
 
 
 def optimizer_bytes(bench: BenchConfig) -> float:
@@ -124,20 +140,52 @@ def compute_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[
     micro-steps), and the GPU optimizer step where it runs on the device."""
     ga, flops = bench.batch.grad_accum, rates.flops(str(bench.precision))
     fwd = ga * forward_flops(bench, micro) / flops.value
-    mem = rates.memory_bytes_per_s
-    fwd_mem = ga * memory_bound_bytes(bench, micro) / mem.value
+    parts, rate = memory_bound_parts(bench, micro), elementwise_rates(rates)
+    fwd_mem = ga * sum(parts[k] / rate[k].value for k in parts)
+    layer_mem = ga * (parts["layers"] / rate["layers"].value + parts["scores"] / rate["scores"].value)
+    said = "; ".join(f"{k} {parts[k] / 1e6:,.1f} MB at {rate[k].source}" for k in parts if parts[k])
     share = recompute_fraction(bench)
     terms = [
         TimeTerm("forward matmuls", fwd, True, f"models/flops.py FLOPs / (tp x sp) at {flops.source}"),
         TimeTerm("backward matmuls", BACKWARD_FACTOR * fwd, True, "2 x forward (input and weight gradients)"),
-        TimeTerm("forward memory-bound ops", fwd_mem, True, f"norms, residuals, RoPE, activation, loss at {mem.source}"),
+        TimeTerm("forward memory-bound ops", fwd_mem, True, f"norms, residuals, RoPE, activation, scores, loss: {said}"),
         TimeTerm("backward memory-bound ops", BACKWARD_FACTOR * fwd_mem, True, "2 x forward's bytes"),
     ]
-    if bench.recompute != Recompute.none:
-        re = ga * recompute_flops(bench, micro) / flops.value + share * fwd_mem
+    if bench.recompute != Recompute.none:  # the layers' ops re-run, not the loss's
+        re = ga * recompute_flops(bench, micro) / flops.value + share * layer_mem
         terms.append(TimeTerm(f"recompute ({bench.recompute})", re, True,
                               "models/flops.py's re-run per policy, + the re-run share of the forward's memory-bound ops"))
     return terms
+
+
+def elementwise_rates(rates: HardwareRates) -> dict[str, Rate]:
+    """What each kind of memory-bound op (memory_bound_parts) runs at: the rate measured for it where
+    there is one (CPU: rate_probes.rank_rates), else the layers' measured op mix, else the device's
+    memory bandwidth."""
+    layers = rates.elementwise_bytes_per_s or rates.memory_bytes_per_s
+    return {"layers": layers, "scores": rates.scores_bytes_per_s or layers, "loss": rates.loss_bytes_per_s or layers}
+
+
+def optimizer_tensors(bench: BenchConfig) -> int:
+    """Tensors the optimizer steps one by one on a rank: DeepSpeed's ZeRO-0 (BF16_Optimizer, the fp16
+    / fp32 engine) and FSDP2 (a DTensor shard per parameter) one per parameter; ZeRO 1-3 flatten the
+    partition into one fp32 tensor per parameter group (one group here; ZeRO-3's sub_group_size 1e9:
+    one sub-group below a billion parameters)."""
+    from zero_bench.engines.specs import spec
+
+    return 1 if bench.zero in spec(bench.engine).flat_optimizer_stages else len(bench.layout.params)
+
+
+def measured_optimizer(bench: BenchConfig, rates: HardwareRates, name: str) -> Optional[TimeTerm]:
+    """The optimizer step at the measured torch AdamW rate (CPU: ds_configs/cpu.json's torch_adam, FSDP2's
+    AdamW): per parameter of the partition and per tensor it loops over; None where not measured (GPU)."""
+    rate, per_tensor = rates.optimizer_params_per_s, rates.optimizer_per_tensor_s
+    if rate is None:
+        return None
+    n, k = partition_params(bench), optimizer_tensors(bench)
+    seconds = n / rate.value + k * (per_tensor.value if per_tensor else 0.0)
+    return TimeTerm(name, seconds, True, f"{n:,.0f} params at {rate.source}"
+                    + (f"; + {k} tensor(s) x {per_tensor.source}" if per_tensor else ""))
 
 
 def optimizer_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
@@ -146,6 +194,8 @@ def optimizer_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
     mem, n = rates.memory_bytes_per_s, partition_params(bench)
     out = [TimeTerm("gradient norm", n * 4 / mem.value, True, f"one read of the fp32 gradient partition at {mem.source}")]
     if not bench.offload:
-        out.append(TimeTerm("optimizer step (device)", n * optimizer_bytes(bench) / mem.value, True,
-                            f"Adam's reads and writes of the partition ({optimizer_bytes(bench):g} B/param) at {mem.source}"))
+        measured = measured_optimizer(bench, rates, "optimizer step (device)")
+        out.append(measured or TimeTerm("optimizer step (device)", n * optimizer_bytes(bench) / mem.value, True,
+                                        f"Adam's reads and writes of the partition ({optimizer_bytes(bench):g} B/param) "
+                                        f"at {mem.source}"))
     return out

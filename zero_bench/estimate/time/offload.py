@@ -26,7 +26,7 @@ from zero_bench.config.schema import BenchConfig
 from zero_bench.devices.rates import HardwareRates
 from zero_bench.engines.specs import load, spec
 from zero_bench.estimate.time.comm import overlap_comm
-from zero_bench.estimate.time.compute import partition_params
+from zero_bench.estimate.time.compute import measured_optimizer, partition_params
 from zero_bench.estimate.time.record import TimeTerm
 from zero_bench.units import BYTES
 
@@ -59,8 +59,10 @@ def deepspeed_offload(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm
         out.append(TimeTerm("parameters host->device after the step", n * b / h2d.value, True,
                             f"the updated {b}-B partition copied back after the host's step at {h2d.source}"))
     per_core, cores = rates.cpu_adam_params_per_s_per_core, rates.host_cores
-    out.append(TimeTerm("optimizer step (host, CPU Adam)", n / (per_core.value * cores.value), True,
-                        f"DeepSpeedCPUAdam at {per_core.source}, on {cores.source}"))
+    # on CPU the ranks step torch's AdamW with offload too (ds_configs/cpu.json: torch_adam)
+    out.append(measured_optimizer(bench, rates, "optimizer step (host, torch AdamW)")
+               or TimeTerm("optimizer step (host, CPU Adam)", n / (per_core.value * cores.value), True,
+                           f"DeepSpeedCPUAdam at {per_core.source}, on {cores.source}"))
     return out
 
 
@@ -71,12 +73,14 @@ def fsdp2_offload(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
     d2h, h2d = rates.device_to_host_bytes_per_s, rates.host_to_device_bytes_per_s
     fetches = ga * (2 if bench.zero == 3 else 1)
     per_core, cores = rates.cpu_adam_params_per_s_per_core, rates.host_cores
+    step = measured_optimizer(bench, rates, "optimizer step (host, torch AdamW)") or TimeTerm(
+        "optimizer step (host, torch AdamW)", n * TORCH_ADAM_SLOWDOWN / (per_core.value * cores.value), True,
+        f"torch's AdamW, 1/{TORCH_ADAM_SLOWDOWN:g} of CPU Adam's {per_core.source}, on {cores.source}")
     return [TimeTerm("gradients device->host", ga * n * FP32_GRAD / d2h.value, False,
                      f"the reduced fp32 gradient partition to the host, {ga} per step, at {d2h.source}"),
             TimeTerm("parameters host->device", fetches * n * 4 / h2d.value, False,
                      f"CPUOffloadPolicy: the fp32 shards before each all-gather ({fetches} per step) at {h2d.source}"),
-            TimeTerm("optimizer step (host, torch AdamW)", n * TORCH_ADAM_SLOWDOWN / (per_core.value * cores.value), True,
-                     f"torch's AdamW, 1/{TORCH_ADAM_SLOWDOWN:g} of CPU Adam's {per_core.source}, on {cores.source}")]
+            step]
 
 
 def nvme_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
