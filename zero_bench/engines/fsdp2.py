@@ -139,6 +139,66 @@ class Fsdp2Engine:
             layer.compile()
 
 
+class Fsdp2PipelineEngine(Fsdp2Engine):
+    """parallel.pp > 1, torchtitan's composition: this rank's stages (models/stages.py) each
+    fully_shard'ed over the stage's data-parallel mesh (every layer as it is built, then the stage
+    itself as the root, the module torch's PipelineStage calls, so that the stage drives FSDP2's
+    gradient sync: none until the last micro-batch's backward, then one reduce-scatter per group,
+    engines/pipeline.py), one AdamW over the rank's stages, the whole pipeline's gradient norm
+    (each rank's shards' squares summed over the world: shards of one stage and the stages are
+    disjoint) and torch's schedule over the micro-batches (engines/pipeline.py).
+
+    reshard_after_forward follows `zero` as at pp = 1 (zero=3: each micro-batch's backward gathers
+    again; zero=2: the gathered parameters are kept from a micro-batch's forward to its backward,
+    torchtitan's default under a pipeline). Under a pipeline every micro-batch's gradients accumulate
+    unsharded on the stage until the last backward (torch's stage sets requires_gradient_sync off),
+    as torchtitan trains."""
+
+    def __init__(self, spec: TrialSpec, on_cpu: bool):
+        from zero_bench.engines.pipeline import Pipeline
+        from zero_bench.models.stages import build_stages
+
+        cfg = spec.config
+        layout = cfg.layout
+        self.mixed = mixed_bf16(cfg)
+        init_parallel(layout.tp, cfg.seed, on_cpu, layout.ep, layout.sp, layout.pp, layout.vpp)
+        kw = shard_options(dp_mesh(on_cpu, layout), cfg, on_cpu)
+        stages = build_stages(cfg, compute_config(cfg, on_cpu), on_cpu,
+                              on_layer=lambda layer: shard_layer(layer, kw, None))
+        for stage in stages:
+            fully_shard(stage, **kw)  # the stage's root: its embedding, final norm, output layer
+        if not on_cpu:
+            torch.cuda.empty_cache()
+        self.module = torch.nn.ModuleList(stages)
+        self.optimizer, self.clip = make_optimizer(self.module, on_cpu)
+        from megatron.core import parallel_state
+
+        self.tp, self.tp_rank = layout.tp, parallel_state.get_tensor_model_parallel_rank()
+        self.tp_split, self.ep, self.pp = tp_split_names(cfg), layout.ep, layout.pp
+        self.pipeline = Pipeline(cfg, stages, torch.device("cpu") if on_cpu else
+                                 torch.device("cuda", torch.cuda.current_device()))
+        self.grads_at_step = 0
+        self.last_grad_norm: Optional[float] = None
+
+    def step(self, batches: list, mask: Optional[torch.Tensor], marks: Callable[[str], None]) -> list[float]:
+        marks("forward")  # the schedule interleaves forwards and backwards: one phase until the step
+        losses = self.pipeline.step(batches, mask)
+        marks("step")
+        named = list(self.module.named_parameters())
+        self.grads_at_step = sum(storages(p.grad for _, p in named).values())
+        self.last_grad_norm = clip_grad_norm(named, self.clip, self.tp_rank, self.tp, self.tp_split, self.ep,
+                                             self.pp)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return losses
+
+    def shared_losses(self, losses: list[float]) -> list[float]:
+        return self.pipeline.shared(losses)
+
+    def compile(self) -> None:
+        raise NotImplementedError("compile under a pipeline (refused by configure.check_pipeline)")
+
+
 # -- building --------------------------------------------------------------------------------------
 
 def compute_config(cfg: BenchConfig, on_cpu: bool):
@@ -257,7 +317,7 @@ def tp_split_names(cfg: BenchConfig) -> frozenset:
 
 
 def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split: frozenset,
-                   ep: int = 1) -> float:
+                   ep: int = 1, pp: int = 1) -> float:
     """The global L2 norm over DP shards and TP slices, then one scale on every rank.
 
     tp == 1: torch's clip_grad_norm_ (DTensor gradients: it reduces over the DP mesh). tp > 1: that
@@ -267,9 +327,10 @@ def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split
     aten.stack.default must have the same mesh": the experts' DTensors live on the
     expert-data-parallel one); the same plain sum over the world is the global norm, the world
     being the dp = ep x expert-DP ranks: DP shards, expert-DP shards and the ep ranks' experts
-    are all disjoint."""
+    are all disjoint. pp > 1: the same plain sum over the world, each stage's parameters being its own
+    (and sharded over its data-parallel ranks), is the whole pipeline's norm."""
     named = [(n, p) for n, p in named if p.grad is not None]
-    if tp == 1 and ep == 1:
+    if tp == 1 and ep == 1 and pp == 1:
         return float(torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm))
     sq = torch.zeros((), dtype=torch.float32, device=named[0][1].grad.device if named else None)
     for n, p in named:
