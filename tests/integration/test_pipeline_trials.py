@@ -1,0 +1,85 @@
+"""Pipeline parallelism (parallel.pp, issue 53) in real trials: llama-tiny (RoPE, GQA, untied) in fp32
+split into 2 stages gives pp=1's losses and gradient norms at every step, for FSDP2 (zero=3, each stage
+fully_shard'ed over its data-parallel ranks) and DeepSpeed ZeRO-1 (one engine per stage), under
+torch's GPipe, 1F1B and interleaved 1F1B (2 virtual stages per rank: 4 stages of one layer), on 2
+ranks (pp=2) and on 4 (pp=2 x dp=2).
+
+The reference is pp=1 at dp=2 on the same 2 ranks (one pool for both): the worker gives every
+data-parallel rank the same tokens, so pp=1 trains the same sequences whatever dp, and the 4-rank
+pipeline's two data-parallel ranks do too. Two micro-batches per step (batch.grad_accum=2, 1F1B's
+minimum at pp=2) of one sequence each, 5 timed steps and the profiled one: 6 losses and norms a
+trial. A stage built one layer off (its weights pp=1's next layer's) fails the comparison at the
+first step: docs/engines.md, "Pipeline parallelism", has the figures of that check."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from zero_bench.config.schema import BatchConfig, ParallelConfig, StepsConfig
+from zero_bench.records import Entry
+from zero_bench.trial.launch import LaunchOptions, run_launch
+
+from conftest import cpu_cfg
+
+pytestmark = pytest.mark.slow
+
+ENGINES = {"fsdp2": dict(engine="fsdp2", zero=3), "zero1": dict(engine="deepspeed", zero=1)}
+# name -> (engine, parallel.pp, parallel.dp, schedule, vpp); grouped by world size (one pool each)
+CASES = {
+    "fsdp2_1f1b": ("fsdp2", 2, 1, "1f1b", 1),
+    "fsdp2_gpipe": ("fsdp2", 2, 1, "gpipe", 1),
+    "fsdp2_interleaved": ("fsdp2", 2, 1, "interleaved_1f1b", 2),
+    "zero1_1f1b": ("zero1", 2, 1, "1f1b", 1),
+    "zero1_gpipe": ("zero1", 2, 1, "gpipe", 1),
+    "zero1_interleaved": ("zero1", 2, 1, "interleaved_1f1b", 2),
+    "fsdp2_1f1b_dp2": ("fsdp2", 2, 2, "1f1b", 1),
+    "zero1_1f1b_dp2": ("zero1", 2, 2, "1f1b", 1),
+}
+STEPS = 6  # 5 timed and the profiled one
+_wall: dict = {}
+_diffs: dict = {}  # name -> the largest relative difference of a loss and of a gradient norm from pp=1's
+
+
+def config(engine: str, pp: int, dp: int, schedule: str = "1f1b", vpp: int = 1):
+    return cpu_cfg("llama-tiny", parallel=ParallelConfig(dp=dp, pp=pp, pp_schedule=schedule, vpp=vpp),
+                   batch=BatchConfig(micro=1, grad_accum=2), steps=StepsConfig(warmup=0, timed=5),
+                   **ENGINES[engine])
+
+
+@pytest.fixture(scope="module")
+def trials(tmp_path_factory, pools):
+    """One pool per world size (conftest.pools), each trial a fresh child: the two references (pp=1,
+    dp=2) and every case, at micro 1."""
+    t0 = time.time()
+    out = {}
+    runs = [(f"ref_{e}", config(e, 1, 2)) for e in ENGINES] + [(n, config(*c)) for n, c in CASES.items()]
+    for name, b in runs:
+        (out[name],) = run_launch(b, [Entry(1, "measure")], tmp_path_factory.mktemp(name), LaunchOptions(pools=pools))
+    _wall["trials_s"] = time.time() - t0
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pp2_gives_pp1s_losses_and_gradient_norms(trials, name):
+    engine, pp, dp = CASES[name][:3]
+    ref, got = trials[f"ref_{engine}"], trials[name]
+    assert ref.status == "ok", ref.reason
+    assert got.status == "ok", got.reason
+    assert len(got.ranks) == pp * dp
+    one = ref.ranks[0]
+    _diffs[name] = (max(abs(a / b - 1) for r in got.ranks for a, b in zip(r.losses, one.losses)),
+                    max(abs(a / b - 1) for r in got.ranks for a, b in zip(r.grad_norms, one.grad_norms)))
+    for r in got.ranks:  # every rank records its pipeline's losses and the whole model's norm
+        assert len(r.losses) == len(one.losses) == STEPS
+        assert r.losses == pytest.approx(one.losses, rel=2e-6), (name, r.rank, one.losses, r.losses)
+        assert r.grad_norms == pytest.approx(one.grad_norms, rel=2e-5), (name, r.rank, one.grad_norms, r.grad_norms)
+    assert got.global_batch == ref.global_batch * dp // 2  # micro x grad_accum x dp
+
+
+def test_the_modules_trials_took(trials):
+    """The module's cost, printed for docs/verified.md (pytest -s shows it)."""
+    print(f"\npipeline trials: {len(trials)} in {_wall['trials_s']:.0f} s")
+    for name, (loss, norm) in _diffs.items():
+        print(f"  {name}: losses within {loss:.1e}, gradient norms within {norm:.1e} of pp=1's (relative)")
+    assert len(trials) == len(CASES) + len(ENGINES)
