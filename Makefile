@@ -41,11 +41,15 @@ example: $(STAMP)
 	rm -rf reports/example && mkdir -p reports/example
 	$(PY) -m zero_bench report store=results/demo.sqlite report.out=reports/example/demo.xlsx
 
+# The unit tests launch nothing (no machine lock, no pool): two xdist workers, one per core. The
+# integration tests launch 2- and 4-rank trials that take the machine lock one at a time: serial.
+# Both always run; make fails when either did.
 test: $(STAMP) $(AIO)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 tests/unit; unit=$$?; $(PY) -m pytest -q tests/integration; integration=$$?; \
+	test $$unit = 0 && test $$integration = 0
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n 2 tests/unit
 
 doctor: $(STAMP)
 	$(PY) -m zero_bench doctor

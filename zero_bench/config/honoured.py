@@ -75,7 +75,8 @@ EVERYWHERE = frozenset({
     "model.tie_embeddings", "model.add_bias", "model.qkv_bias", "model.dropout", "model.attention", "model.norm_eps",
     "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_shared_expert_intermediate_size",
     "model.moe_dense_layers", "model.hf_config",
-    "parallel.tp", "parallel.dp", "parallel.dp_shard", "parallel.ep", "parallel.sp",
+    "parallel.tp", "parallel.dp", "parallel.dp_shard", "parallel.ep", "parallel.sp", "parallel.pp", "parallel.vpp",
+    "parallel.pp_schedule",  # moves to CONDITIONS (read at pp > 1) once pipelines train
     "hardware.device", "hardware.memory_gb", "hardware.memory_mib", "hardware.hostfile", "hardware.num_nodes",
     "zeropp.qwz", "zeropp.hpz",
     "engine", "zero", "offload_param", "offload_device", "precision", "states", "loss", "recompute", "ds_preset", "compile",
