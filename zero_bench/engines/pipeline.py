@@ -12,8 +12,12 @@ so scale_grads stays off and nothing rescales the gradients where an engine may 
 The micro-batches' means are kept aside, and `shared` broadcasts them from the last stage to the
 other ranks of its pipeline, so every rank records the same losses.
 
-A schedule and its PipelineStage objects are made per micro-batch size (a plan's entries grow):
-PipelineStage infers the shapes it sends and receives from its first micro-batch.
+A schedule and its PipelineStage objects are made per micro-batch size (a plan's entries grow), each
+stage told the shapes it receives and sends (`shapes`): the tokens [micro, s] or the hidden states
+[s, micro, h] in, the hidden states or the per-token loss [micro, s] out. Without them PipelineStage
+infers them in its first step by running every stage's forward and backward once more on that
+micro-batch and exchanging what it found between the ranks (a step's worth of compute on top of
+the first step of every entry).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import torch.distributed as dist
 
 from zero_bench.config.choices import PipelineSchedule
 from zero_bench.config.schema import BenchConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def schedule_class(kind: str):
@@ -57,12 +63,27 @@ class Pipeline:
         self._means.append(mean.detach())
         return mean / self.n
 
+    def shapes(self, chunk, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, output) of `chunk` at `micro` sequences per micro-batch, as meta tensors: what
+        PipelineStage allocates its receive buffers from. The hidden states are megatron's [s, b, h]
+        in the dtype its layers compute in (parallel.tp 1, no sequence sharding: configure refuses the rest)."""
+        m = self.cfg.model
+        # requires_grad: the stage receives their gradient from the next one and sends its own back
+        hidden = torch.empty(m.seq_len, micro, m.hidden_size, dtype=DTYPES[self.cfg.precision], device="meta",
+                             requires_grad=True)
+        tokens = torch.empty(micro, m.seq_len, dtype=torch.long, device="meta")
+        loss = torch.empty(micro, m.seq_len, dtype=torch.float32, device="meta")
+        return tokens if chunk.pre else hidden, loss if chunk.post else hidden
+
     def schedule(self, micro: int):
         if micro != self._micro:
             from torch.distributed.pipelining import PipelineStage
 
-            stages = [PipelineStage(s, s.chunk.stage, self.num_stages, self.device, group=self.group)
-                      for s in self.stages]
+            stages = []
+            for s in self.stages:
+                inputs, outputs = self.shapes(s.chunk, micro)
+                stages.append(PipelineStage(s, s.chunk.stage, self.num_stages, self.device, input_args=inputs,
+                                            output_args=outputs, group=self.group))
             cls = schedule_class(self.cfg.parallel.pp_schedule)
             one = cls is not schedule_class(PipelineSchedule.interleaved_1f1b)
             self._schedule = cls(stages[0] if one else stages, n_microbatches=self.n, loss_fn=self.loss,
@@ -81,8 +102,7 @@ class Pipeline:
         schedule = self.schedule(batches[0][0].shape[0])
         args = (inputs,) if self.has_first else ()
         schedule.step(*args, target=labels, pos=pos, labels=labels, return_outputs=False)
-        # the last n: a new PipelineStage's first step may run its loss_fn once more while it infers shapes
-        return [float(m) for m in self._means[-self.n:]] if self.has_last else []
+        return [float(m) for m in self._means] if self.has_last else []
 
     def shared(self, losses: list[float]) -> list[float]:
         """The last stage's losses on every rank of this pipeline (a reporting broadcast, outside
