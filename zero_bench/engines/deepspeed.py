@@ -137,8 +137,7 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         self.pipeline = Pipeline(cfg, list(self.engine.module), device)
 
     def step(self, batches: list, mask: Optional[torch.Tensor], marks: Callable[[str], None]) -> list[float]:
-        marks("forward")  # the schedule interleaves forwards and backwards: one phase until the step
-        losses = self.pipeline.step(batches, mask)
+        losses = self.pipeline.step(batches, mask, marks)  # marks each stage's forwards and backwards
         marks("step")
         self.engine.set_gradient_accumulation_boundary(True)
         try:

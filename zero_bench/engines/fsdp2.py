@@ -181,8 +181,7 @@ class Fsdp2PipelineEngine(Fsdp2Engine):
         self.last_grad_norm: Optional[float] = None
 
     def step(self, batches: list, mask: Optional[torch.Tensor], marks: Callable[[str], None]) -> list[float]:
-        marks("forward")  # the schedule interleaves forwards and backwards: one phase until the step
-        losses = self.pipeline.step(batches, mask)
+        losses = self.pipeline.step(batches, mask, marks)  # marks each stage's forwards and backwards
         marks("step")
         named = list(self.module.named_parameters())
         self.grads_at_step = sum(storages(p.grad for _, p in named).values())

@@ -91,13 +91,15 @@ class Pipeline:
             self._micro = micro
         return self._schedule
 
-    def step(self, batches: list, mask: Optional[torch.Tensor]) -> list[float]:
+    def step(self, batches: list, mask: Optional[torch.Tensor], marks=None) -> list[float]:
         """Forward and backward of every micro-batch; the gradients are then accumulated on the stages'
         parameters (FSDP2: reduce-scattered at the last backward, the schedule's perform_reduce_grad).
-        The micro-batches' mean losses on the rank holding the last stage, [] elsewhere."""
+        The micro-batches' mean losses on the rank holding the last stage, [] elsewhere. `marks`: the
+        worker's phase marks, "forward" as each stage's forward of a micro-batch starts, "backward"
+        as its backward does (the schedule interleaves them)."""
         inputs, pos, labels = (torch.cat([b[i] for b in batches]) for i in range(3))
         for s in self.stages:
-            s.mask = mask
+            s.mask, s.marks = mask, marks
         self._means = []
         schedule = self.schedule(batches[0][0].shape[0])
         args = (inputs,) if self.has_first else ()

@@ -85,13 +85,22 @@ class StageModule(torch.nn.Module):
         self.gpt = gpt
         self.chunk = chunk
         self.mask: Optional[torch.Tensor] = None
+        self.marks: Optional[Callable[[str], None]] = None  # the worker's phase marks, set by the engine per step
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.marks is not None:
+            self.marks("forward")
         labels = labels if self.chunk.post else None
         if self.chunk.pre:
-            return self.gpt(x, pos, self.mask, labels=labels)
-        self.gpt.set_input_tensor(x)
-        return self.gpt(None, pos, self.mask, labels=labels)
+            out = self.gpt(x, pos, self.mask, labels=labels)
+        else:
+            self.gpt.set_input_tensor(x)
+            out = self.gpt(None, pos, self.mask, labels=labels)
+        if self.marks is not None and out.requires_grad:
+            # the micro-batch's backward on this stage starts when its output's gradient arrives
+            marks = self.marks
+            out.register_hook(lambda grad: marks("backward"))
+        return out
 
 
 def stage_loss(output: torch.Tensor, target=None) -> torch.Tensor:
