@@ -1,5 +1,5 @@
 """Pipeline parallelism (parallel.pp, issue 53) in real trials: llama-tiny (RoPE, GQA, untied) in fp32
-split into 2 stages gives pp=1's losses and gradient norms at every step, for FSDP2 (zero=3, each stage
+(and bf16 under 1F1B) split into 2 stages gives pp=1's losses and gradient norms at every step, for FSDP2 (zero=3, each stage
 fully_shard'ed over its data-parallel ranks; zero=2 too) and DeepSpeed ZeRO-1 (one engine per stage;
 ZeRO-0 too), under
 torch's GPipe, 1F1B and interleaved 1F1B (2 virtual stages per rank: 4 stages of one layer), on 2
@@ -26,10 +26,20 @@ from conftest import cpu_cfg
 pytestmark = pytest.mark.slow
 
 ENGINES = {"fsdp2": dict(engine="fsdp2", zero=3), "zero1": dict(engine="deepspeed", zero=1),
-           "fsdp2_zero2": dict(engine="fsdp2", zero=2), "zero0": dict(engine="deepspeed", zero=0)}
+           "fsdp2_zero2": dict(engine="fsdp2", zero=2), "zero0": dict(engine="deepspeed", zero=0),
+           "fsdp2_bf16": dict(engine="fsdp2", zero=3, precision="bf16"),
+           "zero1_bf16": dict(engine="deepspeed", zero=1, precision="bf16")}
 # the pp=1 run each engine is compared with (FSDP2's zero=2 and zero=3, and ZeRO 0 and 1, train alike at pp=1:
 # test_fsdp2_trials, test_trial)
-REFERENCE = {"fsdp2": "fsdp2", "fsdp2_zero2": "fsdp2", "zero1": "zero1", "zero0": "zero1"}
+REFERENCE = {"fsdp2": "fsdp2", "fsdp2_zero2": "fsdp2", "zero1": "zero1", "zero0": "zero1",
+             "fsdp2_bf16": "fsdp2_bf16", "zero1_bf16": "zero1_bf16"}
+# (losses, gradient norms): how far from pp=1's they may be, relative. fp32: rounding. DeepSpeed's bf16 gave
+# pp=1's figures to the bit. FSDP2's bf16 gives pp=1's first step within fp32's rounding (where a wrong stage
+# or a lost micro-batch shows), then drifts: the pipeline's gradient norm (each stage's, summed over the
+# stages: torchtitan's) is 1e-7 off pp=1's as in fp32, and a bf16 weight may round the other way on the
+# clip coefficient it gives; measured 5.4e-5 / 1.0e-3 by step 6 here, held to 5e-4 / 1e-2
+TOLERANCE = {"fsdp2_bf16": (5e-4, 1e-2)}
+FP32 = (2e-6, 2e-5)
 # name -> (engine, parallel.pp, parallel.dp, schedule, vpp); grouped by world size (one pool each)
 CASES = {
     "fsdp2_1f1b": ("fsdp2", 2, 1, "1f1b", 1),
@@ -40,6 +50,8 @@ CASES = {
     "zero1_gpipe": ("zero1", 2, 1, "gpipe", 1),
     "zero1_interleaved": ("zero1", 2, 1, "interleaved_1f1b", 2),
     "zero0_1f1b": ("zero0", 2, 1, "1f1b", 1),
+    "fsdp2_bf16_1f1b": ("fsdp2_bf16", 2, 1, "1f1b", 1),
+    "zero1_bf16_1f1b": ("zero1_bf16", 2, 1, "1f1b", 1),
     "fsdp2_1f1b_dp2": ("fsdp2", 2, 2, "1f1b", 1),
     "zero1_1f1b_dp2": ("zero1", 2, 2, "1f1b", 1),
 }
@@ -87,12 +99,17 @@ def test_pp2_gives_pp1s_losses_and_gradient_norms(trials, name):
     _diffs[name] = (max(abs(a / b - 1) for r in got.ranks for a, b in zip(r.losses, one.losses)),
                     max(abs(a / b - 1) for r in got.ranks for a, b in zip(r.grad_norms, one.grad_norms))
                     if normed else float("nan"))
+    tol_loss, tol_norm = TOLERANCE.get(engine, FP32)
     for r in got.ranks:  # every rank records its pipeline's losses and the whole model's norm
         assert len(r.losses) == len(one.losses) == STEPS
-        assert r.losses == pytest.approx(one.losses, rel=2e-6), (name, r.rank, one.losses, r.losses)
+        assert r.losses[0] == pytest.approx(one.losses[0], rel=FP32[0]), (name, r.rank, one.losses, r.losses)
         if normed:
-            assert r.grad_norms == pytest.approx(one.grad_norms, rel=2e-5), (name, r.rank, one.grad_norms,
-                                                                              r.grad_norms)
+            assert r.grad_norms[0] == pytest.approx(one.grad_norms[0], rel=FP32[1]), (name, r.rank, one.grad_norms,
+                                                                                       r.grad_norms)
+        assert r.losses == pytest.approx(one.losses, rel=tol_loss), (name, r.rank, one.losses, r.losses)
+        if normed:
+            assert r.grad_norms == pytest.approx(one.grad_norms, rel=tol_norm), (name, r.rank, one.grad_norms,
+                                                                                  r.grad_norms)
         else:
             assert r.grad_norms == [None] * STEPS
     assert got.global_batch == ref.global_batch * dp // 2  # micro x grad_accum x dp

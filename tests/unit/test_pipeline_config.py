@@ -37,7 +37,8 @@ def bench(*overrides: str) -> BenchConfig:
     (["parallel.dp=2", "parallel.sp=2"], "parallel.sp=2: Ulysses is not compared under a pipeline"),
     (["engine=fsdp2", "zero=3", "parallel.dp=2", "parallel.dp_shard=1"],
      "parallel.dp_shard=1: hybrid sharding is not compared under a pipeline"),
-    (["precision=bf16"], "precision=bf16: only fp32 is compared with pp=1 under a pipeline"),
+    (["hardware=h100_80gb", "precision=fp16"], "precision=fp16: fp16's loss scaling is not compared"),
+    (["precision=bf16", "states=bf16"], "states=bf16: pure bf16 states are not compared under a pipeline"),
     (["offload=true", "zero=1"], "offload=true: offload is not compared under a pipeline"),
     (["recompute=full"], "recompute=full: recompute is not compared under a pipeline"),
     (["recompute=op", "engine=fsdp2", "zero=3"], "recompute=op: recompute is not compared"),
@@ -64,6 +65,7 @@ def test_the_moe_refusal_names_expert_parallelism_first_where_asked():
     ["engine=fsdp2", "zero=3"], ["engine=fsdp2", "zero=2", "parallel.dp=2", "batch.grad_accum=4"],
     ["zero=1", "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=2", "batch.grad_accum=4"],
     ["engine=fsdp2", "zero=3", "parallel.pp=4", "batch.grad_accum=4"],
+    ["zero=1", "precision=bf16"], ["engine=fsdp2", "zero=3", "precision=bf16"],
 ])
 def test_compared_configs_compose(overrides):
     b = bench(*overrides)

@@ -240,7 +240,7 @@ def check_ulysses(b: BenchConfig) -> None:
 def check_pipeline(b: BenchConfig) -> None:
     """parallel.pp > 1: the schedule's keys agree with each other and give torch's schedule enough
     micro-batches; what runs under a pipeline is what trials have compared with pp = 1
-    (tests/integration/test_pipeline_trials.py: llama-tiny in fp32, FSDP2 zero=2/3 and DeepSpeed
+    (tests/integration/test_pipeline_trials.py: llama-tiny in fp32 and bf16, FSDP2 zero=2/3 and DeepSpeed
     ZeRO 0-1, GPipe, 1F1B and interleaved 1F1B, pp=2 on 2 ranks and pp=2 x dp=2 on 4); every other
     dimension is refused in one line until a trial has compared it; what each engine cannot run is
     its refusals' (Concern.pipeline)."""
@@ -277,8 +277,8 @@ def check_pipeline(b: BenchConfig) -> None:
         (f"parallel.ep={p.ep}", p.ep > 1, "expert parallelism is not compared under a pipeline", "parallel.ep=1"),
         (f"parallel.dp_shard={p.dp_shard}", p.dp_shard is not None and p.dp_shard != p.dp,
          "hybrid sharding is not compared under a pipeline", "parallel.dp_shard=null"),
-        (f"precision={b.precision}", b.precision != Precision.fp32,
-         "only fp32 is compared with pp=1 under a pipeline", "precision=fp32"),
+        (f"precision={b.precision}", b.precision == Precision.fp16,
+         "fp16's loss scaling is not compared under a pipeline", "precision=fp32 or bf16"),
         (f"states={b.states}", b.states != States.mixed, "pure bf16 states are not compared under a pipeline",
          "states=mixed"),
         ("offload=true", b.offload or b.offload_param or b.nvme, "offload is not compared under a pipeline",

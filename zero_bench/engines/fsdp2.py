@@ -145,8 +145,8 @@ class Fsdp2PipelineEngine(Fsdp2Engine):
     itself as the root, the module torch's PipelineStage calls, so that the stage drives FSDP2's
     gradient sync: none until the last micro-batch's backward, then one reduce-scatter per group,
     engines/pipeline.py), one AdamW over the rank's stages, the whole pipeline's gradient norm
-    (each rank's shards' squares summed over the world: shards of one stage and the stages are
-    disjoint) and torch's schedule over the micro-batches (engines/pipeline.py).
+    (torchtitan's: each stage's norm squared, summed over the pipeline: clip_pipeline_grad_norm) and
+    torch's schedule over the micro-batches (engines/pipeline.py).
 
     reshard_after_forward follows `zero` as at pp = 1 (zero=3: each micro-batch's backward gathers
     again; zero=2: the gathered parameters are kept from a micro-batch's forward to its backward,
@@ -185,8 +185,7 @@ class Fsdp2PipelineEngine(Fsdp2Engine):
         marks("step")
         named = list(self.module.named_parameters())
         self.grads_at_step = sum(storages(p.grad for _, p in named).values())
-        self.last_grad_norm = clip_grad_norm(named, self.clip, self.tp_rank, self.tp, self.tp_split, self.ep,
-                                             self.pp)
+        self.last_grad_norm = clip_pipeline_grad_norm([p for _, p in named], self.clip, self.pipeline.group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return losses
@@ -316,7 +315,7 @@ def tp_split_names(cfg: BenchConfig) -> frozenset:
 
 
 def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split: frozenset,
-                   ep: int = 1, pp: int = 1) -> float:
+                   ep: int = 1) -> float:
     """The global L2 norm over DP shards and TP slices, then one scale on every rank.
 
     tp == 1: torch's clip_grad_norm_ (DTensor gradients: it reduces over the DP mesh). tp > 1: that
@@ -326,10 +325,9 @@ def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split
     aten.stack.default must have the same mesh": the experts' DTensors live on the
     expert-data-parallel one); the same plain sum over the world is the global norm, the world
     being the dp = ep x expert-DP ranks: DP shards, expert-DP shards and the ep ranks' experts
-    are all disjoint. pp > 1: the same plain sum over the world, each stage's parameters being its own
-    (and sharded over its data-parallel ranks), is the whole pipeline's norm."""
+    are all disjoint. pp > 1: clip_pipeline_grad_norm."""
     named = [(n, p) for n, p in named if p.grad is not None]
-    if tp == 1 and ep == 1 and pp == 1:
+    if tp == 1 and ep == 1:
         return float(torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm))
     sq = torch.zeros((), dtype=torch.float32, device=named[0][1].grad.device if named else None)
     for n, p in named:
@@ -342,6 +340,23 @@ def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split
         for _, p in named:
             local(p.grad).mul_(coef)
     return norm
+
+
+def clip_pipeline_grad_norm(params: list, max_norm: float, pp_group) -> float:
+    """torchtitan's clipping under a pipeline (torchtitan/distributed/utils.py clip_grad_norm_ with a pp
+    mesh): torch's norm of this rank's gradients (DTensors: over the stage's data-parallel mesh), its
+    square summed over the pipeline's ranks, then torch's clip_grads_with_norm_ with that norm: pp=1's
+    torch functions on each stage, so the clip coefficient is computed the same way (tp 1, ep 1: the
+    rest is refused under a pipeline)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    total = total ** 2
+    dist.all_reduce(total, group=pp_group)
+    total = total ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
 
 
 # -- exact model states ----------------------------------------------------------------------------
