@@ -3,7 +3,7 @@
 fully_shard'ed over its data-parallel ranks; zero=2 too) and DeepSpeed ZeRO-1 (one engine per stage;
 ZeRO-0 too), under
 torch's GPipe, 1F1B and interleaved 1F1B (2 virtual stages per rank: 4 stages of one layer), on 2
-ranks (pp=2) and on 4 (pp=2 x dp=2).
+ranks (pp=2) and on 4 (pp=2 x dp=2, and pp=2 x tp=2 against tp=2 at pp=1).
 
 The reference is pp=1 at dp=2 on the same 2 ranks (one pool for both): the worker gives every
 data-parallel rank the same tokens, so pp=1 trains the same sequences whatever dp, and the 4-rank
@@ -40,7 +40,7 @@ REFERENCE = {"fsdp2": "fsdp2", "fsdp2_zero2": "fsdp2", "zero1": "zero1", "zero0"
 # clip coefficient it gives; measured 5.4e-5 / 1.0e-3 by step 6 here, held to 5e-4 / 1e-2
 TOLERANCE = {"fsdp2_bf16": (5e-4, 1e-2)}
 FP32 = (2e-6, 2e-5)
-# name -> (engine, parallel.pp, parallel.dp, schedule, vpp); grouped by world size (one pool each)
+# name -> (engine, parallel.pp, parallel.dp, schedule, vpp[, parallel.tp]); grouped by world size (one pool each)
 CASES = {
     "fsdp2_1f1b": ("fsdp2", 2, 1, "1f1b", 1),
     "fsdp2_gpipe": ("fsdp2", 2, 1, "gpipe", 1),
@@ -54,6 +54,9 @@ CASES = {
     "zero1_bf16_1f1b": ("zero1_bf16", 2, 1, "1f1b", 1),
     "fsdp2_1f1b_dp2": ("fsdp2", 2, 2, "1f1b", 1),
     "zero1_1f1b_dp2": ("zero1", 2, 2, "1f1b", 1),
+    # tp=2 (megatron's sequence parallelism on: each tp rank sends its half of the sequence to the next stage)
+    "fsdp2_1f1b_tp2": ("fsdp2", 2, 1, "1f1b", 1, 2),
+    "zero1_1f1b_tp2": ("zero1", 2, 1, "1f1b", 1, 2),
 }
 # a plan's entries grow (as a search's): the same engine trains micro 2 after micro 1 (new PipelineStage shapes)
 GROWS = "fsdp2_1f1b"
@@ -62,8 +65,8 @@ _wall: dict = {}
 _diffs: dict = {}  # name -> the largest relative difference of a loss and of a gradient norm from pp=1's
 
 
-def config(engine: str, pp: int, dp: int, schedule: str = "1f1b", vpp: int = 1):
-    return cpu_cfg("llama-tiny", parallel=ParallelConfig(dp=dp, pp=pp, pp_schedule=schedule, vpp=vpp),
+def config(engine: str, pp: int, dp: int, schedule: str = "1f1b", vpp: int = 1, tp: int = 1):
+    return cpu_cfg("llama-tiny", parallel=ParallelConfig(tp=tp, dp=dp, pp=pp, pp_schedule=schedule, vpp=vpp),
                    batch=BatchConfig(micro=1, grad_accum=2), steps=StepsConfig(warmup=0, timed=5),
                    **ENGINES[engine])
 
@@ -74,7 +77,9 @@ def trials(tmp_path_factory, pools):
     dp=2) and every case, at micro 1."""
     t0 = time.time()
     out = {}
-    runs = [(f"ref_{e}", config(e, 1, 2)) for e in set(REFERENCE.values())] + [(n, config(*c)) for n, c in CASES.items()]
+    refs = [(f"ref_{e}", config(e, 1, 2)) for e in sorted(set(REFERENCE.values()))]
+    refs += [(f"ref_{e}_tp2", config(e, 1, 1, tp=2)) for e in sorted({c[0] for c in CASES.values() if c[5:] == (2,)})]
+    runs = refs + [(n, config(*c)) for n, c in CASES.items()]
     for name, b in runs:
         plan = [Entry(1, "measure")] + ([Entry(2, "measure")] if name == GROWS else [])
         out[name], *more = run_launch(b, plan, tmp_path_factory.mktemp(name), LaunchOptions(pools=pools))
@@ -87,10 +92,11 @@ def trials(tmp_path_factory, pools):
 @pytest.mark.parametrize("name", list(CASES))
 def test_pp2_gives_pp1s_losses_and_gradient_norms(trials, name):
     engine, pp, dp = CASES[name][:3]
-    ref, got = trials[f"ref_{REFERENCE[engine]}"], trials[name]
+    tp = (CASES[name][5:] or (1,))[0]
+    ref, got = trials[f"ref_{REFERENCE[engine]}" + ("_tp2" if tp == 2 else "")], trials[name]
     assert ref.status == "ok", ref.reason
     assert got.status == "ok", got.reason
-    assert len(got.ranks) == pp * dp
+    assert len(got.ranks) == pp * dp * tp
     one = ref.ranks[0]
     # DeepSpeed's ZeRO-0 in fp32 clips without recording the norm (engine.clip_fp32_gradients), at pp=1 too;
     # clipping acts at every step here (norms ~3.6 > 1.0), so its losses equal to ZeRO-1's say the
@@ -112,7 +118,7 @@ def test_pp2_gives_pp1s_losses_and_gradient_norms(trials, name):
                                                                                   r.grad_norms)
         else:
             assert r.grad_norms == [None] * STEPS
-    assert got.global_batch == ref.global_batch * dp // 2  # micro x grad_accum x dp
+    assert got.global_batch == 2 * dp  # micro 1 x grad_accum 2 x dp
 
 
 def test_the_modules_trials_took(trials):
@@ -120,7 +126,7 @@ def test_the_modules_trials_took(trials):
     print(f"\npipeline trials: {len(trials)} in {_wall['trials_s']:.0f} s")
     for name, (loss, norm) in _diffs.items():
         print(f"  {name}: losses within {loss:.1e}, gradient norms within {norm:.1e} of pp=1's (relative)")
-    assert len(trials) == len(CASES) + len(set(REFERENCE.values())) + 1
+    assert len(trials) == len(CASES) + len(set(REFERENCE.values())) + 2 + 1
 
 
 def test_the_next_micro_batch_size_trains_on_the_same_stages(trials):

@@ -33,7 +33,6 @@ def bench(*overrides: str) -> BenchConfig:
     (["model=gpt-tiny"], "model.tie_embeddings=true: megatron keeps the word embedding on the first and the last"),
     (["model=moe-tiny"], "model.num_experts=8: a mixture of experts is not compared under a pipeline"),
     (["model.attention=unfused"], "model.attention=unfused: only sdpa attention is compared"),
-    (["parallel.tp=2"], "parallel.tp=2: tensor parallelism is not compared under a pipeline"),
     (["parallel.dp=2", "parallel.sp=2"], "parallel.sp=2: Ulysses is not compared under a pipeline"),
     (["engine=fsdp2", "zero=3", "parallel.dp=2", "parallel.dp_shard=1"],
      "parallel.dp_shard=1: hybrid sharding is not compared under a pipeline"),
@@ -66,6 +65,7 @@ def test_the_moe_refusal_names_expert_parallelism_first_where_asked():
     ["zero=1", "parallel.pp_schedule=interleaved_1f1b", "parallel.vpp=2", "batch.grad_accum=4"],
     ["engine=fsdp2", "zero=3", "parallel.pp=4", "batch.grad_accum=4"],
     ["zero=1", "precision=bf16"], ["engine=fsdp2", "zero=3", "precision=bf16"],
+    ["zero=1", "parallel.tp=2"], ["engine=fsdp2", "zero=3", "parallel.tp=2", "parallel.dp=2"],
 ])
 def test_compared_configs_compose(overrides):
     b = bench(*overrides)

@@ -241,7 +241,8 @@ def check_pipeline(b: BenchConfig) -> None:
     """parallel.pp > 1: the schedule's keys agree with each other and give torch's schedule enough
     micro-batches; what runs under a pipeline is what trials have compared with pp = 1
     (tests/integration/test_pipeline_trials.py: llama-tiny in fp32 and bf16, FSDP2 zero=2/3 and DeepSpeed
-    ZeRO 0-1, GPipe, 1F1B and interleaved 1F1B, pp=2 on 2 ranks and pp=2 x dp=2 on 4); every other
+    ZeRO 0-1, GPipe, 1F1B and interleaved 1F1B, pp=2 on 2 ranks, pp=2 x dp=2 and pp=2 x tp=2 with
+    megatron's sequence parallelism on 4); every other
     dimension is refused in one line until a trial has compared it; what each engine cannot run is
     its refusals' (Concern.pipeline)."""
     p = b.parallel
@@ -272,7 +273,6 @@ def check_pipeline(b: BenchConfig) -> None:
          "a dense model"),
         (f"model.attention={m.attention}", m.attention != "sdpa", "only sdpa attention is compared under a pipeline",
          "model.attention=sdpa"),
-        (f"parallel.tp={p.tp}", p.tp > 1, "tensor parallelism is not compared under a pipeline", "parallel.tp=1"),
         (f"parallel.sp={p.sp}", p.sp > 1, "Ulysses is not compared under a pipeline", "parallel.sp=1"),
         (f"parallel.ep={p.ep}", p.ep > 1, "expert parallelism is not compared under a pipeline", "parallel.ep=1"),
         (f"parallel.dp_shard={p.dp_shard}", p.dp_shard is not None and p.dp_shard != p.dp,

@@ -185,7 +185,11 @@ class Fsdp2PipelineEngine(Fsdp2Engine):
         marks("step")
         named = list(self.module.named_parameters())
         self.grads_at_step = sum(storages(p.grad for _, p in named).values())
-        self.last_grad_norm = clip_pipeline_grad_norm([p for _, p in named], self.clip, self.pipeline.group)
+        if self.tp == 1:
+            self.last_grad_norm = clip_pipeline_grad_norm([p for _, p in named], self.clip, self.pipeline.group)
+        else:  # megatron's tp slices are no DTensors: pp=1's plain sum over the world, each stage's its own
+            self.last_grad_norm = clip_grad_norm(pp1_names(self.module), self.clip, self.tp_rank, self.tp,
+                                                 self.tp_split, self.ep)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return losses
@@ -340,6 +344,20 @@ def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split
         for _, p in named:
             local(p.grad).mul_(coef)
     return norm
+
+
+def pp1_names(stages: torch.nn.ModuleList) -> list:
+    """(name, parameter) of a rank's stages under the names pp=1's GPTModel gives them (what
+    tp_split_names lists): "1.gpt.decoder.layers.0.mlp..." of a stage from layer 2 on is
+    "decoder.layers.2.mlp..."."""
+    out = []
+    for stage in stages:
+        for name, p in stage.gpt.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(stage.chunk.first + int(parts[2]))
+            out.append((".".join(parts), p))
+    return out
 
 
 def clip_pipeline_grad_norm(params: list, max_norm: float, pp_group) -> float:

@@ -66,11 +66,12 @@ class Pipeline:
     def shapes(self, chunk, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input, output) of `chunk` at `micro` sequences per micro-batch, as meta tensors: what
         PipelineStage allocates its receive buffers from. The hidden states are megatron's [s, b, h]
-        in the dtype its layers compute in (parallel.tp 1, no sequence sharding: configure refuses the rest)."""
+        in the dtype its layers compute in; with megatron's sequence parallelism (tp > 1) each tp rank
+        holds and sends its s / tp tokens."""
         m = self.cfg.model
         # requires_grad: the stage receives their gradient from the next one and sends its own back
-        hidden = torch.empty(m.seq_len, micro, m.hidden_size, dtype=DTYPES[self.cfg.precision], device="meta",
-                             requires_grad=True)
+        hidden = torch.empty(m.seq_len // self.cfg.layout.seq_shard, micro, m.hidden_size,
+                             dtype=DTYPES[self.cfg.precision], device="meta", requires_grad=True)
         tokens = torch.empty(micro, m.seq_len, dtype=torch.long, device="meta")
         loss = torch.empty(micro, m.seq_len, dtype=torch.float32, device="meta")
         return tokens if chunk.pre else hidden, loss if chunk.post else hidden

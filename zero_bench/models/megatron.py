@@ -304,8 +304,8 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
     draws its weights (FSDP2 shards it there, as zero.Init partitions each module; the weights are
     megatron's, from the same generator in the same order). The caller then places the model itself.
 
-    stage: GPTModel's pre_process / post_process / vp_stage for one pipeline stage (models/stages.py);
-    None: the whole model."""
+    stage: GPTModel's pre_process / post_process / vp_stage for one pipeline stage (models/stages.py),
+    and `layers`, the slice of the model's layers it holds; None: the whole model."""
     from megatron.core.models.gpt import GPTModel
 
     if cfg.model.is_moe:
@@ -317,10 +317,16 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
 
         install_bias_sum()
     spec = layer_spec(cfg.model, config.sequence_parallel, cfg.parallel.sp)
+    stage = dict(stage or {})
+    layers = stage.pop("layers", None)
+    if layers is not None and hasattr(spec, "layer_specs"):
+        # a block spec lists every layer; megatron builds a stage from it as given (get_gpt_decoder_block_spec
+        # slices it by the stage's offset itself): the stage's own layers
+        spec = dataclasses.replace(spec, layer_specs=spec.layer_specs[layers])
     if on_layer is not None:
         spec = _then(spec, on_layer)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp),
-                   **(stage or {}))
+                   **stage)
     if gpt.post_process:
         install_loss(gpt, cfg.loss)
     ulysses.rotary_at_offset(gpt)

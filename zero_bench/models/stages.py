@@ -125,10 +125,12 @@ def build_stages(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Call
     for chunk in chunks(cfg.model.num_layers, p.pp, p.vpp, ps.get_pipeline_model_parallel_rank()):
         if config.use_cpu_initialization:
             seed_cpu_rng(cfg.seed)  # as init_parallel left it for pp = 1's build
-            _draw_before(cfg, config, chunk, layer_spec(cfg.model))
+            _draw_before(cfg, config, chunk, layer_spec(cfg.model, config.sequence_parallel, p.sp))
         gpt = build_gpt(cfg, config, on_cpu, on_layer=on_layer,
                         stage=dict(pre_process=chunk.pre, post_process=chunk.post,
-                                   vp_stage=chunk.vp_stage if p.vpp > 1 else None))
+                                   vp_stage=chunk.vp_stage if p.vpp > 1 else None,
+                                   layers=slice(chunk.first, chunk.first + chunk.layers)))
+        assert len(gpt.decoder.layers) == chunk.layers, (len(gpt.decoder.layers), chunk)
         out.append(StageModule(gpt, chunk))
     return out
 
