@@ -143,7 +143,7 @@ def test_world_size_beyond_devices():
 
     limit = 2 * available_devices("cpu")
     validate_machine(bench(f"parallel.dp={limit}"))
-    with pytest.raises(ConfigError, match=rf"world size tp\*dp={limit + 2} exceeds"):
+    with pytest.raises(ConfigError, match=rf"world size tp\*dp\*pp={limit + 2} exceeds"):
         validate_machine(bench(f"parallel.dp={limit + 2}"))
 
 

@@ -74,17 +74,19 @@ def with_hf_model(plain: dict) -> dict:
     return {**plain, "model": {**model, **keys}}
 
 
-def from_cfg(cfg: Any, here: bool = True) -> BenchConfig:
+def from_cfg(cfg: Any, here: bool = True, training: bool = True) -> BenchConfig:
     """A composed config (Hydra DictConfig or a plain dict) -> a checked, resolved BenchConfig.
 
     here: the trial runs on this machine (device=gpu needs a visible GPU). An estimate is for a
     machine one may not have: here=False keeps device=gpu and resolves "auto" as that device would.
+    training: validate_static's: False for `zero_bench estimate`, which answers for pipelines no
+    trial has run yet (check_pipeline_estimate in place of check_pipeline).
     """
     root = structured(Config, with_hf_model(_plain(cfg)))
     check_bench(root)
     bench = BenchConfig(**{f.name: getattr(root, f.name) for f in dataclasses.fields(BenchConfig)})
     bench = resolve(bench, here)
-    validate_static(bench)
+    validate_static(bench, training)
     return bench
 
 
@@ -298,6 +300,32 @@ def check_pipeline(b: BenchConfig) -> None:
     spec(b.engine).validate(b, Concern.pipeline)
 
 
+def check_pipeline_estimate(b: BenchConfig) -> None:
+    """parallel.pp > 1 as the estimate takes it (validate_static(training=False)): the schedule's keys
+    agree with each other; whether trials have compared a pipeline with pp = 1 yet (check_pipeline)
+    is not asked, so the estimate answers for a 70B on 32 GPUs before any pipeline trial ran. What
+    no engine runs under a pipeline is the estimate's own refusal (estimate/pipeline.py refusal),
+    so that `zero_bench estimate` without zero=... shows the stages that run."""
+    p = b.parallel
+    interleaved = p.pp_schedule == PipelineSchedule.interleaved_1f1b
+    if p.vpp > 1 and not interleaved:
+        raise ConfigError(f"parallel.vpp={p.vpp}: virtual stages run with parallel.pp_schedule=interleaved_1f1b (got "
+                          f"{p.pp_schedule}); allowed with {p.pp_schedule}: parallel.vpp=1")
+    if interleaved and p.vpp < 2:
+        raise ConfigError("parallel.pp_schedule=interleaved_1f1b: needs parallel.vpp >= 2 virtual stages per rank; "
+                          "allowed at parallel.vpp=1: parallel.pp_schedule=gpipe or 1f1b")
+    m = b.batch.grad_accum  # the micro-batches of one pipeline step, as torch.distributed.pipelining's schedules take them
+    if p.pp_schedule == PipelineSchedule.one_f_one_b and m < p.pp:  # Schedule1F1B's own ValueError
+        raise ConfigError(f"batch.grad_accum={m}: the micro-batches of a pipeline step; parallel.pp_schedule=1f1b needs "
+                          f"at least parallel.pp={p.pp} (torch's Schedule1F1B); allowed: batch.grad_accum >= {p.pp}, "
+                          "or parallel.pp_schedule=gpipe")
+    rounds = max(1, m // p.pp)
+    if interleaved and m % rounds:  # ScheduleInterleaved1F1B's own ValueError
+        raise ConfigError(f"batch.grad_accum={m}: parallel.pp_schedule=interleaved_1f1b runs the micro-batches in "
+                          f"{rounds} rounds of equal size (torch's ScheduleInterleaved1F1B); allowed: a multiple of "
+                          f"{rounds}, e.g. {rounds * p.pp}")
+
+
 def check_search(s: SearchConfig) -> None:
     integer("search.min", s.min)
     integer("search.max", s.max)
@@ -409,11 +437,12 @@ def offload_rung(b: BenchConfig) -> OffloadDevice:
     return OffloadDevice(b.offload_device)
 
 
-def validate_static(b: BenchConfig) -> None:
+def validate_static(b: BenchConfig, training: bool = True) -> None:
     """Checks across keys that need only the config (inside a grid, a failing combination is
     recorded as skipped rather than ending the sweep). The parallel degrees are the layout's
     (config/layout.py RankLayout, validated once against the model); what each engine runs of them
-    is its refusals'."""
+    is its refusals'. training=False (`zero_bench estimate`): a pipeline is checked as the estimate
+    takes it (check_pipeline_estimate), not as trials run it (check_pipeline)."""
     m, tp = b.model, b.parallel.tp
     spec(b.engine).validate(b, Concern.engine)
     check_states(b)
@@ -425,7 +454,7 @@ def validate_static(b: BenchConfig) -> None:
     if layout.sp > 1:
         check_ulysses(b)
     if layout.pp > 1 or b.parallel.vpp > 1:
-        check_pipeline(b)
+        (check_pipeline if training else check_pipeline_estimate)(b)
     if b.loss != "megatron" and tp > 1:
         raise ConfigError(f"loss={b.loss}: runs at parallel.tp=1 (at tp {tp} the vocabulary is split over the "
                           "ranks and only megatron's vocab-parallel loss reads it); allowed with tp > 1: "

@@ -49,7 +49,7 @@ def check_hostfile(cfg: BenchConfig) -> dict[str, int]:
         raise ConfigError(f"hardware.num_nodes={hw.num_nodes}: the hostfile {hw.hostfile} lists only "
                           f"{len(hosts)} hosts")
     if world % hw.num_nodes:
-        raise ConfigError(f"hardware.num_nodes={hw.num_nodes}: must divide the world size tp*dp={world}")
+        raise ConfigError(f"hardware.num_nodes={hw.num_nodes}: must divide the world size tp*dp*pp={world}")
     per_node = world // hw.num_nodes
     used = dict(list(hosts.items())[:hw.num_nodes])
     short = {h: s for h, s in used.items() if s < per_node}

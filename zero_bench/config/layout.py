@@ -25,13 +25,14 @@ one place the degrees are divided (tests/unit/test_rank_layout.py holds the pack
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from zero_bench.errors import ConfigError
 from zero_bench.models.description import ModelConfig
-from zero_bench.models.params import Param, params as param_list
+from zero_bench.models.params import ROOT, Param, params as param_list
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class RankLayout:
     model: Optional[ModelConfig] = None
     """The model the degrees are validated against and whose parameters the layout places. None:
     the degrees alone (the ZeRO paper's formula on a bare parameter count, a stored calibration)."""
+    stage: Optional[int] = None
+    """At pp > 1, the pipeline stage (0-based, the pipeline rank) whose ranks this layout describes:
+    `params` and every count derived from it are that stage's (stage_params). None: the whole model,
+    as at pp = 1 (a layout built from a config; the estimate asks each stage with at_stage)."""
 
     def __post_init__(self) -> None:
         for key in ("tp", "dp", "ep", "sp", "pp", "vpp") + (("dp_shard",) if self.dp_shard is not None else ()):
@@ -75,6 +80,8 @@ class RankLayout:
         self._check_tensor_parallel()
         self._check_sequence()
         self._check_pipeline()
+        if self.stage is not None and not (isinstance(self.stage, int) and 0 <= self.stage < self.pp):
+            raise ValueError(f"RankLayout.stage={self.stage}: a pipeline stage in 0 .. pp - 1 = {self.pp - 1}")
 
     @classmethod
     def of(cls, degrees: Any, model: Optional[ModelConfig]) -> "RankLayout":
@@ -231,7 +238,8 @@ class RankLayout:
         tensor-parallel group; with ep > 1 the expert-parallel group (the dispatcher's all-to-all)
         and the expert-data-parallel group (the experts' reduce-scatters and all-gathers); with
         hybrid sharding the shard group and the replicate group (FSDP2's 2-D mesh); with sp > 1 the
-        sequence-parallel group (attention's all-to-all)."""
+        sequence-parallel group (attention's all-to-all); with pp > 1 the pipeline group (the
+        stages' point-to-point sends). dp, tp, ... are the groups within one stage."""
         out = {"world": self.world_size, "dp": self.dp, "tp": self.tp}
         if self.sp > 1:
             out.update(sp=self.sp)
@@ -239,20 +247,27 @@ class RankLayout:
             out.update(ep=self.ep, expert_dp=self.expert_data_parallel)
         if self.hybrid:
             out.update(shard=self.shard_size, replicate=self.replicas)
+        if self.pp > 1:
+            out.update(pp=self.pp)
         return out
 
     @property
     def spans(self) -> dict[str, int]:
         """Consecutive ranks each of `groups` spans, the ranks laid out tp fastest, then dp (sp and ep
         groups consecutive data-parallel ranks): a group whose span fits in a node's ranks never
-        leaves the node (the time estimate's intra- vs inter-node bandwidth, estimate/time/comm.py)."""
-        out = {"world": self.world_size, "dp": self.world_size, "tp": self.tp}
+        leaves the node (the time estimate's intra- vs inter-node bandwidth, estimate/time/comm.py). The ranks are laid
+        out tp fastest, then dp, then pp (megatron's order): the data-parallel groups stay within one
+        stage's tp x dp ranks; pp_hop is the span of one p2p send between neighbouring stages."""
+        stage = self.tp * self.dp  # one pipeline stage's ranks: the whole world at pp 1
+        out = {"world": self.world_size, "dp": stage, "tp": self.tp}
         if self.sp > 1:
             out.update(sp=self.tp * self.sp)
         if self.ep > 1:
-            out.update(ep=self.tp * self.ep, expert_dp=self.world_size)
+            out.update(ep=self.tp * self.ep, expert_dp=stage)
         if self.hybrid:
-            out.update(shard=self.tp * self.shard_size, replicate=self.world_size)
+            out.update(shard=self.tp * self.shard_size, replicate=stage)
+        if self.pp > 1:  # the stages' neighbours are tp x dp ranks apart: a p2p hop spans stage + 1 ranks
+            out.update(pp=self.world_size, pp_hop=stage + 1)
         return out
 
     def expert_rank(self, rank: int) -> int:
@@ -285,7 +300,76 @@ class RankLayout:
         built once per layout."""
         if self.model is None:
             raise ValueError("RankLayout.params: the layout has no model")
-        return tuple(param_list(self.model, self.tp, experts=self.experts_per_rank))
+        every = tuple(param_list(self.model, self.tp, experts=self.experts_per_rank))
+        return every if self.stage is None or self.pp == 1 else self.stage_params(self.stage, every)
+
+    # -- pipeline stages ---------------------------------------------------------------------------
+    def at_stage(self, stage: int) -> "RankLayout":
+        """This layout for the ranks of pipeline stage `stage` (its params, counts and partitions)."""
+        return dataclasses.replace(self, stage=stage)
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """Layers of one model chunk: num_layers / (pp x vpp) (megatron's uniform split)."""
+        if self.model is None:
+            raise ValueError("RankLayout.layers_per_chunk: the layout has no model")
+        return self.model.num_layers // (self.pp * self.vpp)
+
+    def stage_layers(self, stage: Optional[int] = None) -> tuple[int, ...]:
+        """The (global) indices of the layers pipeline rank `stage` holds (default: this layout's
+        stage; None there: every layer). Megatron's assignment (get_transformer_layer_offset): model
+        chunk c of pipeline rank r is virtual stage c x pp + r, holding num_layers / (pp x vpp)
+        consecutive layers; without interleaving (vpp 1) rank r holds layers r x L/pp .. (r+1) x L/pp - 1."""
+        stage = self.stage if stage is None else stage
+        if self.model is None:
+            raise ValueError("RankLayout.stage_layers: the layout has no model")
+        if stage is None or self.pp == 1:
+            return tuple(range(self.model.num_layers))
+        n = self.layers_per_chunk
+        return tuple(i for c in range(self.vpp) for i in range((c * self.pp + stage) * n, (c * self.pp + stage + 1) * n))
+
+    @property
+    def largest_stage(self) -> "RankLayout":
+        """The layout of the pipeline stage that holds the most parameters (the earlier of equals);
+        itself at pp 1 or where a stage is set."""
+        if self.pp == 1 or self.stage is not None:
+            return self
+        return max((self.at_stage(s) for s in range(self.pp)), key=lambda x: (x.held_params, -x.stage))
+
+    @property
+    def first_stage(self) -> bool:
+        """This layout's ranks hold the embedding (the first stage; every rank at pp 1)."""
+        return self.pp == 1 or self.stage in (None, 0)
+
+    @property
+    def last_stage(self) -> bool:
+        """This layout's ranks hold the final norm, the output layer and the loss (the last stage)."""
+        return self.pp == 1 or self.stage in (None, self.pp - 1)
+
+    def stage_params(self, stage: int, every: Optional[tuple[Param, ...]] = None) -> tuple[Param, ...]:
+        """The parameters pipeline rank `stage` holds, of `every` (the whole model's list): its
+        layers (stage_layers), the embeddings on the first stage, the final norm and the output
+        layer on the last. Tied embeddings (GPT presets): megatron-core's last stage, which is not
+        the first, allocates its own output_layer.weight [V/tp, h] (GPTModel builds the output
+        layer with skip_weight_param_allocation only where pre_process holds the embedding) and
+        keeps it equal to the word embedding by an all-reduce of their gradients over the embedding
+        group (LanguageModule.setup_embeddings_and_output_layer): a second copy, counted here. The
+        names stay the whole model's (decoder.layers.{global index})."""
+        every = every if every is not None else tuple(param_list(self.model, self.tp, experts=self.experts_per_rank))
+        layers = {f"layer{i}" for i in self.stage_layers(stage)}
+        first, last = stage == 0, stage == self.pp - 1
+        out = []
+        for p in every:
+            if p.group in layers:
+                out.append(p)
+            elif p.group == ROOT:
+                embedding = p.name.startswith("embedding.")
+                if (embedding and first) or (not embedding and last):
+                    out.append(p)
+        if last and not first and self.model.tie_embeddings:
+            word = next(p for p in every if p.name == "embedding.word_embeddings.weight")
+            out.append(dataclasses.replace(word, name="output_layer.weight"))
+        return tuple(out)
 
     @functools.cached_property
     def _split(self) -> tuple[int, int]:

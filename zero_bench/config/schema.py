@@ -364,6 +364,9 @@ class BenchConfig:
             d["parallel"].pop("sequence_parallel", None)
         if d["parallel"].get("sp") == 1:
             d["parallel"].pop("sp")
+        if d["parallel"].get("pp", 1) == 1:  # no pipeline: the keys configurations had before parallel.pp
+            for k in ("pp", "pp_schedule", "vpp"):
+                d["parallel"].pop(k, None)
         return d
 
     def label(self) -> str:
@@ -372,6 +375,7 @@ class BenchConfig:
                   "sequence_parallel=false" if self.parallel.tp > 1 and not self.parallel.sequence_sharded else "",
                   f"ep={self.parallel.ep}" if self.parallel.ep > 1 else "",
                   f"sp={self.parallel.sp}" if self.parallel.sp > 1 else "",
+                  pipeline_tag(self.parallel),
                   f"states={self.states}" if self.states != States.mixed else "",
                   f"loss={self.loss}" if self.loss != Loss.megatron else "", self.zeropp.tag(),
                   f"recompute={self.recompute}" if self.recompute not in ("none", "block") else "",
@@ -382,6 +386,15 @@ class BenchConfig:
                   "fusions=false" if not self.fusions and self.hardware.device != Device.cpu else ""]
         return " ".join([make_label(self.model.name, self.parallel.tp, self.parallel.dp, self.zero,
                                     "nvme" if self.nvme else self.offload, self.precision, self.engine)] + [x for x in extras if x])
+
+
+def pipeline_tag(p: ParallelConfig) -> str:
+    """How a label names a pipeline: "pp=4", with the schedule where it is not 1f1b and the virtual
+    stages ("pp=4 gpipe", "pp=4 interleaved_1f1b vpp=2"); "" at pp 1."""
+    if p.pp == 1:
+        return ""
+    schedule = "" if p.pp_schedule == PipelineSchedule.one_f_one_b else f" {p.pp_schedule}"
+    return f"pp={p.pp}{schedule}" + (f" vpp={p.vpp}" if p.vpp > 1 else "")
 
 
 def make_label(model: str, tp: int, dp: int, zero: Any, offload: Any, precision: str,

@@ -25,6 +25,10 @@ zeropp.py is ZeRO++'s terms (hpZ's second partition, qwZ's and qgZ's quantized b
 communication ratio).
 seq.py is the predicted longest sequence at a micro-batch (the same estimate at each length; maxseq's seed).
 ulysses.py is what Ulysses' all-to-all changes in a layer's activations at parallel.sp > 1 (activations.py adds it).
+pipeline.py is pipeline parallelism (parallel.pp > 1): each stage's prediction (the engine's on the
+stage's layout) with the micro-batches in flight per schedule and the p2p buffers; the Estimate of
+a pipeline holds each stage's, its peak the largest stage's (the stage named), its max micro-batch
+the smallest.
 time/ is the time per optimizer step beside the memory (compute, communication, offload terms, each
 with its source; the rates in zero_bench/devices/rates.py): Estimate.time_at(micro).
 traced.py is the traced prediction beside the formula (`traced=true`): the real engine's step
@@ -56,6 +60,7 @@ from zero_bench.estimate.buffers import deepspeed_buffers
 from zero_bench.estimate.deepspeed import CPU_ACTIVATION_FACTOR
 from zero_bench.estimate.gpu import (CUBLAS_HANDLES, CUBLAS_WORKSPACE, communicator_bytes, communicator_groups,
                                      fragmentation, outside_allocator)
+from zero_bench.estimate.pipeline import pipelined, stage_bench, stage_name
 from zero_bench.estimate.prediction import Phase, Prediction
 from zero_bench.estimate.states import model_states_bytes
 from zero_bench.estimate.time import TimeModel, TimePrediction
@@ -108,6 +113,23 @@ class Estimate:
     # the published ranges (GPU) / the built-in figure (CPU): zero_bench.devices.calibration
     fragmentation_calibrated: bool = False  # GPU: the factor was measured here, for this model and stage
     time: Optional[TimeModel] = None  # the time prediction beside the memory one (estimate/time/): time_at(micro)
+    pp: int = 1  # pipeline stages (parallel.pp)
+    grad_accum: int = 1  # micro-batches per optimizer step (batch.grad_accum; a pipeline's micro-batches)
+    stage: Optional[int] = None  # pp > 1: the stage this estimate is of (the whole pipeline's: its peak stage)
+    stage_layers: str = ""  # pp > 1: the stage's layers ("0-19")
+    stages: tuple = ()  # pp > 1, the whole pipeline's estimate: each stage's Estimate (estimate/pipeline.py);
+    # its own fields are the peak stage's, and the peaks and max micro are the largest / smallest over them
+
+    def stage_at(self, micro: int) -> "Estimate":
+        """The stage whose predicted peak at `micro` is the largest (itself without a pipeline)."""
+        if not self.stages:
+            return self
+        return max(self.stages, key=lambda e: (e.peak_bytes(micro), -(e.stage or 0)))
+
+    @property
+    def stage_name(self) -> str:
+        """"stage 0 of 4" (estimate/pipeline.py stage_name); "" without a pipeline."""
+        return stage_name(self.stage, self.pp)
 
     def time_at(self, micro: int) -> Optional[TimePrediction]:
         """The predicted optimizer step at `micro` per rank (None: no rates for this hardware, or micro 0)."""
@@ -177,13 +199,18 @@ class Estimate:
 
     def allocated_bytes(self, micro: int) -> int:
         """The tensors' peak at this micro-batch (torch's max allocated on GPU): the persistent states
-        plus the largest phase (its gradients, buffers and activations)."""
+        plus the largest phase (its gradients, buffers and activations); under a pipeline the largest
+        stage's."""
+        if self.stages:
+            return max(e.allocated_bytes(micro) for e in self.stages)
         steady = self.persistent + max(self.phase_bytes(ph) + micro * self.per_sample(ph) for ph in self.phases)
         return max(steady, self.prediction.init_peak)
 
     def peak_bytes(self, micro: int, overhead: Optional[int] = None) -> int:
         """Predicted per-rank peak at this micro-batch (RSS on CPU, device memory as nvidia-smi shows it
         on GPU): the fixed part (`overhead`, default the high end) + the allocator's reserve."""
+        if self.stages:
+            return max(e.peak_bytes(micro, overhead) for e in self.stages)
         fixed = self.overhead if overhead is None else overhead
         return fixed + int(self.fragmentation * self.allocated_bytes(micro))
 
@@ -195,6 +222,9 @@ class Estimate:
     def max_micro(self, capacity: Optional[int] = None, overhead: Optional[int] = None) -> Optional[int]:
         """Largest micro-batch whose predicted peak fits `capacity` (0: not even one sample)."""
         cap = capacity if capacity is not None else self.capacity
+        if self.stages:  # the largest micro-batch at which every stage fits
+            each = [e.max_micro(cap, overhead) for e in self.stages]
+            return None if any(x is None for x in each) else min(each)
         grows = [ph for ph in self.phases if self.per_sample(ph) > 0]
         if cap is None or not grows:
             return None
@@ -220,7 +250,8 @@ class Estimate:
                    {"allocated_bytes": allocated, "reserved_bytes": int(self.fragmentation * allocated),
                     "device_peak_bytes": peak})
         return {"micro": micro, **figures, "capacity_bytes": self.capacity,
-                "fits": None if self.capacity is None else peak <= self.capacity}
+                "fits": None if self.capacity is None else peak <= self.capacity,
+                **({"peak_stage": self.stage_at(micro).stage} if self.stages else {})}
 
     def host_bytes(self, micro: int = 1) -> int:
         """Host memory one node (all its ranks) needs: the offloaded states (with NVMe offload, what is
@@ -245,10 +276,25 @@ class Estimate:
             "buffers": self.buffers_total, "act_per_sample": self.act_per_sample,
             "overhead": self.overhead, "peak_micro1": self.peak_bytes(1),
             "host_needed": self.host_bytes(m or 1), "capacity": self.capacity,
-            "max_micro": m, "max_global_batch": None if m is None else m * self.dp // self.sp,
+            "max_micro": m, "max_global_batch": None if m is None else m * self.grad_accum * self.dp // self.sp,
             "max_micro_low_overhead": self.max_micro_range()[1] if self.overhead_low is not None else None,
             **({"nvme_states": self.nvme_bytes, "disk_needed": self.disk_bytes()} if self.swap_buffer_bytes else {}),
+            **({"peak_stage": self.stage_name} if self.stages else {}),
         }
+
+    def stage_rows(self) -> list[dict]:
+        """Under a pipeline, one line per stage (the JSON's `stages`): its layers, parameters per rank,
+        micro-batches in flight, states, peak at micro 1 and max micro (estimate/pipeline.py)."""
+        out = []
+        for e in self.stages:
+            s = e.states
+            out.append({"stage": e.stage, "layers": e.stage_layers,
+                        "params_per_rank": e.params_per_shard, "in_flight": e.activations.get("pipeline_in_flight"),
+                        "params": s.params, "grads": s.grads, "optimizer": s.optimizer, "device_states": s.device,
+                        "buffers": e.buffers_total, "act_per_sample": e.act_per_sample,
+                        "p2p_per_sample": e.activations.get("p2p_buffers"), "peak_micro1": e.peak_bytes(1),
+                        "max_micro": e.max_micro()})
+        return out
 
 
 def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Mapping] = None) -> Estimate:
@@ -256,13 +302,44 @@ def estimate(bench: BenchConfig, capacity: Optional[int] = None, ds: Optional[Ma
     its engine's Prediction (the spec's `predict`; `ds`: the trial's DeepSpeed JSON where the caller
     has it) with the fixed terms and the capacity."""
     layout = bench.layout
+    if layout.pp > 1 and layout.stage is None:  # each stage's estimate; the pipeline's is its peak stage's
+        per = tuple(estimate(stage_bench(bench, s), capacity, ds) for s in range(layout.pp))
+        return dataclasses.replace(binding_stage(per, bench.batch.micro), stages=per)
     prediction = load(spec(bench.engine).predict)(bench, ds)
+    if layout.pp > 1:
+        prediction = pipelined(bench, prediction)
     return Estimate(label=bench.label(), device=bench.hardware.device, precision=bench.precision, zero=bench.zero,
                     offload_optimizer=bench.offload, offload_param=bench.offload_param, dp=layout.dp, tp=layout.tp,
                     num_params=num_params(bench.model), params_per_shard=layout.held_params, prediction=prediction,
                     local_ranks=local_ranks(bench), engine=bench.engine, zeropp=bench.zeropp.tag(),
                     capacity=capacity if capacity is not None else search_capacity(bench), ep=layout.ep, sp=layout.sp,
-                    time=TimeModel(bench), **fixed_terms(bench))
+                    time=TimeModel(bench if layout.stage is None else whole_pipeline(bench)), pp=layout.pp,
+                    grad_accum=bench.batch.grad_accum, stage_layers=layers_text(layout),
+                    stage=layout.stage, **fixed_terms(bench))
+
+
+def layers_text(layout) -> str:
+    """A stage's layers as the per-stage table shows them: "0-19", "0-71 (2 chunks)"; "" at pp 1."""
+    if layout.pp == 1 or layout.stage is None:
+        return ""
+    held = layout.stage_layers()
+    return f"{held[0]}-{held[-1]}" + (f" ({layout.vpp} chunks)" if layout.vpp > 1 else "")
+
+
+def binding_stage(stages: tuple, micro: int) -> Estimate:
+    """The stage that sets the pipeline's max micro-batch (the smallest; a tie, or no capacity: the
+    largest peak at `micro`, the earlier stage first)."""
+    def key(e: Estimate) -> tuple:
+        m = e.max_micro()
+        return (m if m is not None else float("inf"), -e.peak_bytes(m or micro), e.stage or 0)
+    return min(stages, key=key)
+
+
+def whole_pipeline(bench: BenchConfig) -> BenchConfig:
+    """A stage's config with the whole pipeline's layout again (the time prediction takes its slowest stage itself)."""
+    out = dataclasses.replace(bench)
+    out.__dict__.pop("layout", None)
+    return out
 
 
 def fixed_terms(bench: BenchConfig) -> dict:

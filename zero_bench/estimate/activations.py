@@ -84,7 +84,7 @@ counted in estimate/attention.py, Ulysses' replacements for them at sp > 1 in es
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from zero_bench.config.schema import Device, Recompute
 from zero_bench.models import ModelConfig
@@ -313,7 +313,7 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
     """(bytes the L layers keep, bytes one layer rebuilds in backward (the last layer), bytes on
     the host) per token. kinds: (number of layers, their terms, MoE or not) per kind of layer
     (dense, MoE); the last layer's kind is last. sequence_parallel: a layer's input is its shard."""
-    B, h, L = BYTES[precision], m.hidden_size / seq_shard(tp, sequence_parallel), m.num_layers
+    B, h, L = BYTES[precision], m.hidden_size / seq_shard(tp, sequence_parallel), sum(n for n, _, _ in kinds)
     last = sum(kinds[-1][1].values())
     if recompute == Recompute.op:
         # the last layer's backward rebuilds what the policy did not keep
@@ -336,9 +336,10 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
 
 
 def layer_kinds(m: ModelConfig, tp: int, precision: str, device: str, fusions: bool = False, tiles: int = 0,
-                sequence_parallel: bool = False, ulysses_sp: int = 1) -> list:
-    """[(layers, terms, MoE)] per kind of layer, the last layer's kind last (dense models: one kind)."""
-    flags = m.moe_layers
+                sequence_parallel: bool = False, ulysses_sp: int = 1, layers: Optional[Sequence[int]] = None) -> list:
+    """[(layers, terms, MoE)] per kind of layer, the last layer's kind last (dense models: one kind).
+    layers: the (global) indices of the layers a pipeline stage holds; None: every layer."""
+    flags = m.moe_layers if layers is None else [m.moe_layers[i] for i in layers]
     order = [not flags[-1], flags[-1]]
     return [(flags.count(moe), layer_terms(m, tp, precision, device, moe, fusions, tiles, sequence_parallel,
                                            ulysses_sp), moe)
@@ -352,15 +353,20 @@ def sequence_args(bench) -> dict:
 
     m = bench.model
     tokens = m.seq_len // getattr(bench.parallel, "sp", 1)  # what one rank's MLP sees of a sequence
-    return {"tiles": mlp_tiles(bench.tiled_mlp, tokens, m.hidden_size), "offload": bench.recompute_offload,
-            "sequence_parallel": bench.layout.sequence_parallel, "ulysses_sp": bench.layout.sp}
+    layout = bench.layout
+    out = {"tiles": mlp_tiles(bench.tiled_mlp, tokens, m.hidden_size), "offload": bench.recompute_offload,
+           "sequence_parallel": layout.sequence_parallel, "ulysses_sp": layout.sp}
+    if layout.pp > 1 and layout.stage is not None:  # a pipeline stage's layers, embedding and head (estimate/pipeline.py)
+        out.update(layers=layout.stage_layers(), first=layout.first_stage, last=layout.last_stage)
+    return out
 
 
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
                                 checkpointing: Optional[Mapping] = None, device: str = "gpu",
                                 recompute_layers: int = 1, loss: str = "megatron", fusions: bool = False,
                                 tiles: int = 0, offload: bool = False, sequence_parallel: bool = False,
-                                ulysses_sp: int = 1) -> dict:
+                                ulysses_sp: int = 1, layers: Optional[Sequence[int]] = None, first: bool = True,
+                                last: bool = True) -> dict:
     """Activation bytes one sample (sequence) adds to a rank.
 
     saved: what the forward leaves for backward (layers + embedding + logits + scratch); measured
@@ -391,15 +397,19 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     the terms outside the tp-split regions divided by t (the module docstring).
     ulysses_sp: Ulysses' degree (parallel.sp): seq_len / sp tokens of each sequence per rank, the same bytes
     per token (attention: every token of heads / sp heads after the all-to-all).
+    layers, first, last: one pipeline stage (estimate/pipeline.py): the (global) indices of the layers it
+    holds (None: all), whether it holds the embedding (first) and the final norm, output layer and
+    loss (last); a stage's input, received from the stage before, is its first layer's input (the
+    input norm's term). One micro-batch's bytes: the micro-batches in flight are pipeline.py's.
     Returns bytes: per_layer (one layer, no recompute), layers (L layers through the forward),
     recomputed (what one layer rebuilds in backward), embedding, logits, logits_transient, scratch
     (unfused attention's buffer), host (cpu_checkpointing), saved, the three moments and total.
     """
     m, s, B, h = model, model.seq_len, BYTES[precision], model.hidden_size
     sp = sequence_parallel and tp > 1
-    kinds = layer_kinds(m, tp, precision, device, fusions, tiles, sp, ulysses_sp)
+    kinds = layer_kinds(m, tp, precision, device, fusions, tiles, sp, ulysses_sp, layers)
     terms = kinds[-1][1]  # the last layer's, whose backward the moments below are about
-    ck, L = checkpointing or {}, m.num_layers
+    ck, L = checkpointing or {}, (m.num_layers if layers is None else len(layers))
     if recompute == Recompute.block and recompute_layers >= L:
         recompute = "full"  # every layer recomputed, one per checkpoint
     block = recompute == Recompute.block
@@ -411,10 +421,14 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     else:
         layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds, device, offload, sp)
     head = head_terms(m, tp, precision, device, loss, sp)
+    if not last:  # a stage before the last: no final norm, output layer, logits or loss
+        head.update(logits_softmax_fp32=0, loss_bookkeeping=0, final_norm=0, output_layer_input=0)
+    if not first:  # a stage after the first: no token ids, no embedding dropout
+        head.update(token_ids=0, embedding_dropout_mask=0)
     softmax = head.pop("logits_softmax_fp32")
     logits = softmax + head.pop("loss_bookkeeping")
     embedding = sum(head.values())
-    transient = logits_transient(m, tp, B, loss)
+    transient = logits_transient(m, tp, B, loss) if last else 0
     # GlobalMemoryBuffer "mpu": unfused attention's scores; with sequence parallelism also each
     # column-parallel linear's all-gathered input (s x h), in the same buffer
     scratch = max(B * dims(m, tp)["A"] if m.attention == "unfused" else 0, B * h if sp else 0)

@@ -148,7 +148,7 @@ def layer_phases(L: int, block: int = 0) -> dict[Phase, int]:
 def stored_states(s: BenchConfig) -> ModelStates:
     """model_states for a stored config as the report reads it (config.stored.stored_config): the
     fsdp2 spec's stored_states. Sharded over the shard group (hybrid sharding: dp_shard ranks)."""
-    return model_states(s.layout, s.precision, s.offload, states=s.states)
+    return model_states(s.layout.largest_stage, s.precision, s.offload, states=s.states)
 
 
 def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
@@ -161,8 +161,8 @@ def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
     on_cpu = bench.hardware.device == Device.cpu
     states = model_states(layout, bench.precision, bench.offload, states=bench.states)
     g = groups(layout)
-    root, layer = g.pop(ROOT), max(g.values(), key=lambda ps: sum(p.numel for p in ps))
-    b, L = BYTES[bench.precision], m.num_layers
+    root, layer = g.pop(ROOT, []), max(g.values(), key=lambda ps: sum(p.numel for p in ps))
+    b, L = BYTES[bench.precision], len(layout.stage_layers())  # a pipeline stage's layers (all at pp 1)
     R, G = sum(p.numel for p in root), sum(p.numel for p in layer)
     # Sharded gradients live in host memory with offload on a GPU: none on the device.
     dev_grads = 0 if bench.offload and not on_cpu else 1
@@ -248,7 +248,7 @@ def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[Phase, int
     """Gathered parameters and unsharded gradients, each with the phases it is alive in. head: the
     phases before the layers' backward (forward_end, loss_backward where torch's loss runs,
     backward_start)."""
-    L, names, bR, bG = bench.model.num_layers, tuple(layers), b * R, b * G
+    L, names, bR, bG = len(bench.layout.stage_layers()), tuple(layers), b * R, b * G
     after_forward = tuple(p for p in head if p != Phase.forward_end)
     out = [Buffer("root_gathered", bR, head + names, "the root group, gathered through forward and backward"),
            # each forward all-gather's output is freed after the next one's copy-out, the last
@@ -281,7 +281,7 @@ def _layer_activations(bench: BenchConfig, act: dict, host: int, block: int):
     rebuilds included. recompute=block (`block` layers, megatron's block method: the first ones are
     checkpointed): min(i+1, block) inputs, the layers above whole, a rebuilt layer only for i <
     block. Otherwise every layer keeps what recompute leaves (evenly) and one is rebuilt (none: 0)."""
-    L = bench.model.num_layers
+    L = len(bench.layout.stage_layers())
     # recompute_offload on CPU: the rebuilt layer's input, brought back for a GPU, is among the kept
     # inputs already (the host is the device)
     rebuilt = act["recomputed"] - (host / (block or L) if host else 0)

@@ -85,8 +85,9 @@ def communicator_groups(layout: RankLayout, hpz: int = 1) -> list[Communicator]:
     Ulysses group (attention's all-to-alls), with ep > 1 the expert-parallel group (the dispatcher's
     all-to-alls) and the expert-data-parallel group (the experts' reduce-scatters and all-gathers),
     and with ZeRO++ hpz > 1 hpZ's group of hpz consecutive ranks (backward's all-gathers of the
-    second partition; utils/groups.py _create_zero_param_parallel_group). A group of one rank needs
-    no buffers.
+    second partition; utils/groups.py _create_zero_param_parallel_group), with pp > 1 the pipeline
+    group (the stages' sends and receives: torch.distributed.pipelining's P2POps over it). A group
+    of one rank needs no buffers.
 
     These are the groups that run collectives, so the ones whose buffers the published figures
     measure. More communicators exist: DeepSpeed 0.19.8 binds device_id in init_process_group
@@ -100,7 +101,7 @@ def communicator_groups(layout: RankLayout, hpz: int = 1) -> list[Communicator]:
     sharding's shard and replicate groups (FSDP2's 2-D mesh; the GPU terms do not model that mesh)
     and qgZ's per-node and cross-node all-to-all groups (utils/groups.py _get_local_all_to_all_group)."""
     g = {**layout.groups, "hpz": hpz}
-    names = ("world", "dp", "tp", "sp", "ep", "expert_dp", "hpz")
+    names = ("world", "dp", "tp", "sp", "ep", "expert_dp", "hpz", "pp")
     return [Communicator(n, g[n], n in ALL_TO_ALL_GROUPS) for n in names if g.get(n, 1) > 1]
 
 

@@ -121,9 +121,11 @@ def model_states_bytes(num_params: float, zero_stage: int, layout: RankLayout, p
 def stored_states(s: BenchConfig) -> ModelStates:
     """model_states_bytes for a stored config as the report reads it (config.stored.stored_config):
     the deepspeed spec's stored_states, so the report asks the engine's spec, not its name. The
-    paper's P: the whole model's parameters / tp."""
+    paper's P: the whole model's parameters / tp; under a pipeline the largest stage's tp shard
+    (RankLayout.largest_stage)."""
     layout = s.layout
     experts = routed_expert_params(s.model, 1) if layout.ep > 1 else 0  # ep > 1 runs at tp 1
-    return model_states_bytes(num_params(s.model) / layout.tp, s.zero, layout, precision=s.precision,
+    P = num_params(s.model) / layout.tp if layout.pp == 1 else layout.largest_stage.held_params
+    return model_states_bytes(P, s.zero, layout, precision=s.precision,
                               offload_optimizer=s.offload, offload_param=s.offload_param, states=s.states,
                               expert_params=experts)

@@ -15,6 +15,7 @@ from zero_bench.config.configure import from_cfg, report_from_cfg, search_from_c
 from zero_bench.config.schema import BenchConfig, ConfigError, Device, OffloadDevice
 from zero_bench.engines.specs import spec
 from zero_bench.estimate import Estimate, estimate, zeropp
+from zero_bench.estimate.pipeline import refusal as pipeline_refusal
 from zero_bench.estimate.seq import host_at, longest_seq, seq_top
 from zero_bench.estimate.time.table import time_json, time_sheet
 from zero_bench.models.description import summary
@@ -28,7 +29,8 @@ COLUMNS = {"config": "config", "params": "params GiB", "grads": "grads GiB", "op
            "device_states": "states/dev GiB", "host_states": "host/rank GiB", "buffers": "buffers GiB",
            "act_per_sample": "act/sample MiB", "peak_micro1": "peak@micro1 GiB", "host_needed": "host/node GiB",
            "max_micro": "max micro", "max_micro_low_overhead": "max micro (low end)", "max_global_batch": "max global",
-           "measured_max_micro": "measured micro", "nvme_states": "NVMe/rank GiB", "disk_needed": "NVMe/node GiB"}
+           "measured_max_micro": "measured micro", "nvme_states": "NVMe/rank GiB", "disk_needed": "NVMe/node GiB",
+           "peak_stage": "peak stage"}
 GIB_COLUMNS = ("params", "grads", "optimizer", "device_states", "host_states", "buffers", "peak_micro1", "host_needed",
                "nvme_states", "disk_needed")
 LEGEND = ("states/dev: params+grads+optimizer on the device; host/rank: offloaded states per rank (on CPU the "
@@ -71,10 +73,14 @@ def variants(bench: BenchConfig, explicit: frozenset) -> list[BenchConfig]:
             op = bench.offload_param if "offload_param" in explicit else follows
             v = dataclasses.replace(bench, zero=z, offload=off, offload_param=op, offload_device=rung)
             try:
-                validate_static(v)
+                validate_static(v, training=False)
             except ConfigError:
                 continue  # e.g. ZeRO-0 with offload
+            if pipeline_refusal(v):  # e.g. DeepSpeed's ZeRO-2 under a pipeline
+                continue
             out.append(v)
+    if not out and pipeline_refusal(bench):
+        raise ConfigError(pipeline_refusal(bench))
     return out
 
 
@@ -91,7 +97,7 @@ def measured_max_micro(store: Optional[str], bench: BenchConfig) -> Optional[int
 
 def estimate_report(cfg: Any, explicit: frozenset) -> str:
     """The table (or, with json=true, the JSON document) for the configured model."""
-    bench = from_cfg(cfg, here=False)
+    bench = from_cfg(cfg, here=False, training=False)
     ests = [(v, estimate(v)) for v in variants(bench, explicit)]
     seq_micro = seq_micro_of(bench, explicit)
     grid = seq_grid(search_from_cfg(cfg), bench.layout)
@@ -115,14 +121,18 @@ def estimate_report(cfg: Any, explicit: frozenset) -> str:
     # ep > 1: a rank holds its num_experts / ep experts of each MoE layer and everything else whole
     held = (f"{layout.held_params:,} per rank with {layout.experts_per_rank} of {m.num_experts} experts"
             if ep > 1 else f"{layout.held_params:,} per TP shard")
+    pp = layout.pp
+    pipe = (f" pp={pp} ({bench.parallel.pp_schedule}{f', vpp={layout.vpp}' if layout.vpp > 1 else ''}; "
+            f"{layout.world_size} ranks)" if pp > 1 else "")
     head = (f"zero_bench estimate: {m.name} ({num_params(m):,} params{active}, {held}) tp={tp} "
-            f"dp={bench.parallel.dp}{f' ep={ep}' if ep > 1 else ''} on {bench.hardware.device} {bench.precision}, "
+            f"dp={bench.parallel.dp}{f' ep={ep}' if ep > 1 else ''}{pipe} on {bench.hardware.device} {bench.precision}, "
             f"micro {micro} x grad_accum "
             f"{bench.batch.grad_accum}; capacity {_gib(first.capacity if first else None)} GiB per rank"
             + (f"; fixed terms: {first.calibration}" if first else ""))
     zpp = [zeropp.line(v, e.prediction.buffers_detail()) for v, e in ests if v.zeropp.active][:1]  # ZeRO-3 only: one at most
     return "\n".join([head, f"model: {summary(m)}; recompute={bench.recompute}", fixed_line(first), *zpp,
-                      format_table(rows), seq_line(bench, rows, seq_micro, grid), LEGEND, "",
+                      format_table(rows), *stage_tables(bench, rows, [e for _, e in ests]),
+                      seq_line(bench, rows, seq_micro, grid), LEGEND, "",
                       at_micro_table(at, bench, _held(ests)),
                       AT_MICRO_LEGEND[_kind(bench)] + (HELD_TAIL if _held(ests) else AT_MICRO_TAIL), "",
                       time_sheet(bench, rows, [e for _, e in ests], rep.price_per_device_hour, rep.train_tokens)]
@@ -218,6 +228,34 @@ def with_time(doc: str, rows: list[dict], ests: list[Estimate], micro: int) -> s
     return json.dumps(d, indent=2)
 
 
+STAGE_COLUMNS = {"stage": "stage", "layers": "layers", "params_per_rank": "params/rank", "in_flight": "in flight",
+                 "device_states": "states/dev GiB", "buffers": "buffers GiB", "act_per_sample": "act/sample MiB",
+                 "p2p_per_sample": "p2p/sample MiB", "peak_micro1": "peak@micro1 GiB", "max_micro": "max micro"}
+
+
+def stage_tables(bench: BenchConfig, rows: list[dict], ests: list[Estimate]) -> list[str]:
+    """Under a pipeline, one table per configuration: each stage's figures (estimate/pipeline.py;
+    in flight: micro-batches' worth of the stage's activations at its peak)."""
+    import pandas as pd
+
+    out = []
+    for r, e in zip(rows, ests):
+        if not e.stages:
+            continue
+        df = pd.DataFrame(e.stage_rows())
+        for k in ("device_states", "buffers", "peak_micro1"):
+            df[k] = df[k].map(_gib)
+        for k in ("act_per_sample", "p2p_per_sample"):
+            df[k] = df[k].map(lambda x: f"{x / MiB:.1f}")
+        df["params_per_rank"] = df["params_per_rank"].map(lambda x: f"{x:,}")
+        df["in_flight"] = df["in_flight"].map(lambda x: f"{x:g}")
+        df["max_micro"] = df["max_micro"].map(_count)
+        out.append(f"{r['config']}: per pipeline stage ({bench.parallel.pp_schedule}, {bench.batch.grad_accum} "
+                   f"micro-batches; the peak: {e.stage_name}):\n"
+                   + df[list(STAGE_COLUMNS)].rename(columns=STAGE_COLUMNS).to_string(index=False))
+    return out
+
+
 def _mib(x: Optional[float]) -> str:
     return "-" if x is None else f"{x / MiB:,.1f}"
 
@@ -244,6 +282,8 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
                        "num_params": num_params(bench.model), "active_params": active_params(bench.model),
                        "params_per_shard": bench.layout.tp_shard_params,
                        "tp": bench.parallel.tp, "dp": bench.parallel.dp,
+                       **({"pp": bench.layout.pp, "pp_schedule": bench.parallel.pp_schedule, "vpp": bench.layout.vpp,
+                           "world_size": bench.layout.world_size} if bench.layout.pp > 1 else {}),
                        **({"ep": bench.layout.ep, "params_per_rank": bench.layout.held_params}
                           if bench.layout.ep > 1 else {}),
                        "device": bench.hardware.device,
@@ -254,7 +294,8 @@ def as_json(bench: BenchConfig, first: Optional[Estimate], rows: list[dict], est
                        "configs": [{**r, "at_micro": {k: v for k, v in a.items() if k != "config"},
                                     "buffers_detail": e.prediction.buffers_detail(),
                                     "activations": e.prediction.activations,
-                                    **({"zeropp_communication": zeropp.communication(bench)} if e.zeropp else {})}
+                                    **({"zeropp_communication": zeropp.communication(bench)} if e.zeropp else {}),
+                                    **({"stages": e.stage_rows()} if e.stages else {})}
                                    for r, e, a in zip(rows, ests, at)]}, indent=2)
 
 
@@ -291,6 +332,9 @@ def at_micro_table(at: list[dict], bench: BenchConfig, held: bool = False) -> st
               "fits": "?" if a["fits"] is None else ("yes" if a["fits"] else "no")} for a in at]
     accum = (f"grad_accum {bench.batch.grad_accum}: the sharded gradients of the micro-batches before held" if
              held else f"grad_accum {bench.batch.grad_accum} does not change it")
+    if bench.layout.pp > 1:
+        accum = (f"grad_accum {bench.batch.grad_accum}: the pipeline's micro-batches, those in flight on a stage "
+                 "held; the largest stage's")
     title = f"peak per rank at batch.micro={bench.batch.micro} ({accum}):"
     if not lines:
         return title

@@ -116,6 +116,10 @@ def refusal(bench: BenchConfig) -> Optional[str]:
                 "FakeTensorMode cannot run; the formula's column stands alone")
     if bench.compile:
         return "compile=true: traced=true traces the eager layers only (inductor's kernels are not traced)"
+    if bench.parallel.pp > 1:
+        return (f"parallel.pp={bench.parallel.pp}: traced=true traces one rank's whole-model step; a pipeline stage's "
+                "schedule (torch.distributed.pipelining's sends between stages) is not traced; the formula's "
+                "per-stage figures stand alone (allowed with traced=true: parallel.pp=1)")
     if bench.parallel.sp > 1:
         return (f"parallel.sp={bench.parallel.sp}: traced=true cannot trace Ulysses: DeepSpeed's DistributedAttention "
                 "all-to-alls through deepspeed.comm, whose backend the fake process group does not set up; "

@@ -149,6 +149,9 @@ def summary_frame(rows: list[Row], peaks: Peaks) -> pd.DataFrame:
         cols.insert(cols.index("ZeRO Stage") + 1, "ZeRO++")
     if (df["sequence parallel"] > 1).any():  # shown where some row splits its sequences (Ulysses)
         cols.insert(cols.index("model parallel") + 1, "sequence parallel")
+    if (df["pipeline parallel"] > 1).any():  # shown where some row runs a pipeline (parallel.pp)
+        at = cols.index("model parallel") + 1
+        cols[at:at] = PIPELINE_COLUMNS
     for col in ("checkpoint offload", "tiled MLP"):  # where some row runs ALST's memory savers
         if (df[col] != "No").any():
             cols.insert(cols.index("recompute") + 1, col)
@@ -175,6 +178,7 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
     rec = {"Model": s.model.name, "num_layers": _shape(s, "num_layers"), "hidden_size": _shape(s, "hidden_size"),
            "num_heads": _shape(s, "num_heads"), "# gpus": par.world_size, "data parallel": par.dp,
            "model parallel": par.tp, "expert parallel": par.ep, "sequence parallel": par.sp, "engine": str(s.engine),
+           "pipeline parallel": par.pp, **_pipeline(r),
            "ZeRO Stage": s.zero, "ZeRO++": zeropp_text(s), "tiled MLP": s.tiled_mlp or "No",
            "checkpoint offload": "Yes" if s.recompute_offload else "No",
            "CPU Offload": _offload_text(s), "offload": offload_rung(s), "precision": str(s.precision),
@@ -194,6 +198,33 @@ def _summary_record(r: Row, peaks: Peaks) -> dict:
         rec["Notes"] = "; ".join(x for x in (r.note, emulation_note(r.measure), failed) if x)
     rec.update(_repeats(r.repeats))
     return rec
+
+
+PIPELINE_COLUMNS = ["pipeline parallel", "pp schedule", "stage peaks (MiB)", "peak stage est."]
+
+
+def _pipeline(r: Row) -> dict:
+    """parallel.pp > 1: the schedule, each stage's measured peak (the largest of its tp x dp ranks,
+    ranks laid out tp fastest, then dp, then pp) and the stage the estimate puts the peak on."""
+    s = r.bench
+    par = s.parallel
+    if par.pp == 1:
+        return {}
+    out = {"pp schedule": str(par.pp_schedule) + (f" vpp={par.vpp}" if par.vpp > 1 else "")}
+    if r.measure is not None:
+        _, devs = device_memory(r.measure)
+        per = par.tp * par.dp
+        if len(devs) == par.world_size:
+            peaks = [max(d.peak_bytes for d in devs[i * per:(i + 1) * per]) for i in range(par.pp)]
+            top = max(range(par.pp), key=lambda i: peaks[i])
+            out["stage peaks (MiB)"] = (" | ".join(f"{i}: {p / MiB:,.0f}" for i, p in enumerate(peaks))
+                                        + f" (peak: stage {top})")
+    try:
+        est = r.estimate()
+        out["peak stage est."] = est.stage_at(r.max_micro or 1).stage_name if est is not None else None
+    except Exception:  # noqa: BLE001 - a prediction must not stop the report
+        pass
+    return out
 
 
 def _performance(t: TrialResult, s: BenchConfig, peaks: Peaks) -> dict:

@@ -201,7 +201,7 @@ class Search:
             res.max_micro, res.max_global_batch = self.cfg.batch.micro, self.cfg.global_batch
         else:
             res.max_micro, res.first_fail_micro = lo, hi
-            res.max_global_batch = lo * self.cfg.batch.grad_accum * self.cfg.parallel.dp
+            res.max_global_batch = self.cfg.with_micro(lo).global_batch  # micro x grad_accum x dp / sp (dp per stage)
         if res.status == SearchStatus.DONE:
             res.note = (f"OOM at {self._said(hi)} (fresh)" if hi is not None
                         else f"search.{'seq_max' if self.grow.seq else 'max'}={self.spec.max} reached")
@@ -218,7 +218,7 @@ class Search:
         """A size as the notes name it: a global batch, or a sequence length."""
         if self.grow.seq:
             return f"seq_len {size}"
-        return f"global batch {size * self.cfg.batch.grad_accum * self.cfg.parallel.dp}"
+        return f"global batch {self.cfg.with_micro(size).global_batch}"
 
 
 def answer(res: SearchResult) -> str:

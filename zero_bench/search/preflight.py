@@ -11,7 +11,8 @@ from typing import Optional
 import psutil
 
 from zero_bench.config.hosts import check_hostfile, device_tokens, local_ranks
-from zero_bench.config.schema import DEFAULT_ENGINE, BenchConfig, ConfigError, Device, States, ZeroppConfig, make_label
+from zero_bench.config.schema import (DEFAULT_ENGINE, BenchConfig, ConfigError, Device, ParallelConfig, States, ZeroppConfig,
+                                      make_label, pipeline_tag)
 from zero_bench.devices import aio
 from zero_bench.devices.capacity import search_capacity
 from zero_bench.engines.ds_config import check_with_deepspeed
@@ -88,7 +89,7 @@ def validate_machine(b: BenchConfig) -> None:
     # CPU ranks are processes: allow two per core before calling it a mistake.
     limit = have if b.hardware.device == Device.gpu else 2 * have
     if b.parallel.world_size > limit:
-        raise ConfigError(f"parallel.dp={b.parallel.dp}: world size tp*dp={b.parallel.world_size} exceeds the "
+        raise ConfigError(f"parallel.dp={b.parallel.dp}: world size tp*dp*pp={b.parallel.world_size} exceeds the "
                           f"{have} {b.hardware.device.upper()} devices here (max {limit})")
     if b.precision == "bf16" and b.hardware.device == Device.gpu:
         import torch
@@ -164,6 +165,8 @@ def skipped_search(c: dict, reason: str) -> SearchResult:
     except (TypeError, ValueError):
         zpp = ""
     label += f" {zpp}" if zpp else ""
+    if (p.get("pp") or 1) > 1:  # the pipeline as BenchConfig.label names it
+        label += " " + pipeline_tag(ParallelConfig(**{k: p[k] for k in ("pp", "pp_schedule", "vpp") if k in p}))
     keyed = {k: c[k] for k in ("model", "parallel", "zero", "offload", "precision", "batch")}
     if engine != DEFAULT_ENGINE:  # the default engine's skipped entries keep the keys they had before `engine`
         keyed["engine"] = engine

@@ -7,13 +7,14 @@ compute.py  the matmuls (forward, backward = 2 x forward, what recompute re-runs
 comm.py     one entry per collective an engine issues (ZeRO 0-3, ZeRO++, FSDP2, TP/SP, Ulysses,
             experts), its algorithm factor, intra- or inter-node bandwidth, overlapped or exposed
 offload.py  PCIe copies, the optimizer step on the host's cores, NVMe reads and writes
+pipeline.py parallel.pp > 1: the slowest stage's share of the work, the bubble, the stages' sends
 record.py   the typed records: TimeTerm (name, seconds, exposed, source), TimePrediction
 table.py    `zero_bench estimate`'s time sheet and the JSON's `time`
 The rates: zero_bench/devices/rates.py (each with its published source, or marked assumed).
 
 The step is the exposed terms' sum. Overlapped terms (ZeRO-3's and FSDP2's prefetched collectives,
 ZeRO-2's with overlap_comm) hide behind the step's compute; what they exceed it by is one more
-exposed term ("communication beyond compute"). Not modelled: pipeline bubbles (no pp), kernel
+exposed term ("communication beyond compute"). Not modelled: kernel
 efficiency by GEMM shape (every matmul at MAMF), latency of small messages, stragglers.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from zero_bench.devices.rates import HardwareRates, rates_for
 from zero_bench.estimate.time.comm import comm_terms
 from zero_bench.estimate.time.compute import compute_terms, optimizer_terms
 from zero_bench.estimate.time.offload import offload_terms
+from zero_bench.estimate.time.pipeline import pipeline_terms, slowest_stage
 from zero_bench.estimate.time.record import TimePrediction, TimeTerm
 from zero_bench.models.flops import model_flops_per_seq
 
@@ -58,8 +60,10 @@ def predict_time(bench: BenchConfig, micro: int, rates: Optional[HardwareRates] 
     rates = rates or rates_for(bench)
     if rates is None or micro < 1:
         return None
-    terms = (compute_terms(bench, rates, micro) + optimizer_terms(bench, rates) + comm_terms(bench, rates, micro)
-             + offload_terms(bench, rates))
+    staged = slowest_stage(bench)  # pp > 1: the slowest stage's layout (pipeline.py); bench itself at pp 1
+    terms = (compute_terms(staged, rates, micro) + optimizer_terms(staged, rates) + comm_terms(staged, rates, micro)
+             + offload_terms(staged, rates))
+    terms = pipeline_terms(bench, rates, micro, terms)  # pp > 1: the stage's share, the bubble, the sends
     terms.append(overlap_term(terms))
     terms.append(TimeTerm("step overhead", rates.step_overhead_s.value, True, rates.step_overhead_s.source))
     step = sum(t.seconds for t in terms if t.exposed)

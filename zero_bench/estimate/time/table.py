@@ -41,7 +41,7 @@ def sheet_rows(rows: list[dict], ests: list, micro: int, price: Optional[float],
             if price:
                 line["cost per 1M tokens"] = f"{p.cost_per_million_tokens(price):,.3f}"
             if train_tokens:
-                days = train_tokens / (p.tokens_per_s_per_device * e.dp * e.tp) / 86400
+                days = train_tokens / (p.tokens_per_s_per_device * e.dp * e.tp * e.pp) / 86400
                 line["days to train"] = f"{days:,.1f}"
                 if price:
                     line["cost to train"] = f"{train_tokens / 1e6 * p.cost_per_million_tokens(price):,.0f}"
