@@ -42,6 +42,8 @@ EXAMPLES = {
     "zeropp.qgz": (["zero=3", "zeropp.qgz=true"], ["hardware.num_nodes=2"]),
     "nvme_path": (["nvme_path=/tmp"], ["zero=3", "offload_device=nvme"]),
     "parallel.sequence_parallel": (["parallel.sequence_parallel=false"], ["parallel=tp2"]),
+    "parallel.pp_schedule": (["parallel.pp_schedule=gpipe"],
+                             ["model=llama-tiny", "parallel.pp=2", "parallel.dp=1", "zero=1", "batch.grad_accum=2"]),
 }
 
 

@@ -240,17 +240,53 @@ def check_ulysses(b: BenchConfig) -> None:
 
 
 def check_pipeline(b: BenchConfig) -> None:
-    """parallel.pp > 1: the schedule's keys agree with each other; what runs under a pipeline is
-    what trials have compared with pp = 1."""
-    p = b.parallel
+    """parallel.pp > 1: the schedule's keys agree with each other and give torch's schedule enough
+    micro-batches; what runs under a pipeline is what trials have compared with pp = 1
+    (tests/integration/test_pipeline_trials.py: llama-tiny in fp32 and bf16, FSDP2 zero=2/3 and DeepSpeed
+    ZeRO 0-1, GPipe, 1F1B and interleaved 1F1B, pp=2 on 2 ranks, pp=2 x dp=2 and pp=2 x tp=2 with
+    megatron's sequence parallelism on 4); every other
+    dimension is refused in one line until a trial has compared it; what each engine cannot run is
+    its refusals' (Concern.pipeline)."""
+    check_pipeline_estimate(b)  # the schedule's keys and torch's own micro-batch rules
+    p, n = b.parallel, b.batch.grad_accum
     interleaved = p.pp_schedule == PipelineSchedule.interleaved_1f1b
-    if p.vpp > 1 and not interleaved:
-        raise ConfigError(f"parallel.vpp={p.vpp}: virtual stages run with parallel.pp_schedule=interleaved_1f1b (got "
-                          f"{p.pp_schedule}); allowed with {p.pp_schedule}: parallel.vpp=1")
-    if interleaved and p.vpp < 2:
-        raise ConfigError("parallel.pp_schedule=interleaved_1f1b: needs parallel.vpp >= 2 virtual stages per rank; "
-                          "allowed at parallel.vpp=1: parallel.pp_schedule=gpipe or 1f1b")
-    raise ConfigError(f"parallel.pp={p.pp}: pipeline training is not built yet; allowed: parallel.pp=1")
+    if interleaved and (n < p.pp or n % p.pp):
+        # megatron's interleaved schedule and torch's rounds of pp micro-batches (n % (n // pp) == 0)
+        raise ConfigError(f"batch.grad_accum={n}: parallel.pp_schedule=interleaved_1f1b needs a multiple of "
+                          f"parallel.pp={p.pp} micro-batches (batch.grad_accum is their number); allowed: "
+                          f"batch.grad_accum = {p.pp}, {2 * p.pp}, ...")
+    m = b.model
+    untried = (
+        ("model.tie_embeddings=true", m.tie_embeddings,
+         "megatron keeps the word embedding on the first and the last stage and all-reduces its gradient over "
+         "its embedding group, which neither engine's reduction runs here", "an untied model (llama-tiny, llama3-8b)"),
+        (f"model.num_experts={m.num_experts}", m.is_moe, "a mixture of experts is not compared under a pipeline",
+         "a dense model"),
+        (f"model.attention={m.attention}", m.attention != "sdpa", "only sdpa attention is compared under a pipeline",
+         "model.attention=sdpa"),
+        (f"parallel.sp={p.sp}", p.sp > 1, "Ulysses is not compared under a pipeline", "parallel.sp=1"),
+        (f"parallel.ep={p.ep}", p.ep > 1, "expert parallelism is not compared under a pipeline", "parallel.ep=1"),
+        (f"parallel.dp_shard={p.dp_shard}", p.dp_shard is not None and p.dp_shard != p.dp,
+         "hybrid sharding is not compared under a pipeline", "parallel.dp_shard=null"),
+        (f"precision={b.precision}", b.precision == Precision.fp16,
+         "fp16's loss scaling is not compared under a pipeline", "precision=fp32 or bf16"),
+        (f"states={b.states}", b.states != States.mixed, "pure bf16 states are not compared under a pipeline",
+         "states=mixed"),
+        ("offload=true", b.offload or b.offload_param or b.nvme, "offload is not compared under a pipeline",
+         "offload=false"),
+        (f"recompute={b.recompute}", b.recompute != Recompute.none, "recompute is not compared under a pipeline",
+         "recompute=none"),
+        ("compile=true", b.compile, "torch.compile is not compared under a pipeline", "compile=false"),
+        (f"loss={b.loss}", b.loss != "megatron", "only megatron's loss is compared under a pipeline", "loss=megatron"),
+        (f"tiled_mlp={b.tiled_mlp}", b.tiled_mlp is not None, "the tiled MLP is not compared under a pipeline",
+         "tiled_mlp=null"),
+        ("recompute_offload=true", b.recompute_offload, "checkpoint offload is not compared under a pipeline",
+         "recompute_offload=false"),
+    )
+    for key, bad, why, allowed in untried:
+        if bad:
+            raise ConfigError(f"{key}: {why} (parallel.pp={p.pp}); allowed with parallel.pp > 1: {allowed}")
+    spec(b.engine).validate(b, Concern.pipeline)
 
 
 def check_pipeline_estimate(b: BenchConfig) -> None:

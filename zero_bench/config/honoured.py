@@ -55,6 +55,8 @@ CONDITIONS: tuple[Condition, ...] = (
               why="it names the GPU whose calibration the estimate uses"),
     Condition("parallel.sequence_parallel", lambda b: b.parallel.tp > 1, "parallel.tp > 1", harmless=True,
               why="at tp 1 every rank holds the whole sequence: there is nothing to shard it over"),
+    Condition("parallel.pp_schedule", lambda b: b.parallel.pp > 1, "parallel.pp > 1", harmless=True,
+              why="at pp 1 there is no pipeline to schedule: every micro-batch runs forward then backward"),
     Condition("fusions", _gpu, "hardware.device=gpu", harmless=True,
               why="megatron's jit fusions are always off on CPU"),
     Condition("zeropp.qgz", lambda b: b.hardware.num_nodes > 1, "hardware.num_nodes > 1", harmless=True,
@@ -76,7 +78,6 @@ EVERYWHERE = frozenset({
     "model.num_experts", "model.moe_ffn_hidden_size", "model.moe_shared_expert_intermediate_size",
     "model.moe_dense_layers", "model.hf_config",
     "parallel.tp", "parallel.dp", "parallel.dp_shard", "parallel.ep", "parallel.sp", "parallel.pp", "parallel.vpp",
-    "parallel.pp_schedule",  # moves to CONDITIONS (read at pp > 1) once pipelines train
     "hardware.device", "hardware.memory_gb", "hardware.memory_mib", "hardware.hostfile", "hardware.num_nodes",
     "zeropp.qwz", "zeropp.hpz",
     "engine", "zero", "offload_param", "offload_device", "precision", "states", "loss", "recompute", "ds_preset", "compile",

@@ -9,6 +9,7 @@ specs.py: each engine as the runner sees it (EngineSpec, registered by name in S
 base.py: the Engine protocol and build_engine, by the registry.
 refusals.py: what each engine cannot run, one line per key (its spec names it).
 ds_config.py: the composed config -> the exact DeepSpeed JSON a DeepSpeed trial runs with.
+pipeline.py: parallel.pp > 1, a rank's stages under torch's pipeline schedules (both engines' pipeline trainers).
 This package imports nothing heavy itself, so that the runner can import specs.py. base.py imports
 every registered engine in every rank, whichever runs: a pool's forked child and a freshly launched rank
 then hold the same libraries (megatron-core imports torch's FSDP anyway; deepspeed adds ~21 MiB RSS),

@@ -53,5 +53,8 @@ def init_distributed(cfg: BenchConfig, on_cpu: bool) -> None:
 
 
 def build_engine(trial: TrialSpec, on_cpu: bool) -> Engine:
-    """The engine a trial spec asks for, with megatron's parallel groups set up and the model built."""
+    """The engine a trial spec asks for, with megatron's parallel groups set up and the model built
+    (parallel.pp > 1: this rank's pipeline stages, by the spec's pipeline_trainer)."""
+    if trial.config.parallel.pp > 1:
+        return load(spec(trial.config.engine).pipeline_trainer)(trial, on_cpu)
     return TRAINERS[str(trial.config.engine)](trial, on_cpu)

@@ -101,6 +101,59 @@ class DeepSpeedEngine:
         self.engine.compile()
 
 
+class DeepSpeedPipelineEngine(DeepSpeedEngine):
+    """parallel.pp > 1: one DeepSpeed engine over this rank's stages (models/stages.py; a ModuleList
+    of its virtual stages), driven by torch's schedule (engines/pipeline.py), ZeRO 0-1.
+
+    Not DeepSpeed's PipelineEngine: it trains a deepspeed.pipe.PipelineModule, a flat list of layers
+    it partitions itself, not megatron's GPTModel with its own pre_process / post_process stages,
+    and it runs its own schedules (1F1B-like TrainSchedule only: no GPipe, no interleaving). What
+    DeepSpeed's PipelineEngine does around its schedule is done here around torch's, with the same
+    calls: the schedule's backwards run outside engine.backward (torch.autograd.backward on each
+    stage's output), with the accumulation boundary off so that ZeRO's gradient hooks reduce
+    nothing in between; then, at the boundary, allreduce_gradients (ZeRO-1's reduce_gradients, ZeRO-0's
+    bucketed all-reduce over the stage's data-parallel group) and _take_model_step (pipe/engine.py
+    _exec_reduce_grads and _exec_optimizer_step, which force the boundary the same way). The
+    gradient norm DeepSpeed clips with is summed over megatron's model-parallel group, tp x pp
+    ranks (models/megatron.py PipelineMpu): the whole pipeline's. ZeRO-2/3 are refused (they
+    partition the gradients in every backward; DeepSpeed's PipelineEngine refuses them too)."""
+
+    def __init__(self, spec: TrialSpec, on_cpu: bool):
+        from zero_bench.engines.pipeline import Pipeline
+        from zero_bench.models.stages import build_stages
+
+        cfg = spec.config
+        layout = cfg.layout
+        mpu = init_parallel(layout.tp, cfg.seed, on_cpu, layout.ep, layout.sp, layout.pp, layout.vpp)
+        ds_config = json.loads(Path(spec.ds_config).read_text())
+        stages = build_stages(cfg, transformer_config(cfg, on_cpu), on_cpu)
+        module = torch.nn.ModuleList(stages)
+        self.zero_init = False
+        self.hpz, self.hpz_secondary = False, {}
+        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
+                                               config=ds_config, mpu=mpu)
+        self.engine.set_gradient_accumulation_boundary(False)
+        device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        self.pipeline = Pipeline(cfg, list(self.engine.module), device)
+
+    def step(self, batches: list, mask: Optional[torch.Tensor], marks: Callable[[str], None]) -> list[float]:
+        losses = self.pipeline.step(batches, mask, marks)  # marks each stage's forwards and backwards
+        marks("step")
+        self.engine.set_gradient_accumulation_boundary(True)
+        try:
+            self.engine.allreduce_gradients()
+            self.engine._take_model_step(None)
+        finally:
+            self.engine.set_gradient_accumulation_boundary(False)
+        return losses
+
+    def shared_losses(self, losses: list[float]) -> list[float]:
+        return self.pipeline.shared(losses)
+
+    def compile(self) -> None:
+        raise NotImplementedError("compile under a pipeline (refused by configure.check_pipeline)")
+
+
 def model_state_bytes(engine) -> ModelStates:
     """Exact bytes of this rank's model states, by walking DeepSpeed's objects (after a step).
 

@@ -139,6 +139,68 @@ class Fsdp2Engine:
             layer.compile()
 
 
+class Fsdp2PipelineEngine(Fsdp2Engine):
+    """parallel.pp > 1, torchtitan's composition: this rank's stages (models/stages.py) each
+    fully_shard'ed over the stage's data-parallel mesh (every layer as it is built, then the stage
+    itself as the root, the module torch's PipelineStage calls, so that the stage drives FSDP2's
+    gradient sync: none until the last micro-batch's backward, then one reduce-scatter per group,
+    engines/pipeline.py), one AdamW over the rank's stages, the whole pipeline's gradient norm
+    (torchtitan's: each stage's norm squared, summed over the pipeline: clip_pipeline_grad_norm) and
+    torch's schedule over the micro-batches (engines/pipeline.py).
+
+    reshard_after_forward follows `zero` as at pp = 1 (zero=3: each micro-batch's backward gathers
+    again; zero=2: the gathered parameters are kept from a micro-batch's forward to its backward,
+    torchtitan's default under a pipeline). Under a pipeline every micro-batch's gradients accumulate
+    unsharded on the stage until the last backward (torch's stage sets requires_gradient_sync off),
+    as torchtitan trains."""
+
+    def __init__(self, spec: TrialSpec, on_cpu: bool):
+        from zero_bench.engines.pipeline import Pipeline
+        from zero_bench.models.stages import build_stages
+
+        cfg = spec.config
+        layout = cfg.layout
+        self.mixed = mixed_bf16(cfg)
+        init_parallel(layout.tp, cfg.seed, on_cpu, layout.ep, layout.sp, layout.pp, layout.vpp)
+        kw = shard_options(dp_mesh(on_cpu, layout), cfg, on_cpu)
+        stages = build_stages(cfg, compute_config(cfg, on_cpu), on_cpu,
+                              on_layer=lambda layer: shard_layer(layer, kw, None))
+        for stage in stages:
+            fully_shard(stage, **kw)  # the stage's root: its embedding, final norm, output layer
+        if not on_cpu:
+            torch.cuda.empty_cache()
+        self.module = torch.nn.ModuleList(stages)
+        self.optimizer, self.clip = make_optimizer(self.module, on_cpu)
+        from megatron.core import parallel_state
+
+        self.tp, self.tp_rank = layout.tp, parallel_state.get_tensor_model_parallel_rank()
+        self.tp_split, self.ep, self.pp = tp_split_names(cfg), layout.ep, layout.pp
+        self.pipeline = Pipeline(cfg, stages, torch.device("cpu") if on_cpu else
+                                 torch.device("cuda", torch.cuda.current_device()))
+        self.grads_at_step = 0
+        self.last_grad_norm: Optional[float] = None
+
+    def step(self, batches: list, mask: Optional[torch.Tensor], marks: Callable[[str], None]) -> list[float]:
+        losses = self.pipeline.step(batches, mask, marks)  # marks each stage's forwards and backwards
+        marks("step")
+        named = list(self.module.named_parameters())
+        self.grads_at_step = sum(storages(p.grad for _, p in named).values())
+        if self.tp == 1:
+            self.last_grad_norm = clip_pipeline_grad_norm([p for _, p in named], self.clip, self.pipeline.group)
+        else:  # megatron's tp slices are no DTensors: pp=1's plain sum over the world, each stage's its own
+            self.last_grad_norm = clip_grad_norm(pp1_names(self.module), self.clip, self.tp_rank, self.tp,
+                                                 self.tp_split, self.ep)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return losses
+
+    def shared_losses(self, losses: list[float]) -> list[float]:
+        return self.pipeline.shared(losses)
+
+    def compile(self) -> None:
+        raise NotImplementedError("compile under a pipeline (refused by configure.check_pipeline)")
+
+
 # -- building --------------------------------------------------------------------------------------
 
 def compute_config(cfg: BenchConfig, on_cpu: bool):
@@ -267,7 +329,7 @@ def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split
     aten.stack.default must have the same mesh": the experts' DTensors live on the
     expert-data-parallel one); the same plain sum over the world is the global norm, the world
     being the dp = ep x expert-DP ranks: DP shards, expert-DP shards and the ep ranks' experts
-    are all disjoint."""
+    are all disjoint. pp > 1: clip_pipeline_grad_norm."""
     named = [(n, p) for n, p in named if p.grad is not None]
     if tp == 1 and ep == 1:
         return float(torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm))
@@ -282,6 +344,37 @@ def clip_grad_norm(named: list, max_norm: float, tp_rank: int, tp: int, tp_split
         for _, p in named:
             local(p.grad).mul_(coef)
     return norm
+
+
+def pp1_names(stages: torch.nn.ModuleList) -> list:
+    """(name, parameter) of a rank's stages under the names pp=1's GPTModel gives them (what
+    tp_split_names lists): "1.gpt.decoder.layers.0.mlp..." of a stage from layer 2 on is
+    "decoder.layers.2.mlp..."."""
+    out = []
+    for stage in stages:
+        for name, p in stage.gpt.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(stage.chunk.first + int(parts[2]))
+            out.append((".".join(parts), p))
+    return out
+
+
+def clip_pipeline_grad_norm(params: list, max_norm: float, pp_group) -> float:
+    """torchtitan's clipping under a pipeline (torchtitan/distributed/utils.py clip_grad_norm_ with a pp
+    mesh): torch's norm of this rank's gradients (DTensors: over the stage's data-parallel mesh), its
+    square summed over the pipeline's ranks, then torch's clip_grads_with_norm_ with that norm: pp=1's
+    torch functions on each stage, so the clip coefficient is computed the same way (tp 1, ep 1: the
+    rest is refused under a pipeline)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    total = total ** 2
+    dist.all_reduce(total, group=pp_group)
+    total = total ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
 
 
 # -- exact model states ----------------------------------------------------------------------------

@@ -46,6 +46,11 @@ def deepspeed(b: BenchConfig, concern: Concern) -> None:
     if concern == Concern.ignored:
         ds_keys_read(b)
         partitioned_activations(b)
+    if concern == Concern.pipeline and b.zero > 1:
+        raise ConfigError(f"zero={b.zero}: under a pipeline (parallel.pp={b.parallel.pp}) DeepSpeed trains ZeRO 0-1 "
+                          "(ZeRO-2/3 partition the gradients in every micro-batch's backward, which its own "
+                          "PipelineEngine refuses too); allowed with parallel.pp > 1: zero=0, zero=1, or "
+                          "engine=fsdp2 zero=2/3")
 
 
 def partitioned_activations(b: BenchConfig) -> None:

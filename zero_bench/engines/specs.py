@@ -27,6 +27,7 @@ class Concern(StrEnum):
     offload_device = "offload_device"  # offload_device=nvme
     zeropp = "zeropp"  # zeropp.qwz / qgz / hpz
     ignored = "ignored"  # keys the engine accepts and then does not read
+    pipeline = "pipeline"  # parallel.pp > 1
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class EngineSpec:
     """ZeRO stages at which the optimizer steps one flat fp32 partition per parameter group rather than
     each parameter (DeepSpeed ZeRO 1-3; ZeRO-0 and FSDP2's DTensor shards: one tensor per parameter):
     what the time estimate's per-tensor optimizer cost counts (estimate/time/compute.py)."""
+    pipeline_trainer: str = ""
+    """"module:class" of the rank-side Engine that trains a trial at parallel.pp > 1 (its stages
+    under torch's pipeline schedules, engines/pipeline.py); "" where the engine has none."""
 
     def validate(self, b: Any, concern: Concern) -> None:
         """Raises ConfigError for what this engine cannot run of `concern` in BenchConfig `b`."""
@@ -116,7 +120,8 @@ SPECS: dict[str, EngineSpec] = {s.name: s for s in (
                refusals="zero_bench.engines.refusals:deepspeed", offload_param_follows=lambda zero: zero == 3,
                reads_ds_config=True, builds_deepspeed_ops=True, runs_fp16=True, published_fragmentation=True,
                flat_optimizer_stages=(1, 2, 3),
-               untraced=DEEPSPEED_UNTRACED),
+               untraced=DEEPSPEED_UNTRACED,
+               pipeline_trainer="zero_bench.engines.deepspeed:DeepSpeedPipelineEngine"),
     EngineSpec(name="fsdp2", tag="fsdp2", title="FSDP2",
                trainer="zero_bench.engines.fsdp2:Fsdp2Engine",
                init_distributed="zero_bench.engines.fsdp2:init_distributed",
@@ -127,7 +132,8 @@ SPECS: dict[str, EngineSpec] = {s.name: s for s in (
                # CPUOffloadPolicy moves parameters with the optimizer states: one key, `offload`
                refusals="zero_bench.engines.refusals:fsdp2", offload_param_follows=lambda zero: True,
                reads_ds_config=False, builds_deepspeed_ops=False, runs_fp16=False, published_fragmentation=False,
-               report_note=FSDP2_NOTE, tracer="zero_bench.estimate.traced:trace_fsdp2"),
+               report_note=FSDP2_NOTE, tracer="zero_bench.estimate.traced:trace_fsdp2",
+               pipeline_trainer="zero_bench.engines.fsdp2:Fsdp2PipelineEngine"),
 )}
 
 

@@ -16,6 +16,8 @@ compiled.py     compile=true: what makes every rank compile the same graphs of m
 sequence.py     long sequences: tiled_mlp (DeepSpeed's TiledMLP over megatron's MLP), recompute_offload
 ulysses.py      parallel.sp: Ulysses' process groups, megatron's core attention inside DeepSpeed's
                 DistributedAttention, RoPE at each rank's token offset, MoE load-balancing over the sequence
+stages.py       parallel.pp: the layers of a rank's pipeline stages (megatron's split), each stage a
+                GPTModel with pre_process / post_process, its weights pp = 1's
 sequence_parallel.py  megatron's sequence parallelism at tp > 1: norms and biases whose gradients
                 are summed over the tp group (megatron's own norms refuse it without Apex / TE)
 The activation bytes per sample, which also depend on precision, recompute and device, are

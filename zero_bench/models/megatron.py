@@ -48,23 +48,46 @@ class MpuAdapter:
         raise AttributeError(name)
 
 
-def init_parallel(tp: int, seed: int, on_cpu: bool, ep: int = 1, sp: int = 1) -> MpuAdapter:
+def init_parallel(tp: int, seed: int, on_cpu: bool, ep: int = 1, sp: int = 1, pp: int = 1,
+                  vpp: int = 1) -> MpuAdapter:
     """Create megatron's TP/DP (and, ep > 1, expert-parallel; sp > 1, models/ulysses.py's
-    sequence-parallel) groups on top of the already initialised torch.distributed, and seed its RNG
-    streams. use_cpu_initialization draws the weights
-    from torch's default generator: it is seeded here, or every run (and so every ZeRO stage
-    compared) would start from other weights."""
+    sequence-parallel; pp > 1, pipeline with vpp virtual stages: models/stages.py) groups on top of
+    the already initialised torch.distributed, and seed its RNG streams. use_cpu_initialization
+    draws the weights from torch's default generator: it is seeded here, or every run (and so every
+    ZeRO stage compared) would start from other weights. megatron's order puts tp fastest, then dp,
+    then pp: ranks 0 .. tp x dp - 1 are the first stage."""
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    ulysses.init_groups(tp, torch.distributed.get_world_size() // tp, sp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    ulysses.init_groups(tp, torch.distributed.get_world_size() // (tp * pp), sp)
     if on_cpu:
         install_cpu_shims()
         seed_cpu_rng(seed)  # megatron's tracker calls torch.cuda's RNG; the CPU one keeps its streams
     else:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return MpuAdapter()
+    return PipelineMpu() if pp > 1 else MpuAdapter()
+
+
+class PipelineMpu(MpuAdapter):
+    """The `mpu` DeepSpeed gets under a pipeline (one DeepSpeed engine per stage, engines/deepspeed.py):
+    DeepSpeed's "model parallel" group is megatron's model-parallel one, tp x pp ranks, over which
+    ZeRO sums the squared gradient norms (stage_1_and_2.py _model_parallel_all_reduce; runtime/utils.py
+    clip_grad_norm_ at ZeRO-0), so every stage clips with the whole model's norm, as DeepSpeed's own
+    PipelineEngine's grid does. Its rank stays the tensor-parallel one: DeepSpeed counts a parameter
+    megatron did not split only where that rank is 0 (a replicated norm once per tp group), and
+    every stage holds other parameters."""
+
+    def get_model_parallel_group(self):
+        return self.ps.get_model_parallel_group()
+
+    def get_model_parallel_world_size(self):
+        return torch.distributed.get_world_size(self.ps.get_model_parallel_group())
+
+    def get_model_parallel_rank(self):
+        return self.ps.get_tensor_model_parallel_rank()
 
 
 def recompute_args(cfg: BenchConfig) -> dict:
@@ -272,13 +295,17 @@ def gpt_model_args(m: ModelConfig, tp: int) -> dict:
     )
 
 
-def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callable] = None) -> torch.nn.Module:
+def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callable] = None,
+              stage: Optional[dict] = None) -> torch.nn.Module:
     """GPTModel of `cfg.model` with megatron `config` (transformer_config, possibly adjusted by the
     engine). Under `with torch.device("meta")` only shapes are made (parameter counts of 405B models).
 
     on_layer: called on each transformer layer as soon as megatron has built it, before the next one
     draws its weights (FSDP2 shards it there, as zero.Init partitions each module; the weights are
-    megatron's, from the same generator in the same order). The caller then places the model itself."""
+    megatron's, from the same generator in the same order). The caller then places the model itself.
+
+    stage: GPTModel's pre_process / post_process / vp_stage for one pipeline stage (models/stages.py),
+    and `layers`, the slice of the model's layers it holds; None: the whole model."""
     from megatron.core.models.gpt import GPTModel
 
     if cfg.model.is_moe:
@@ -290,10 +317,18 @@ def build_gpt(cfg: BenchConfig, config, on_cpu: bool, on_layer: Optional[Callabl
 
         install_bias_sum()
     spec = layer_spec(cfg.model, config.sequence_parallel, cfg.parallel.sp)
+    stage = dict(stage or {})
+    layers = stage.pop("layers", None)
+    if layers is not None and hasattr(spec, "layer_specs"):
+        # a block spec lists every layer; megatron builds a stage from it as given (get_gpt_decoder_block_spec
+        # slices it by the stage's offset itself): the stage's own layers
+        spec = dataclasses.replace(spec, layer_specs=spec.layer_specs[layers])
     if on_layer is not None:
         spec = _then(spec, on_layer)
-    gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp))
-    install_loss(gpt, cfg.loss)
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_args(cfg.model, cfg.parallel.tp),
+                   **stage)
+    if gpt.post_process:
+        install_loss(gpt, cfg.loss)
     ulysses.rotary_at_offset(gpt)
     ulysses.aux_loss_over_sequence(gpt)
     if cfg.recompute == Recompute.op:

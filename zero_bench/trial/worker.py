@@ -278,6 +278,10 @@ class Rank:
         self.applied_any = self.applied_any or self.applied
         # parallel.sp: the group's loss, reduced outside the timed step (a reporting collective)
         losses = ulysses.sequence_mean(losses, self.device)
+        # parallel.pp: the last stage's losses, broadcast to its pipeline outside the timed step
+        shared = getattr(self.engine, "shared_losses", None)
+        if shared is not None:
+            losses = shared(losses)
         return secs, sum(losses) / len(losses)
 
     # -- memory ---------------------------------------------------------------------------------
