@@ -255,6 +255,8 @@ class RankRecord:
     # allocator on GPU (interpreter, torch, deepspeed, megatron-core, the process group; the CUDA context)
     peak_live_bytes: Optional[int] = None  # live tensor bytes of one profiled step (CPU) / torch peak (GPU)
     peak_phase: str = ""
+    stage: Optional[int] = None  # parallel.pp > 1: the pipeline stage (pipeline rank) of this rank, rank // (world / pp)
+    # (ranks laid out tp fastest, then dp, then pp: megatron's order); None without a pipeline and in older records
     phase_live_bytes: dict = field(default_factory=dict)  # CPU: the profiled step's live peak per phase
     loss_scale: Optional[float] = None  # fp16's dynamic loss scale after the entry (None: no scaling)
     skipped_steps: Optional[int] = None  # optimizer steps of the entry skipped on overflow (excluded from time/it)

@@ -13,7 +13,7 @@ from zero_bench.config.configure import compose, from_cfg
 from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import ConfigError
 from zero_bench.estimate import estimate
-from zero_bench.estimate.pipeline import in_flight, stage_bench
+from zero_bench.estimate.pipeline import in_flight, later_in_flight, stage_bench
 from zero_bench.estimate.table import estimate_report
 from zero_bench.estimate.time import predict_time
 from zero_bench.estimate.time.pipeline import stage_share
@@ -239,3 +239,26 @@ def test_the_report_shows_the_pipeline_and_each_stages_peak(tmp_path, monkeypatc
     assert row["stage peaks (MiB)"] == "0: 30,500 | 1: 21,000 (peak: stage 0)"
     assert row["peak stage est."] == "stage 0 of 2"
     assert row["Max Global BSZ"] == 4 * 4 * 2  # micro x grad_accum x dp
+
+
+def test_a_later_backward_runs_beside_the_accumulated_gradients():
+    """FSDP2 under torch's pipelining (estimate/pipeline.py): the first backward gathers layer by
+    layer as at pp = 1; a later one holds the stage's unsharded gradients (and, with no forward in
+    between to reshard them, its unsharded parameters). Measured on llama-tiny pp=2 micro 1:
+    stage 0 peaks in its first backward, stage 1 (F0 B0 F1 B1) in its second
+    (tests/integration/test_pipeline_trials.py holds both to 5 %)."""
+    # (micro-batches in flight at the second backward, a forward in between)
+    assert later_in_flight("1f1b", 2, 1, 0, 2) == ([1], False)  # F0 F1 B0 B1
+    assert later_in_flight("1f1b", 2, 1, 1, 2) == ([1], True)  # F0 B0 F1 B1
+    assert later_in_flight("1f1b", 4, 1, 0, 8) == ([4], True)  # the steady state
+    assert later_in_flight("gpipe", 2, 1, 1, 4) == ([3], False)
+    assert later_in_flight("1f1b", 2, 1, 0, 1) == ([], False)  # one backward
+    fsdp2 = estimate(bench(H100_70B + ["engine=fsdp2", "zero=3", "parallel.dp=2", "hardware.num_nodes=8"]))
+    for e in fsdp2.stages:
+        where = {b.name: set(b.phases) for b in e.prediction.buffers}
+        assert "pipeline_backward" in e.prediction.phases
+        assert where["pipeline_unsharded_grads"] == {"pipeline_backward", "pipeline_reduce"}
+        # 8 micro-batches > in flight on every stage: a forward between backwards reshards (zero=3)
+        assert where["pipeline_unsharded_params"] == {"pipeline_reduce"}
+        assert "pipeline_backward" in where["layer_gathered"]
+        assert "held_reduce_scatter_input" not in where

@@ -390,3 +390,33 @@ def test_a_mixture_of_experts_names_its_active_parameters(tmp_path, monkeypatch)
     row = both[both["Model"] == "Mixtral-8x7B"].iloc[0]
     assert (row["num params"], row["active params"]) == (46_702_792_704, 12_879_925_248)
     assert pd.isna(both[both["Model"] != "Mixtral-8x7B"]["active params"]).all()
+
+
+def test_a_pipelines_row_shows_each_stages_measured_peak_from_the_ranks_records():
+    """parallel.pp > 1: the schedule, each stage's peak (the largest of its ranks, each rank's stage as
+    its record says: RankRecord.stage) and the stage the estimate puts the peak on."""
+    from synthetic import gpu_cfg
+    from zero_bench.config.schema import ParallelConfig
+    from zero_bench.records import RankRecord
+    from zero_bench.report.tables import _pipeline
+
+    cfg = dataclasses.replace(gpu_cfg("GPT-345M", 24, 1024, 16, zero=1),
+                              parallel=ParallelConfig(tp=1, dp=1, pp=2, pp_schedule="gpipe"))
+    from synthetic import measured
+    from zero_bench.report.rows import Row
+
+    t = measured(cfg, 2, 2.0, [300, 500])
+    row = Row(config=t.config, label=t.label, key=t.search_key, status="done", note="", source="s", measure=t,
+              max_micro=2, max_global_batch=t.global_batch)
+    for rec in row.measure.ranks:
+        rec.stage = rec.rank
+    got = _pipeline(row)
+    assert got["pp schedule"] == "gpipe"
+    assert got["stage peaks (MiB)"] == "0: 300 | 1: 500 (peak: stage 1)"
+    assert got["peak stage est."].startswith("stage ")
+    # a record written before RankRecord.stage existed loads without it (the layout's order is used)
+    old = {k: v for k, v in RankRecord(rank=1, event="end").to_dict().items() if k != "stage"}
+    assert RankRecord.from_dict(old).stage is None
+    for rec in row.measure.ranks:
+        rec.stage = None
+    assert _pipeline(row)["stage peaks (MiB)"] == "0: 300 | 1: 500 (peak: stage 1)"

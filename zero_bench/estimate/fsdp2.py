@@ -259,7 +259,10 @@ def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[Phase, int
         # the root's pre-backward prefetches the top layer: its all-gather output from the loss's backward on
         out.append(Buffer("layer_gathered", bG, after_forward + names, "the layer in backward"))
         out.append(Buffer("layer_prefetched", bG, names, "the layer FSDP2 prefetches"))
-        if on_cpu:
+        # FSDP2 skips the all-gather over a shard group of one rank (FSDPParamGroup._all_gather's
+        # world_size == 1 branch: the unsharded parameters are copied from the sharded ones), so gloo
+        # copies nothing there (measured under a pipeline at dp 1: estimate/pipeline.py)
+        if on_cpu and bench.layout.shard_size > 1:
             out.append(Buffer("gloo_allgather_copy", bG, names, "gloo's all_gather_into_tensor output copy"))
     else:  # zero=2: layers 0..i stay gathered until their own backward
         for n, i in layers.items():

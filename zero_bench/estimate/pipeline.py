@@ -47,14 +47,22 @@ per-layer groups, its buffers, and one micro-batch's activations of the stage's 
   (gpipe, and m <= in_flight, keep the first backward's).
 - FSDP2 under torch.distributed.pipelining (stage.py backward_maybe_with_nosync): every backward
   runs with set_requires_gradient_sync(False) and set_reshard_after_backward(False); the
-  reduce-scatter and the reshard come once, after the last backward (perform_reduce_grad). So from
-  the first backward on a stage holds its parameters unsharded (the compute dtype) and their
-  unsharded gradients, accumulated in the reduce dtype (FSDPParam.to_accumulated_grad_if_needed:
-  fp32 beside bf16 compute); no sharded gradient or reduce-scatter input is held through the
-  micro-batches. These replace the per-layer gathered buffers in every phase with activations
-  (counting every parameter unsharded at the forward's end too: a bound from above), and one more
-  phase, pipeline_reduce, is the final reduce-scatter: the unsharded parameters and gradients
-  beside the sharded gradients it writes.
+  reduce-scatter and the reshard come once, after the last backward (perform_reduce_grad). So:
+  the stage's first backward gathers each layer as at pp = 1 (the engine's per-layer buffers, with
+  the micro-batches in flight), holds no sharded gradient and no reduce-scatter input, and keeps
+  the layers above the one in backward unsharded with their unsharded gradients; every later
+  backward (`later_in_flight`: 1f1b's steady state and cool-down, GPipe's second on) runs beside
+  the whole stage's unsharded gradients (the reduce dtype: FSDPParam.to_accumulated_grad_if_needed)
+  and either the whole stage's unsharded parameters (no forward since the first backward) or, where
+  a forward ran in between and zero=3 resharded each layer after it (FSDPParamGroup.post_forward),
+  the per-layer gathers again (phase pipeline_backward). pipeline_reduce is the final
+  reduce-scatter: the unsharded parameters and gradients beside the sharded gradients it writes.
+  Measured (llama-tiny, pp=2, fp32, 1F1B, micro 1 / 2, each micro-batch's forward and backward marked
+  apart): stage 0's peak is its first backward (2 micro-batches in flight, 48.7 / 73.4 MiB live),
+  its second 45.5 / 58.8 (the whole parameters and gradients unsharded: 12.8 MiB above the states);
+  stage 1's is its second backward (42.8 / 56.1), the first 37.9 / 50.9: 5 MiB less, its layers'
+  gradients. Counting every parameter and gradient unsharded in every phase with activations (the
+  bound this replaced) put stage 0 15 % / 8 % above the measurement.
 
 Not modelled: a stage's unequal layer split (megatron's account_for_embedding_in_pipeline_split and
 friends; pp x vpp must divide num_layers), zero-bubble schedules, megatron's deallocate_output_tensor
@@ -70,9 +78,6 @@ from zero_bench.engines.specs import spec
 from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction
 from zero_bench.estimate.states import master_bytes
 from zero_bench.units import BYTES
-
-FSDP2_GATHERED = ("root_gathered", "forward_allgather_output", "layer_gathered", "layer_prefetched", "root_grads",
-                  "held_reduce_scatter_input")  # the per-layer gathers the pipeline's unsharded stage replaces
 
 
 def nosync_sharded(bench: BenchConfig) -> bool:
@@ -178,6 +183,61 @@ def p2p_per_sample(bench: BenchConfig, counts: list[int]) -> int:
     return buffers * boundary_bytes(bench)
 
 
+def later_in_flight(schedule: str, pp: int, vpp: int, stage: int, m: int) -> tuple[list[int], bool]:
+    """Micro-batches in flight on each model chunk of the stage at its second backward ([] where it
+    runs one backward), and whether a forward ran on the stage between its first backward and that
+    one: gpipe m - 1, none; 1f1b (one forward between backwards in the steady state) min(pp - stage,
+    m) where m exceeds it, else (the cool-down) one less; interleaved: the first backward's counts,
+    a forward between (a bound)."""
+    counts = chunks_in_flight(schedule, pp, vpp, stage, m)
+    if schedule == PipelineSchedule.gpipe:
+        out, between = [m - 1] * vpp, False
+    elif schedule == PipelineSchedule.interleaved_1f1b:
+        out, between = counts, True
+    else:
+        flight = counts[0]
+        out, between = [flight if m > flight else flight - 1], m > flight
+    return ([] if m * vpp <= 1 or not any(out) else out), between
+
+
+def nosync_fsdp2(bench: BenchConfig, pred: Prediction, buffers: list, counts: list[int]) -> tuple[list, list[int]]:
+    """FSDP2's buffers under torch.distributed.pipelining's no-sync, no-reshard backwards (module
+    docstring), and the micro-batches in flight at a later backward ([]: none runs). The engine's
+    per-layer gathers stay in its phases (the first backward's); held_reduce_scatter_input goes (no
+    reduce-scatter until the last backward); layer i's phase adds the unsharded parameters and
+    gradients of the layers above it; the whole stage's unsharded gradients, and its unsharded
+    parameters unless a forward resharded them (zero=3), join pipeline_backward and pipeline_reduce."""
+    from zero_bench.estimate.fsdp2 import groups, layer_phases
+    from zero_bench.models.params import ROOT
+
+    layout, p = bench.layout, bench.parallel
+    m, stage = micro_batches(bench), layout.stage or 0
+    later, between = later_in_flight(p.pp_schedule, layout.pp, layout.vpp, stage, m)
+    b, w = BYTES[bench.precision], master_bytes(bench.states)
+    whole = sum(q.numel for q in layout.params)
+    g = groups(layout)
+    g.pop(ROOT, None)
+    G = max((sum(q.numel for q in ps) for ps in g.values()), default=0)
+    L = len(layout.stage_layers())
+    block = bench.recompute_layers if bench.recompute == "block" and bench.recompute_layers < L else 0
+    out = [x for x in buffers if x.name != "held_reduce_scatter_input"]
+    for name, i in layer_phases(L, block).items():
+        if name in pred.phases and L - 1 - i > 0:
+            out.append(Buffer(f"pipeline_unsharded_above_{i}", (L - 1 - i) * (b + w) * G, (name,),
+                              "torch.distributed.pipelining: the layers above, not resharded after their backward, "
+                              "with their unsharded gradients"))
+    regathered = between and bench.zero == 3
+    again = (Phase.pipeline_backward,) if later else ()
+    if regathered:  # zero=3 resharded each layer after the forward in between: gathered again per layer
+        out = [dataclasses.replace(x, phases=tuple(x.phases) + again)
+               if x.name in ("root_gathered", "layer_gathered") else x for x in out]
+    out += [Buffer("pipeline_unsharded_params", b * whole, (() if regathered else again) + (Phase.pipeline_reduce,),
+                   "torch.distributed.pipelining: reshard_after_backward=False through the micro-batches"),
+            Buffer("pipeline_unsharded_grads", w * whole, again + (Phase.pipeline_reduce,),
+                   "torch.distributed.pipelining: requires_gradient_sync=False, accumulated in the reduce dtype")]
+    return out, later
+
+
 def pipelined(bench: BenchConfig, pred: Prediction) -> Prediction:
     """The engine's prediction for one stage (`bench`: stage_bench's) with what the schedule adds
     (module docstring): the micro-batches in flight, the p2p buffers, the gradients held across
@@ -203,14 +263,11 @@ def pipelined(bench: BenchConfig, pred: Prediction) -> Prediction:
         phases[name] = PhaseBytes(int(grads), int(per + p2p))
     held = pred.held_across_micro_batches
     if fsdp2:
-        active = tuple(n for n, ph in pred.phases.items() if ph.per_sample)
-        whole = sum(q.numel for q in layout.params)
-        buffers = [b for b in buffers if b.name not in FSDP2_GATHERED and not b.name.startswith("layers_0_")]
-        buffers += [Buffer("pipeline_unsharded_params", BYTES[bench.precision] * whole, active + (Phase.pipeline_reduce,),
-                           "torch.distributed.pipelining: reshard_after_backward=False through the micro-batches"),
-                    Buffer("pipeline_unsharded_grads", master_bytes(bench.states) * whole,
-                           active + (Phase.pipeline_reduce,),
-                           "torch.distributed.pipelining: requires_gradient_sync=False, accumulated in the reduce dtype")]
+        buffers, later = nosync_fsdp2(bench, pred, buffers, counts)
+        if later:  # a later backward: the micro-batch in backward and what the others in flight saved
+            one = max(ph.per_sample for ph in pred.phases.values())
+            phases[Phase.pipeline_backward] = PhaseBytes(0, int(one + extra_in_flight(bench, pred.activations, later)
+                                                               + p2p))
         step = pred.phases.get(Phase.step)
         phases[Phase.pipeline_reduce] = PhaseBytes(step.grads if step else 0, p2p)
         held = 0

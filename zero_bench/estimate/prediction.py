@@ -38,6 +38,9 @@ class Phase(StrEnum):
     """FSDP2, recompute=block: the pre-backward of the top recomputed layer (recompute_layers - 1)."""
     layer_kept_lowest = "layer_kept_lowest"
     """FSDP2, recompute=block: the pre-backward of the lowest layer that keeps everything (recompute_layers)."""
+    pipeline_backward = "pipeline_backward"
+    """FSDP2 under a pipeline: a micro-batch's backward after the stage's first one, beside the unsharded
+    gradients the backwards before it accumulated (estimate/pipeline.py)."""
     pipeline_reduce = "pipeline_reduce"
     """FSDP2 under a pipeline (parallel.pp > 1): the reduce-scatter after the last micro-batch's
     backward, the unsharded parameters and gradients beside the sharded gradients (estimate/pipeline.py)."""
