@@ -49,6 +49,7 @@ TOLERANCE, SHARE = 0.15, 0.90
 MODEL_DEFAULT = "gpt-mini"
 # the engine term's calibration models, name[:override[:override]], comma-separated: gpt-tiny, wider
 # (more parameters per tensor), longer (more compute per parameter); none of them the checked gpt-mini
+ENGINE_STEPS = StepsConfig(warmup=2, timed=15)  # their steps take 30-250 ms: more of them, a steadier median
 ENGINE_MODELS = "gpt-tiny,gpt-tiny:model.hidden_size=256,gpt-tiny:model.seq_len=256"
 BUSY_LIMIT = 0.10  # others' share of the CPUs beyond which the run measured them too
 CONFIGS = {
@@ -93,7 +94,8 @@ def engine_benches(names: list[str], micro: int, models: list[str]) -> dict[str,
         keep = [o for o in CONFIGS[name] if o.startswith(("engine=", "zero="))]
         key = engine_key(bench(MODEL_DEFAULT, micro, CONFIGS[name]))
         if key not in out:
-            out[key] = [bench(m.split(":")[0], micro, [*m.split(":")[1:], *keep]) for m in models]
+            out[key] = [dataclasses.replace(bench(m.split(":")[0], micro, [*m.split(":")[1:], *keep]),
+                                            steps=ENGINE_STEPS) for m in models]
     return out
 
 
