@@ -14,8 +14,8 @@ tensor; beside them one rank's matmul rate alone (metrics.cpu_peak_flops, the ra
 copy rate offload's host copies run at. NVMe's bandwidth is not measured: the stated default.
 The engine's own time per step (estimate/time/engine.py) from a timed trial of gpt-tiny (engine_models=,
 never the checked model) at each engine and ZeRO stage the trials use: its time/it less its kernel
-terms at the same rates, per parameter tensor (and per parameter where two calibration models differ
-in parameters per tensor), scaled to each trial's model.
+terms at the same rates, per parameter tensor, per parameter and per token-layer (three gpt-tiny
+variants: as is, hidden 256, hidden 256 at micro 16), scaled to each trial's model.
 Trials: run_launch forked from one pool, steps warmup 1 + timed 5, time/it their median (the trial's
 own measurement, as the store records it): gpt-mini's ZeRO 0-3, offload (CPU and NVMe), recompute
 (full, selective, block, op), grad_accum 2, tp=2, FSDP2, and llama-tiny's Ulysses sp=2. Target (issue
@@ -48,9 +48,10 @@ from zero_bench.trial.pool import PoolSlot
 TOLERANCE, SHARE = 0.15, 0.90
 MODEL_DEFAULT = "gpt-mini"
 # the engine term's calibration models, name[:override[:override]], comma-separated: gpt-tiny, wider
-# (more parameters per tensor), longer (more compute per parameter); none of them the checked gpt-mini
+# (more parameters per tensor), wider at 4 x the micro (more tokens, the same widths); none of them
+# the checked gpt-mini
 ENGINE_STEPS = StepsConfig(warmup=2, timed=15)  # their steps take 30-250 ms: more of them, a steadier median
-ENGINE_MODELS = "gpt-tiny,gpt-tiny:model.hidden_size=256,gpt-tiny:model.seq_len=256"
+ENGINE_MODELS = "gpt-tiny,gpt-tiny:model.hidden_size=256,gpt-tiny:model.hidden_size=256:batch.micro=16"
 BUSY_LIMIT = 0.10  # others' share of the CPUs beyond which the run measured them too
 CONFIGS = {
     "zero0": ["zero=0"], "zero1": ["zero=1"], "zero2": ["zero=2"], "zero3": ["zero=3"],
@@ -105,10 +106,11 @@ def engine_points(names: list[str], micro: int, models: list[str], measured: dic
     points = []
     for key, benches in engine_benches(names, micro, models).items():
         for i, b in enumerate(benches):
-            (res,) = run_launch(b, [Entry(micro, Mode.MEASURE)], tmp / f"e-{key.replace(' ', '')}-{i}",
+            m = b.batch.micro  # the calibration model's own (an override may set it)
+            (res,) = run_launch(b, [Entry(m, Mode.MEASURE)], tmp / f"e-{key.replace(' ', '')}-{i}",
                                 LaunchOptions(pools=pools))
             if res.status == "ok" and res.time_per_step_s:
-                points.append(calibration_point(b, micro, res.time_per_step_s, cpu_rates(b, measured)).to_dict())
+                points.append(calibration_point(b, m, res.time_per_step_s, cpu_rates(b, measured)).to_dict())
             else:
                 print(f"engine calibration {key} on {b.model.name}: {res.status} {res.reason}", file=sys.stderr)
     return points
@@ -173,7 +175,8 @@ def main() -> int:
     for pt in measured.get("engine") or []:
         print(f"engine term calibration ({pt['key']}): {pt['model']} time/it {pt['measured_s']:.4f} s measured, "
               f"kernel terms {pt['kernels_s']:.4f} s: {1e3 * (pt['measured_s'] - pt['kernels_s']):.1f} ms beyond, "
-              f"{pt['tensors']} tensors, {pt['params']:,.0f} params")
+              f"{pt['tensors']} tensors, {pt['params']:,.0f} params, micro {pt.get('micro')}, "
+              f"{pt.get('token_layers', 0):,.0f} token-layers")
     if measured.get("ranks_after"):
         a = measured["ranks_after"]
         print(f"the same probes after the trials (not used): matmul {a['matmul_flops'] / 1e9:.1f} GFLOP/s, memory-bound "

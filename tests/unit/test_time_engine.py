@@ -33,20 +33,21 @@ def point(key="deepspeed zero 2", tensors=28, params=169_728.0, measured=0.10, k
 def test_the_key_is_the_engine_and_its_stage_and_the_size_is_the_ranks_tensors_and_params():
     assert engine_key(bench("zero=2", "offload=true")) == "deepspeed zero 2" == engine_key(bench("zero=2"))
     assert engine_key(bench("engine=fsdp2", "zero=3")) == "fsdp2 zero 3"
-    tiny, mini = engine_size(bench(model="gpt-tiny")), engine_size(bench())
-    assert tiny == (28, 169_728.0) and mini == (52, 5_322_240.0)
+    tiny, mini = engine_size(bench("batch.micro=4", model="gpt-tiny")), engine_size(bench("batch.micro=4"))
+    assert tiny == (28, 169_728.0, 4 * 64 * 2) and mini == (52, 5_322_240.0, 4 * 256 * 4)  # micro x seq x layers
+    assert engine_size(bench("parallel.sp=2", "batch.micro=4", model="llama-tiny"))[2] == 4 * bench(model="llama-tiny").model.seq_len / 2 \
+        * bench(model="llama-tiny").model.num_layers
     assert engine_size(bench("zero=3"))[1] == mini[1]  # before ZeRO partitions them: each is fetched, cast
 
 
-def test_one_point_gives_a_cost_per_tensor_unlike_points_a_cost_per_parameter_and_a_compute_slowdown():
+def test_one_point_gives_a_cost_per_tensor_unlike_points_a_cost_per_parameter_and_per_token_layer():
     assert coefficients([point()]) == (pytest.approx(0.08 / 28), 0.0, 0.0)
-    # residual = 1 ms/tensor + 10 ns/param + 0.25 x compute, on three models of 28 tensors
-    pts = [EnginePoint("k", "m", 28, p, 0.0, 0.0, c) for p, c in ((2e5, 0.01), (2e6, 0.04), (2e5, 0.05))]
-    pts = [EnginePoint("k", "m", 28, p.params, 28e-3 + 1e-8 * p.params + 0.25 * p.compute_s, 0.0, p.compute_s)
-           for p in pts]
+    # residual = 1 ms/tensor + 10 ns/param + 5 us/token-layer, on three models of 28 tensors
+    pts = [EnginePoint("k", "m", 28, p, 28e-3 + 1e-8 * p + 5e-6 * tl, 0.0, tl) for p, tl in
+           ((2e5, 512), (2e6, 512), (2e6, 2048))]
     a, b, c = coefficients(pts)
-    assert (a, b, c) == (pytest.approx(1e-3), pytest.approx(1e-8), pytest.approx(0.25))
-    two = [point(params=p, measured=0.02 + 28e-3 + 1e-8 * p) for p in (2e5, 2e6)]  # compute_s 0: no slowdown
+    assert (a, b, c) == (pytest.approx(1e-3), pytest.approx(1e-8), pytest.approx(5e-6))
+    two = [point(params=p, measured=0.02 + 28e-3 + 1e-8 * p) for p in (2e5, 2e6)]  # no token-layers: none of them
     assert coefficients(two) == (pytest.approx(1e-3), pytest.approx(1e-8), 0.0)
     assert coefficients([]) == (0.0, 0.0, 0.0)
     # a larger model that cost less: no negative per-parameter cost
@@ -61,11 +62,11 @@ def test_the_term_scales_the_points_of_its_engine_and_stage_to_the_configuration
     t = engine_term(b, pts)
     assert t.name == ENGINE_TERM and t.exposed and t.seconds == pytest.approx(0.08 / 28 * 52)
     assert "GPT-tiny" in t.source and "52" in t.source
-    slow = (EnginePoint("deepspeed zero 2", "GPT-tiny", 28, 1.7e5, 0.05, 0.02, 0.01),
-            EnginePoint("deepspeed zero 2", "GPT-tiny", 28, 1.7e5, 0.13, 0.06, 0.05))  # 20 ms + 1 s per compute s
-    p = predict_time(b, 4, cpu_rates(b, {**MEASURED, "engine": [x.to_dict() for x in slow]}))
-    compute = sum(t.seconds for t in p.terms if t.name.startswith(("forward", "backward", "recompute")))
-    assert p.term(ENGINE_TERM).seconds == pytest.approx(0.02 / 28 * 52 + 1.0 * compute)
+    per_token = tuple(EnginePoint("deepspeed zero 2", "GPT-tiny", 28, 1.7e5, 0.02 + 0.02 + 2e-5 * tl, 0.02, tl, m)
+                      for tl, m in ((512, 4), (2048, 16)))  # 20 ms + 20 us/token-layer
+    p = predict_time(b, 4, cpu_rates(b, {**MEASURED, "engine": [x.to_dict() for x in per_token]}))
+    assert p.term(ENGINE_TERM).seconds == pytest.approx(0.02 / 28 * 52 + 2e-5 * 4 * 256 * 4)  # at micro 4
+    assert engine_size(b, 4)[2] == 4 * 256 * 4 and engine_size(b)[2] == b.batch.micro * 256 * 4
     assert engine_term(bench("zero=3"), pts).seconds == pytest.approx(0.28 / 28 * 52)
     assert engine_term(bench("zero=1"), pts) is None  # no point of its own stage
     assert engine_term(bench("zero=2", "batch.grad_accum=2"), pts).seconds == pytest.approx(2 * t.seconds)
@@ -89,8 +90,9 @@ def test_a_calibration_point_is_the_trials_time_less_its_kernel_terms():
     p = calibration_point(b, 4, 0.05, rates)  # the rates' own points are not counted as kernels
     bare = predict_time(b, 4, cpu_rates(b, MEASURED))
     assert p.key == "deepspeed zero 0" and p.model == "GPT-tiny" and (p.tensors, p.params) == (28, 169_728.0)
+    assert (p.micro, p.token_layers) == (4, 4 * 64 * 2)
+    assert calibration_point(b, 16, 0.05, rates).token_layers == 16 * 64 * 2  # the micro it ran
     assert p.kernels_s == pytest.approx(bare.step_s - 0.01) and p.measured_s == 0.05
-    assert 0 < p.compute_s < p.kernels_s
     assert EnginePoint.from_dict(p.to_dict()) == p
 
 

@@ -74,7 +74,7 @@ def predict_time(bench: BenchConfig, micro: int, rates: Optional[HardwareRates] 
     terms = pipeline_terms(bench, rates, micro, terms)  # pp > 1: the stage's share, the bubble, the sends
     terms.append(overlap_term(terms))
     # the engine's measured time around the kernels (engine.py) holds the step's overhead; else the assumed
-    terms.append(engine_term(staged, rates.engine_points, terms)
+    terms.append(engine_term(staged, rates.engine_points, micro)
                  or TimeTerm("step overhead", rates.step_overhead_s.value, True, rates.step_overhead_s.source))
     step = sum(t.seconds for t in terms if t.exposed)
     p = bench.parallel

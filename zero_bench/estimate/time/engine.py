@@ -6,9 +6,11 @@ Measured, not assumed: an EnginePoint is one real trial of a calibration model (
 model a prediction is checked against) at one engine and ZeRO stage, timed, less what the kernel
 terms predict for it at the same rates (its residual). From the points of one engine and stage
 (`engine_key`), coefficients() takes a cost per parameter tensor and, where points differ in
-parameters or in compute, a cost per parameter and a slowdown of the compute terms (the kernels run
-slower inside the engine's model than in the rate probes); a configuration's engine term is those
-coefficients times its own tensors, parameters (engine_size) and compute terms. With the term the assumed step overhead goes: the residual
+parameters per tensor or in tokens, a cost per parameter and per token-layer; a configuration's
+engine term is those coefficients times its own tensors, parameters and token-layers (engine_size).
+The calibration models keep gpt-mini's head size or larger shapes where they vary tokens (a longer
+gpt-tiny sequence runs 16-wide attention heads far below the probes' matmul rate: kernel shape, not
+engine; docs/estimate.md). With the term the assumed step overhead goes: the residual
 holds it. Where no point was measured for the engine and stage (GPU, or a CPU without them), the
 step overhead stays the stated 10 ms.
 
@@ -41,8 +43,9 @@ class EnginePoint:
     """The trial's time/it (its ranks' slowest median)."""
     kernels_s: float
     """The prediction without the engine term and the step overhead, at the same rates."""
-    compute_s: float = 0.0
-    """Of kernels_s, the forward, backward and recompute terms (matmuls and memory-bound ops)."""
+    token_layers: float = 0.0
+    """Tokens a rank's layers see per micro-step, x layers (engine_size)."""
+    micro: int = 0
 
     @property
     def residual_s(self) -> float:
@@ -50,7 +53,7 @@ class EnginePoint:
         return max(0.0, self.measured_s - self.kernels_s)
 
     def features(self) -> tuple[float, float, float]:
-        return float(self.tensors), self.params, self.compute_s
+        return float(self.tensors), self.params, self.token_layers
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,7 +61,7 @@ class EnginePoint:
     @classmethod
     def from_dict(cls, d: dict) -> "EnginePoint":
         return cls(d["key"], d["model"], int(d["tensors"]), float(d["params"]), float(d["measured_s"]),
-                   float(d["kernels_s"]), float(d.get("compute_s", 0.0)))
+                   float(d["kernels_s"]), float(d.get("token_layers", 0.0)), int(d.get("micro", 0)))
 
 
 def engine_key(bench: BenchConfig) -> str:
@@ -67,26 +70,29 @@ def engine_key(bench: BenchConfig) -> str:
     return f"{bench.engine} zero {bench.zero}"
 
 
-def engine_size(bench: BenchConfig) -> tuple[int, float]:
-    """(parameter tensors, parameters) a rank's engine handles per step: every tensor of its model
-    (its hooks, casts and fetches are per tensor at every stage), the parameters of its tp shard
-    before ZeRO partitions them (each is cast, gathered or copied once a step)."""
-    layout = bench.layout
-    return len(layout.params), float(layout.tp_shard_params)
+def engine_size(bench: BenchConfig, micro: Optional[int] = None) -> tuple[int, float, float]:
+    """(parameter tensors, parameters, token-layers) a rank's engine handles per micro-step: every
+    tensor of its model (its hooks, casts and fetches are per tensor at every stage), the parameters
+    of its tp shard before ZeRO partitions them (each is cast, gathered or copied once a step), and
+    the tokens its layers see (micro, else batch.micro, x seq_len / sp) x the layers (what autograd's
+    and the hooks' work on activations scales with)."""
+    layout, m = bench.layout, bench.model
+    tokens = (micro or bench.batch.micro) * m.seq_len / bench.parallel.sp
+    return len(layout.params), float(layout.tp_shard_params), tokens * m.num_layers
 
 
-# which of (per tensor, per parameter, per second of compute) a fit may use, in the order preferred
+# which of (per tensor, per parameter, per token-layer) a fit may use, in the order preferred
 # where several fit the points equally well (one point: a cost per tensor alone)
 SUBSETS = ((0,), (0, 1), (0, 2), (0, 1, 2), (1,), (2,), (1, 2))
 
 
 def coefficients(points: Sequence[EnginePoint]) -> tuple[float, float, float]:
-    """(seconds per tensor, seconds per parameter, seconds per second of compute) from the points of
-    one engine and stage: residual = a x tensors + b x params + c x compute_s, least squares with
+    """(seconds per tensor, seconds per parameter, seconds per token-layer) from the points of one
+    engine and stage: residual = a x tensors + b x params + c x token_layers, least squares with
     every coefficient >= 0 over the subsets of the three (SUBSETS: among equal fits the first).
-    One point gives a cost per tensor alone; points that differ in parameters or in compute give
-    the per-parameter cost (casts, copies, gathers) and the kernels' slowdown inside the engine
-    (autograd, dispatch, the kernels' own shapes) beside it."""
+    One point gives a cost per tensor alone; points that differ in parameters per tensor give the
+    per-parameter cost (casts, copies, gathers), points that differ in tokens (micro) the cost per
+    token and layer (autograd's and the hooks' work on activations) beside it."""
     import numpy as np
 
     if not points:
@@ -110,31 +116,24 @@ def coefficients(points: Sequence[EnginePoint]) -> tuple[float, float, float]:
     return best
 
 
-def compute_seconds(terms: Sequence[TimeTerm]) -> float:
-    """The forward, backward and recompute terms (matmuls, memory-bound ops) of a prediction."""
-    from zero_bench.estimate.time import COMPUTE_PREFIXES
-
-    return sum(t.seconds for t in terms if t.exposed and t.name.startswith(COMPUTE_PREFIXES))
-
-
-def engine_term(bench: BenchConfig, points: Sequence[EnginePoint], terms: Sequence[TimeTerm] = ()) -> Optional[TimeTerm]:
-    """The configuration's engine time per step from the points measured for its engine and stage:
-    per tensor and per parameter x grad_accum (each micro-step runs the hooks, casts and waits again;
-    the calibration trials run grad_accum 1), the compute slowdown x its own compute terms (`terms`,
-    which count every micro-step already). None where none was measured, or with a pipeline."""
+def engine_term(bench: BenchConfig, points: Sequence[EnginePoint], micro: Optional[int] = None) -> Optional[TimeTerm]:
+    """The configuration's engine time per step at `micro` (else batch.micro) from the points
+    measured for its engine and stage,
+    x grad_accum (each micro-step runs the hooks, casts and waits again; the calibration trials run
+    grad_accum 1). None where none was measured, or with a pipeline."""
     mine = [p for p in points if p.key == engine_key(bench)]
     if not mine or bench.parallel.pp > 1:  # a pipeline's schedule: not what the points measured
         return None
     a, b, c = coefficients(mine)
-    tensors, params = engine_size(bench)
-    ga, compute = bench.batch.grad_accum, compute_seconds(terms)
-    seconds = ga * (a * tensors + b * params) + c * compute
+    tensors, params, token_layers = engine_size(bench, micro)
+    ga = bench.batch.grad_accum
+    seconds = ga * (a * tensors + b * params + c * token_layers)
     fit = [f"{a * 1e3:.3f} ms/tensor x {tensors}"] + ([f"{b * 1e9:.2f} ns/param x {params:,.0f}"] if b else []) \
-        + ([f"{c:.3f} x the compute terms' {compute:.3f} s"] if c else [])
-    said = ", ".join(f"{p.model} {p.measured_s:.3f} s measured - {p.kernels_s:.3f} s kernels ({p.tensors} tensors, "
-                     f"{p.params:,.0f} params, {p.compute_s:.3f} s compute)" for p in mine)
+        + ([f"{c * 1e6:.2f} us/token-layer x {token_layers:,.0f}"] if c else [])
+    said = ", ".join(f"{p.model} micro {p.micro} {p.measured_s:.3f} s measured - {p.kernels_s:.3f} s kernels"
+                     for p in mine)
     return TimeTerm(ENGINE_TERM, seconds, True, f"{engine_key(bench)}: " + " + ".join(fit)
-                    + (f" (per tensor and parameter x {ga} micro-steps)" if ga > 1 else "") + f"; measured on {said}")
+                    + (f", x {ga} micro-steps" if ga > 1 else "") + f"; measured on {said}")
 
 
 def calibration_point(bench: BenchConfig, micro: int, measured_s: float, rates) -> EnginePoint:
@@ -147,6 +146,5 @@ def calibration_point(bench: BenchConfig, micro: int, measured_s: float, rates) 
     bare = replace(rates, engine_points=())
     p = predict_time(bench, micro, bare)
     kernels = p.step_s - p.seconds("step overhead")
-    tensors, params = engine_size(bench)
-    return EnginePoint(engine_key(bench), bench.model.name, tensors, params, measured_s, kernels,
-                       compute_seconds(p.terms))
+    tensors, params, token_layers = engine_size(bench, micro)
+    return EnginePoint(engine_key(bench), bench.model.name, tensors, params, measured_s, kernels, token_layers, micro)
