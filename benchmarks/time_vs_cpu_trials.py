@@ -2,7 +2,8 @@
 measured time/it of a few 2-rank gloo trials, with the rates measured here first.
 
     python benchmarks/time_vs_cpu_trials.py [model=gpt-mini] [micro=4] [configs=all|NAME,NAME] [save=FILE]
-    python benchmarks/time_vs_cpu_trials.py replay=FILE    # a saved run's rates and times, predicted again
+    python benchmarks/time_vs_cpu_trials.py replay=FILE [engine=FILE2]  # a saved run, predicted again
+    python benchmarks/time_vs_cpu_trials.py engine_only=1 save=FILE   # the engine term's calibration alone
 
 Rates, measured here before the trials (so every figure in the table comes from this machine, and
 nothing is fitted to the trials): devices/rate_probes.rank_rates, what `zero_bench calibrate` stores,
@@ -11,6 +12,10 @@ memory-bound op mixes (the layers' norm/activation/softmax/residual, unfused att
 loss), gloo's all-reduce and all-gather bandwidth and latency, torch AdamW per parameter and per
 tensor; beside them one rank's matmul rate alone (metrics.cpu_peak_flops, the rate MFU uses) and the
 copy rate offload's host copies run at. NVMe's bandwidth is not measured: the stated default.
+The engine's own time per step (estimate/time/engine.py) from a timed trial of gpt-tiny (engine_models=,
+never the checked model) at each engine and ZeRO stage the trials use: its time/it less its kernel
+terms at the same rates, per parameter tensor, per parameter and per token-layer (three gpt-tiny
+variants: as is, hidden 256, hidden 256 at micro 16), scaled to each trial's model.
 Trials: run_launch forked from one pool, steps warmup 1 + timed 5, time/it their median (the trial's
 own measurement, as the store records it): gpt-mini's ZeRO 0-3, offload (CPU and NVMe), recompute
 (full, selective, block, op), grad_accum 2, tp=2, FSDP2, and llama-tiny's Ulysses sp=2. Target (issue
@@ -34,12 +39,19 @@ from zero_bench.devices.metrics import cpu_peak_flops, rank_threads
 from zero_bench.devices.rate_probes import cpu_adam_params_per_s, memory_bytes_per_s, rank_rates
 from zero_bench.devices.rates import cpu_rates
 from zero_bench.estimate.time import predict_time
+from zero_bench.estimate.time.engine import calibration_point, engine_key
 from zero_bench.records import Entry, Mode
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.machine import machine_lock
 from zero_bench.trial.pool import PoolSlot
 
 TOLERANCE, SHARE = 0.15, 0.90
+MODEL_DEFAULT = "gpt-mini"
+# the engine term's calibration models, name[:override[:override]], comma-separated: gpt-tiny, wider
+# (more parameters per tensor), wider at 4 x the micro (more tokens, the same widths); none of them
+# the checked gpt-mini
+ENGINE_STEPS = StepsConfig(warmup=2, timed=15)  # their steps take 30-250 ms: more of them, a steadier median
+ENGINE_MODELS = "gpt-tiny,gpt-tiny:model.hidden_size=256,gpt-tiny:model.hidden_size=256:batch.micro=16"
 BUSY_LIMIT = 0.10  # others' share of the CPUs beyond which the run measured them too
 CONFIGS = {
     "zero0": ["zero=0"], "zero1": ["zero=1"], "zero2": ["zero=2"], "zero3": ["zero=3"],
@@ -74,6 +86,36 @@ def others_busy(seconds: float = 2.0) -> float:
     return (b1 - b0) / max(1, t1 - t0)
 
 
+def engine_benches(names: list[str], micro: int, models: list[str]) -> dict[str, list[BenchConfig]]:
+    """The calibration trials of the engine term (estimate/time/engine.py): for each engine and stage
+    the checked trials use, the same engine and stage on each calibration model (gpt-tiny; never the
+    checked model), at the same micro, no offload, recompute, tp or sp."""
+    out: dict[str, list[BenchConfig]] = {}
+    for name in names:
+        keep = [o for o in CONFIGS[name] if o.startswith(("engine=", "zero="))]
+        key = engine_key(bench(MODEL_DEFAULT, micro, CONFIGS[name]))
+        if key not in out:
+            out[key] = [dataclasses.replace(bench(m.split(":")[0], micro, [*m.split(":")[1:], *keep]),
+                                            steps=ENGINE_STEPS) for m in models]
+    return out
+
+
+def engine_points(names: list[str], micro: int, models: list[str], measured: dict, tmp: Path, pools) -> list[dict]:
+    """Time each calibration trial and keep its EnginePoint (its time/it against its kernel terms at
+    the rates just measured)."""
+    points = []
+    for key, benches in engine_benches(names, micro, models).items():
+        for i, b in enumerate(benches):
+            m = b.batch.micro  # the calibration model's own (an override may set it)
+            (res,) = run_launch(b, [Entry(m, Mode.MEASURE)], tmp / f"e-{key.replace(' ', '')}-{i}",
+                                LaunchOptions(pools=pools))
+            if res.status == "ok" and res.time_per_step_s:
+                points.append(calibration_point(b, m, res.time_per_step_s, cpu_rates(b, measured)).to_dict())
+            else:
+                print(f"engine calibration {key} on {b.model.name}: {res.status} {res.reason}", file=sys.stderr)
+    return points
+
+
 def measured_rates(precision: str, ranks: int = 2) -> dict:
     threads = rank_threads()
     return {"matmul_flops": {precision: cpu_peak_flops(precision, threads)["flops"]},
@@ -84,12 +126,15 @@ def measured_rates(precision: str, ranks: int = 2) -> dict:
 
 def main() -> int:
     args = dict(a.split("=", 1) for a in sys.argv[1:])
-    model, micro = args.get("model", "gpt-mini"), int(args.get("micro", 4))
+    model, micro = args.get("model", MODEL_DEFAULT), int(args.get("micro", 4))
+    models = args.get("engine_models", ENGINE_MODELS).split(",")
     names = list(CONFIGS) if args.get("configs", "all") == "all" else args["configs"].split(",")
     rows = []
     if "replay" in args:  # a saved run (save=FILE): the same trials' times, predicted again by this tree's model
         saved = json.loads(Path(args["replay"]).read_text())
         measured, model, micro = saved["rates"], saved["model"], saved["micro"]
+        if "engine" in args:  # the engine points of another run (engine_only=1): measured apart from these trials
+            measured["engine"] = json.loads(Path(args["engine"]).read_text())["rates"]["engine"]
         names = [n for n in saved["measured"] if n in CONFIGS] if args.get("configs", "all") == "all" else names
         first = bench(model, micro, CONFIGS[names[0]])
         for name in names:
@@ -101,7 +146,12 @@ def main() -> int:
             first = bench(model, micro, CONFIGS[names[0]])
             busy = [others_busy()]
             measured = measured_rates(str(first.precision))
-            for i, name in enumerate(names):
+            t0 = time.perf_counter()
+            measured["engine"] = engine_points(names, micro, models, measured, Path(tmp), pools)
+            measured["engine_s"] = time.perf_counter() - t0
+            print(f"engine calibration: {len(measured['engine'])} trial(s) of {', '.join(models)} in "
+                  f"{measured['engine_s']:.0f} s", file=sys.stderr)
+            for i, name in enumerate(names if "engine_only" not in args else []):
                 b = bench(model, micro, CONFIGS[name])
                 (res,) = run_launch(b, [Entry(micro, Mode.MEASURE)], Path(tmp) / f"t{i}", LaunchOptions(pools=pools))
                 p = predict_time(b, micro, cpu_rates(b, measured))
@@ -122,6 +172,11 @@ def main() -> int:
           f"{r['all_reduce_bytes_per_s'] / 1e9:.2f} GB/s, all-gather {r['all_gather_bytes_per_s'] / 1e9:.2f} GB/s, "
           f"latency {r['collective_latency_s'] * 1e6:.0f} us, torch AdamW {r['adam_params_per_s'] / 1e6:.0f} M params/s "
           f"+ {r['adam_per_tensor_s'] * 1e6:.0f} us/tensor; memory copy {measured['memory_bytes_per_s'] / 1e9:.1f} GB/s")
+    for pt in measured.get("engine") or []:
+        print(f"engine term calibration ({pt['key']}): {pt['model']} time/it {pt['measured_s']:.4f} s measured, "
+              f"kernel terms {pt['kernels_s']:.4f} s: {1e3 * (pt['measured_s'] - pt['kernels_s']):.1f} ms beyond, "
+              f"{pt['tensors']} tensors, {pt['params']:,.0f} params, micro {pt.get('micro')}, "
+              f"{pt.get('token_layers', 0):,.0f} token-layers")
     if measured.get("ranks_after"):
         a = measured["ranks_after"]
         print(f"the same probes after the trials (not used): matmul {a['matmul_flops'] / 1e9:.1f} GFLOP/s, memory-bound "
@@ -144,7 +199,7 @@ def main() -> int:
         if "terms" in args:
             print("                  " + ", ".join(f"{t.name} {t.seconds:.3f}{'' if t.exposed else '~'}"
                                                   for t in p.terms if t.seconds >= 0.001))
-    share = within / len(rows)
+    share = within / max(1, len(rows))
     ok = share >= SHARE
     print(f"within {TOLERANCE:.0%}: {within} of {len(rows)} ({share:.0%}); target {SHARE:.0%}: "
           + ("holds" if ok else "DOES NOT HOLD"))

@@ -33,6 +33,10 @@ def test_calibrate_on_cpu_then_the_estimate_uses_it(tmp_path):
     # the time estimate's CPU rates (devices/rate_probes.py): an fp32 add's bytes/s, DeepSpeedCPUAdam's params/s
     assert 1e8 < entry["memory_bytes_per_s"] < 1e12 and entry["cpu_adam_params_per_s"] > 1e6
     assert "memory bandwidth" in out and "CPU Adam" in out
+    # the launch's timed entry: the engine's time per step beyond its kernel terms (estimate/time/engine.py)
+    (pt,) = entry["engine_points"]
+    assert pt["key"] == f"deepspeed zero {entry['zero']}" and pt["model"] == "GPT-tiny" and pt["tensors"] > 0
+    assert 0 < pt["kernels_s"] and 0 < pt["measured_s"] < 60 and "engine beyond kernels" in out
     said = f"calibrated on {entry['device']}, {entry['date'][:10]}"
     assert "runtime before the model" in out and said in out
 

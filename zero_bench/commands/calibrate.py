@@ -3,7 +3,9 @@ where the estimate finds them (zero_bench.devices.calibration).
 
 The launch is the configuration's own: its tp x dp ranks, engine, ZeRO stage and precision, so the
 NCCL communicators are the ones its groups create; the model is gpt-tiny unless one is given (cli.py),
-one probe entry at batch.micro (steps.probe optimizer steps, then a profiled step).
+one probe entry at batch.micro (steps.probe optimizer steps, then a profiled step); on CPU a timed
+entry after it at micro + 1 (steps.warmup + steps.timed steps: the engine's time per step beyond the
+kernels, estimate/time/engine.py).
 CPU: each rank's RSS before the model and its peak RSS less its peak live tensors (the estimate's
 fixed term), then, in this process under the machine lock, the matmul rate of each CPU precision.
 GPU: what calibration.FixedTermsProbe measures at each rank's start (the context alone, NCCL's
@@ -40,7 +42,12 @@ def calibrate(bench: BenchConfig, out: Path) -> tuple[Calibration, Path]:
     on_cpu = bench.hardware.device == Device.cpu
     key, device, software = machine(bench)
     with machine_lock():  # the matmul rates too: no other trial may share the cores meanwhile
-        (res,) = run_launch(bench, [Entry(bench.batch.micro, Mode.PROBE)], out, LaunchOptions(calibrate=True))
+        # CPU: the same ranks then time warmup + timed steps (gpt-tiny: well under a second), the
+        # engine's time per step beyond its kernel terms (estimate/time/engine.py); at micro + 1, as a
+        # launch's entries are told apart by micro (ascending), after the probe's memory is recorded
+        micro = bench.batch.micro
+        plan = [Entry(micro, Mode.PROBE)] + ([Entry(micro + 1, Mode.MEASURE)] if on_cpu else [])
+        res, *timed = run_launch(bench, plan, out, LaunchOptions(calibrate=True))
         if res.status != Status.OK:
             raise CalibrationFailed(f"{res.label} micro={res.micro}: {res.status}: {res.reason}")
         threads = rank_threads()
@@ -51,8 +58,23 @@ def calibrate(bench: BenchConfig, out: Path) -> tuple[Calibration, Path]:
                        # the launch's ranks all probing at once: matmul, memory-bound ops, gloo, torch AdamW
                        "rank_rates": rank_rates(bench.parallel.world_size, threads, str(bench.precision)).to_dict()}
                       if on_cpu else {})
+        if timed and timed[0].status == Status.OK and timed[0].time_per_step_s:
+            time_rates["engine_points"] = [engine_point(bench, timed[0].micro, timed[0].time_per_step_s,
+                                                        {**time_rates, "matmul_flops": rates})]
     cal = from_result(bench, res, key, device, software, rates, time_rates)
     return cal, save(cal)
+
+
+def engine_point(bench: BenchConfig, micro: int, measured_s: float, time_rates: dict) -> dict:
+    """The launch's EnginePoint (estimate/time/engine.py) as stored: its time/it against the kernel
+    terms at the rates just measured. No launch of its own: the calibration's trial is timed anyway."""
+    from zero_bench.devices.rates import cpu_rates
+    from zero_bench.estimate.time.engine import calibration_point
+
+    measured = {"matmul_flops": time_rates.get("matmul_flops") or {}, "memory_bytes_per_s": time_rates.get("memory_bytes_per_s"),
+                "cpu_adam_params_per_s": time_rates.get("cpu_adam_params_per_s"), "ranks": time_rates.get("rank_rates"),
+                "said": "this calibration"}
+    return calibration_point(bench, micro, measured_s, cpu_rates(bench, measured)).to_dict()
 
 
 def machine(bench: BenchConfig) -> tuple[str, str, dict]:
@@ -129,6 +151,9 @@ def terms(cal: Calibration) -> list[tuple[str, str, str]]:
             rates.append(("CPU Adam", f"{cal.cpu_adam_params_per_s / 1e6:,.0f} M params/s",
                           "best DeepSpeedCPUAdam step of 4M fp32 parameters, in the runner"))
         rates += rank_rate_lines(cal.rank_rates)
+        rates += [(f"engine beyond kernels ({p['key']})", f"{(p['measured_s'] - p['kernels_s']) * 1e3:,.1f} ms/step",
+                   f"{p['model']} time/it {p['measured_s']:.3f} s - kernel terms {p['kernels_s']:.3f} s; "
+                   f"{p['tensors']} tensors") for p in cal.engine_points]
         return [("runtime before the model", _mib(cal.runtime_bytes),
                  "RSS at each rank's start, before its model is built (largest rank)"),
                 ("rank overhead (the estimate's term)", _mib(cal.overhead_bytes),

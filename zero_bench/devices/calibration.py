@@ -79,6 +79,10 @@ class Calibration:
     rank_rates: dict = field(default_factory=dict)
     """CPU: rate_probes.RankRates of the launch's ranks all probing at once (matmul, memory-bound ops,
     gloo's collectives, torch AdamW) in the launch's precision; {}: not measured."""
+    engine_points: list = field(default_factory=list)
+    """CPU: estimate/time/engine.EnginePoint dicts: the launch's own time/it against its kernel terms
+    at rank_rates (the engine's time per step beyond the kernels, for its engine and stage); points
+    of other engines and stages from earlier calibrations under the same key are kept."""
     # -- GPU ---------------------------------------------------------------------------------------
     module_loading: Optional[str] = None
     """GPU: CUDA_MODULE_LOADING the ranks ran with (lazy / eager): it sets the context's size."""
@@ -218,12 +222,20 @@ def save(cal: Calibration) -> Path:
     old = data.get(cal.key) or {}
     cal = dataclasses.replace(cal, nccl_bytes={**(old.get("nccl_bytes") or {}), **cal.nccl_bytes},
                               nccl_all_to_all_bytes={**(old.get("nccl_all_to_all_bytes") or {}),
-                                                     **cal.nccl_all_to_all_bytes})
+                                                     **cal.nccl_all_to_all_bytes},
+                              engine_points=merged_points(old.get("engine_points") or [], cal.engine_points))
     data[cal.key] = cal.to_dict()
     _write_json_atomic(path, data)
     if cal.key not in _read_json(path):
         raise OSError(f"{path}: could not be written")
     return path
+
+
+def merged_points(old: list, new: list) -> list:
+    """Engine points (dicts): the new ones, and the old ones of engines, stages and models they do not
+    measure again."""
+    again = {(p["key"], p["model"]) for p in new}
+    return [p for p in old if (p["key"], p["model"]) not in again] + list(new)
 
 
 # -- which estimate uses which entry ---------------------------------------------------------------

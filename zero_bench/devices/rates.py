@@ -91,6 +91,9 @@ class HardwareRates:
     FSDP2's) per parameter; with it the device's step is timed by it, not by memory bandwidth."""
     optimizer_per_tensor_s: Optional[Rate] = None
     """What each tensor adds to that optimizer's step (its per-parameter loop)."""
+    engine_points: tuple = ()
+    """estimate/time/engine.EnginePoint: timed calibration trials (gpt-tiny) per engine and ZeRO stage;
+    where one matches a configuration, its engine term replaces the assumed step overhead."""
 
     def flops(self, precision: str) -> Rate:
         """The matmul rate a precision runs at."""
@@ -188,7 +191,7 @@ def cpu_rates(bench: BenchConfig, measured: Optional[dict] = None) -> HardwareRa
         cal = calibration.for_bench(bench)
         measured = {} if cal is None else {"matmul_flops": cal.matmul_flops, "memory_bytes_per_s": cal.memory_bytes_per_s,
                                            "cpu_adam_params_per_s": cal.cpu_adam_params_per_s,
-                                           "ranks": cal.rank_rates, "said": cal.said}
+                                           "ranks": cal.rank_rates, "engine": cal.engine_points, "said": cal.said}
     said, prec = measured.get("said", "measured here"), str(bench.precision)
     got = measured.get("matmul_flops") or {}
     flops = (Rate(got[prec], f"{prec} F.linear 1024^2 on one rank, {said}", calibrated=True) if prec in got else
@@ -205,7 +208,15 @@ def cpu_rates(bench: BenchConfig, measured: Optional[dict] = None) -> HardwareRa
     if ranks and ranks.get("precision") == prec:
         flops, more = rank_rates_of(ranks, said)
         rates.update(more)
+    rates["engine_points"] = engine_points_of(measured.get("engine") or [])
     return HardwareRates("this CPU", matmul_flops=flops, fp32_flops=flops, **rates)
+
+
+def engine_points_of(stored: list) -> tuple:
+    """estimate/time/engine.EnginePoint of stored dicts (a calibration's, a benchmark's)."""
+    from zero_bench.estimate.time.engine import EnginePoint
+
+    return tuple(p if isinstance(p, EnginePoint) else EnginePoint.from_dict(p) for p in stored)
 
 
 def rank_rates_of(r: dict, said: str) -> tuple[Rate, dict]:

@@ -6,6 +6,8 @@ compute.py  the matmuls (forward, backward = 2 x forward, what recompute re-runs
             matmul rate; the memory-bound ops and the device's optimizer step at memory bandwidth
 comm.py     one entry per collective an engine issues (ZeRO 0-3, ZeRO++, FSDP2, TP/SP, Ulysses,
             experts), its algorithm factor, intra- or inter-node bandwidth, overlapped or exposed
+engine.py   the engine's own time (hooks, casts, fetches, waits) per tensor and parameter, measured
+            on a calibration model (gpt-tiny) per engine and ZeRO stage; CPU only
 offload.py  PCIe copies, the optimizer step on the host's cores, NVMe reads and writes
 pipeline.py parallel.pp > 1: the slowest stage's share of the work, the bubble, the stages' sends
 record.py   the typed records: TimeTerm (name, seconds, exposed, source), TimePrediction
@@ -17,9 +19,10 @@ ZeRO-2's with overlap_comm) hide behind the step's compute; what they exceed it 
 exposed term ("communication beyond compute"). On CPU the rates are the ranks' own, measured with
 every rank busy at once (devices/rate_probes.rank_rates, `zero_bench calibrate`): the matmul, the
 memory-bound ops by kind, gloo's bandwidth and a latency per collective call, torch AdamW per
-parameter and per tensor. Not modelled: kernel efficiency by GEMM shape (every matmul at MAMF on
-GPU), the framework's time outside kernels (Python, autograd, DeepSpeed's
-hooks: 50-100 ms a step on the CPU trials, docs/estimate.md), GPU collective latency, stragglers.
+parameter and per tensor, and the engine's time beyond the kernels (engine.py, from timed gpt-tiny
+trials). Not modelled: kernel efficiency by GEMM shape (every matmul at MAMF on GPU), the
+framework's time outside kernels on GPU (the assumed 10 ms step overhead stands for it), GPU
+collective latency, stragglers.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.devices.rates import HardwareRates, rates_for
 from zero_bench.estimate.time.comm import comm_terms
 from zero_bench.estimate.time.compute import compute_terms, optimizer_terms
+from zero_bench.estimate.time.engine import engine_term
 from zero_bench.estimate.time.offload import offload_terms
 from zero_bench.estimate.time.pipeline import pipeline_terms, slowest_stage
 from zero_bench.estimate.time.record import TimePrediction, TimeTerm
@@ -69,7 +73,9 @@ def predict_time(bench: BenchConfig, micro: int, rates: Optional[HardwareRates] 
              + offload_terms(staged, rates))
     terms = pipeline_terms(bench, rates, micro, terms)  # pp > 1: the stage's share, the bubble, the sends
     terms.append(overlap_term(terms))
-    terms.append(TimeTerm("step overhead", rates.step_overhead_s.value, True, rates.step_overhead_s.source))
+    # the engine's measured time around the kernels (engine.py) holds the step's overhead; else the assumed
+    terms.append(engine_term(staged, rates.engine_points, micro)
+                 or TimeTerm("step overhead", rates.step_overhead_s.value, True, rates.step_overhead_s.source))
     step = sum(t.seconds for t in terms if t.exposed)
     p = bench.parallel
     sequences = micro * bench.batch.grad_accum * p.dp / p.sp  # per optimizer step, all ranks
