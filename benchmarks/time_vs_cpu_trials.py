@@ -39,7 +39,8 @@ from zero_bench.devices.metrics import cpu_peak_flops, rank_threads
 from zero_bench.devices.rate_probes import cpu_adam_params_per_s, memory_bytes_per_s, rank_rates
 from zero_bench.devices.rates import cpu_rates
 from zero_bench.estimate.time import predict_time
-from zero_bench.estimate.time.engine import calibration_point, engine_key
+from zero_bench.estimate.time import calibration_point
+from zero_bench.estimate.time.engine import engine_key
 from zero_bench.records import Entry, Mode
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.machine import machine_lock

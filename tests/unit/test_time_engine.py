@@ -9,8 +9,8 @@ import pytest
 from zero_bench.config.configure import compose, from_cfg
 from zero_bench.devices.rate_probes import RankRates
 from zero_bench.devices.rates import cpu_rates
-from zero_bench.estimate.time import predict_time
-from zero_bench.estimate.time.engine import (ENGINE_TERM, EnginePoint, calibration_point, coefficients,
+from zero_bench.estimate.time import calibration_point, predict_time
+from zero_bench.estimate.time.engine import (ENGINE_TERM, EnginePoint, coefficients,
                                              engine_key, engine_size, engine_term)
 
 RANKS = RankRates(2, 1, "bf16", 1e11, 5e9, 4e9, 2e9, 1e9, 5e8, 3e-4, 1e8, 2e-5, 1e-6).to_dict()

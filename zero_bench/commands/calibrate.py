@@ -69,7 +69,7 @@ def engine_point(bench: BenchConfig, micro: int, measured_s: float, time_rates: 
     """The launch's EnginePoint (estimate/time/engine.py) as stored: its time/it against the kernel
     terms at the rates just measured. No launch of its own: the calibration's trial is timed anyway."""
     from zero_bench.devices.rates import cpu_rates
-    from zero_bench.estimate.time.engine import calibration_point
+    from zero_bench.estimate.time import calibration_point
 
     measured = {"matmul_flops": time_rates.get("matmul_flops") or {}, "memory_bytes_per_s": time_rates.get("memory_bytes_per_s"),
                 "cpu_adam_params_per_s": time_rates.get("cpu_adam_params_per_s"), "ranks": time_rates.get("rank_rates"),

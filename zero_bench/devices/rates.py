@@ -25,7 +25,7 @@ Published figures (re-check before relying on one):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from zero_bench.config.schema import BenchConfig, Device
@@ -45,6 +45,41 @@ class Rate:
     def assumed(self) -> bool:
         """A stated default nobody measured: to be calibrated."""
         return self.source.startswith(ASSUMED)
+
+
+@dataclass(frozen=True)
+class EnginePoint:
+    """One timed calibration trial of an engine and stage, and what the kernel terms predicted for it."""
+    key: str
+    """engine_key of the trial's configuration."""
+    model: str
+    tensors: int
+    """Parameter tensors on a rank (engine_size)."""
+    params: float
+    """Parameters on a rank before ZeRO's partitioning (engine_size)."""
+    measured_s: float
+    """The trial's time/it (its ranks' slowest median)."""
+    kernels_s: float
+    """The prediction without the engine term and the step overhead, at the same rates."""
+    token_layers: float = 0.0
+    """Tokens a rank's layers see per micro-step, x layers (engine_size)."""
+    micro: int = 0
+
+    @property
+    def residual_s(self) -> float:
+        """What the engine spent beyond the kernel terms (never below zero)."""
+        return max(0.0, self.measured_s - self.kernels_s)
+
+    def features(self) -> tuple[float, float, float]:
+        return float(self.tensors), self.params, self.token_layers
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EnginePoint":
+        return cls(d["key"], d["model"], int(d["tensors"]), float(d["params"]), float(d["measured_s"]),
+                   float(d["kernels_s"]), float(d.get("token_layers", 0.0)), int(d.get("micro", 0)))
 
 
 @dataclass(frozen=True)
@@ -92,7 +127,7 @@ class HardwareRates:
     optimizer_per_tensor_s: Optional[Rate] = None
     """What each tensor adds to that optimizer's step (its per-parameter loop)."""
     engine_points: tuple = ()
-    """estimate/time/engine.EnginePoint: timed calibration trials (gpt-tiny) per engine and ZeRO stage;
+    """EnginePoint: timed calibration trials (gpt-tiny) per engine and ZeRO stage;
     where one matches a configuration, its engine term replaces the assumed step overhead."""
 
     def flops(self, precision: str) -> Rate:
@@ -213,9 +248,7 @@ def cpu_rates(bench: BenchConfig, measured: Optional[dict] = None) -> HardwareRa
 
 
 def engine_points_of(stored: list) -> tuple:
-    """estimate/time/engine.EnginePoint of stored dicts (a calibration's, a benchmark's)."""
-    from zero_bench.estimate.time.engine import EnginePoint
-
+    """EnginePoints of stored dicts (a calibration's, a benchmark's)."""
     return tuple(p if isinstance(p, EnginePoint) else EnginePoint.from_dict(p) for p in stored)
 
 

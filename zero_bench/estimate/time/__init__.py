@@ -26,21 +26,21 @@ collective latency, stragglers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Optional
 
 from zero_bench.config.schema import BenchConfig, Device
-from zero_bench.devices.rates import HardwareRates, rates_for
+from zero_bench.devices.rates import EnginePoint, HardwareRates, rates_for
 from zero_bench.estimate.time.comm import comm_terms
 from zero_bench.estimate.time.compute import compute_terms, optimizer_terms
-from zero_bench.estimate.time.engine import engine_term
+from zero_bench.estimate.time.engine import engine_key, engine_size, engine_term
 from zero_bench.estimate.time.offload import offload_terms
 from zero_bench.estimate.time.pipeline import pipeline_terms, slowest_stage
 from zero_bench.estimate.time.record import TimePrediction, TimeTerm
 from zero_bench.models.flops import model_flops_per_seq
 
-__all__ = ["TimeModel", "TimePrediction", "TimeTerm", "predict_time"]
+__all__ = ["TimeModel", "TimePrediction", "TimeTerm", "calibration_point", "predict_time"]
 
 COMPUTE_PREFIXES = ("forward", "backward", "recompute")  # what overlapped communication hides behind
 
@@ -98,3 +98,13 @@ class TimeModel:
     def at(self, micro: int) -> Optional[TimePrediction]:
         """The prediction at `micro` per rank (None: rates unknown, or micro 0: nothing fits)."""
         return predict_time(self.bench, micro, self.rates) if self.rates is not None else None
+
+
+def calibration_point(bench: BenchConfig, micro: int, measured_s: float, rates) -> EnginePoint:
+    """The EnginePoint of a timed trial of `bench` at `micro`: its time/it against what the kernel
+    terms predict at `rates` (with no engine points, less the assumed step overhead)."""
+    bare = replace(rates, engine_points=())
+    p = predict_time(bench, micro, bare)
+    kernels = p.step_s - p.seconds("step overhead")
+    tensors, params, token_layers = engine_size(bench, micro)
+    return EnginePoint(engine_key(bench), bench.model.name, tensors, params, measured_s, kernels, token_layers, micro)

@@ -20,48 +20,14 @@ checks before its trials.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 from zero_bench.config.schema import BenchConfig
+from zero_bench.devices.rates import EnginePoint  # the measured record lives with the rates that carry it
 from zero_bench.estimate.time.record import TimeTerm
 
 ENGINE_TERM = "engine overhead"
 
-
-@dataclass(frozen=True)
-class EnginePoint:
-    """One timed calibration trial of an engine and stage, and what the kernel terms predicted for it."""
-    key: str
-    """engine_key of the trial's configuration."""
-    model: str
-    tensors: int
-    """Parameter tensors on a rank (engine_size)."""
-    params: float
-    """Parameters on a rank before ZeRO's partitioning (engine_size)."""
-    measured_s: float
-    """The trial's time/it (its ranks' slowest median)."""
-    kernels_s: float
-    """The prediction without the engine term and the step overhead, at the same rates."""
-    token_layers: float = 0.0
-    """Tokens a rank's layers see per micro-step, x layers (engine_size)."""
-    micro: int = 0
-
-    @property
-    def residual_s(self) -> float:
-        """What the engine spent beyond the kernel terms (never below zero)."""
-        return max(0.0, self.measured_s - self.kernels_s)
-
-    def features(self) -> tuple[float, float, float]:
-        return float(self.tensors), self.params, self.token_layers
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "EnginePoint":
-        return cls(d["key"], d["model"], int(d["tensors"]), float(d["params"]), float(d["measured_s"]),
-                   float(d["kernels_s"]), float(d.get("token_layers", 0.0)), int(d.get("micro", 0)))
 
 
 def engine_key(bench: BenchConfig) -> str:
@@ -134,17 +100,3 @@ def engine_term(bench: BenchConfig, points: Sequence[EnginePoint], micro: Option
                      for p in mine)
     return TimeTerm(ENGINE_TERM, seconds, True, f"{engine_key(bench)}: " + " + ".join(fit)
                     + (f", x {ga} micro-steps" if ga > 1 else "") + f"; measured on {said}")
-
-
-def calibration_point(bench: BenchConfig, micro: int, measured_s: float, rates) -> EnginePoint:
-    """The EnginePoint of a timed trial of `bench` at `micro`: its time/it against what the kernel
-    terms predict at `rates` (with no engine points, less the assumed step overhead)."""
-    from dataclasses import replace
-
-    from zero_bench.estimate.time import predict_time
-
-    bare = replace(rates, engine_points=())
-    p = predict_time(bench, micro, bare)
-    kernels = p.step_s - p.seconds("step overhead")
-    tensors, params, token_layers = engine_size(bench, micro)
-    return EnginePoint(engine_key(bench), bench.model.name, tensors, params, measured_s, kernels, token_layers, micro)
