@@ -252,31 +252,30 @@ def engine_points_of(stored: list) -> tuple:
     return tuple(p if isinstance(p, EnginePoint) else EnginePoint.from_dict(p) for p in stored)
 
 
+# stored RankRates key -> (HardwareRates field, what the probe ran; "{p}": the precision). The first three
+# every stored figure has; the others are left out of figures stored before they were probed (the
+# layers' mix and the stated defaults stand in).
+RANK_PROBES = {
+    "elementwise_bytes_per_s": ("elementwise_bytes_per_s",
+                                "{p} norm + GeLU + softmax + add forward and backward on [1024, 1024]"),
+    "adam_params_per_s": ("optimizer_params_per_s", "torch AdamW on one 4M fp32 tensor"),
+    "adam_per_tensor_s": ("optimizer_per_tensor_s", "torch AdamW's per-tensor cost (64 x 1024 tensors)"),
+    "scores_bytes_per_s": ("scores_bytes_per_s",
+                           "{p} masked_fill + softmax forward and backward on [4, 4, 256, 256] scores"),
+    "loss_bytes_per_s": ("loss_bytes_per_s",
+                         "{p} [256, 4, 8192] logits to fp32 + cross-entropy forward and backward"),
+    "all_reduce_bytes_per_s": ("intra_node_bytes_per_s", "gloo all-reduce busbw of 16 MB fp32"),
+    "all_gather_bytes_per_s": ("gather_bytes_per_s", "gloo all-gather busbw of 16 MB fp32"),
+    "collective_latency_s": ("collective_latency_s", "gloo one-element all-reduce"),
+}
+
+
 def rank_rates_of(r: dict, said: str) -> tuple[Rate, dict]:
     """(the matmul rate, the other HardwareRates fields) of a rate_probes.RankRates' figures."""
-    n, p = r["ranks"], r["precision"]
-    together = f"{n} ranks at once, {r['threads']} thread(s) each"
-    out = {"elementwise_bytes_per_s": Rate(r["elementwise_bytes_per_s"], f"{p} norm + GeLU + softmax + add forward "
-                                           f"and backward on [1024, 1024], {together}, {said}", calibrated=True),
-           "optimizer_params_per_s": Rate(r["adam_params_per_s"], f"torch AdamW on one 4M fp32 tensor, {together}, "
-                                          f"{said}", calibrated=True),
-           "optimizer_per_tensor_s": Rate(r["adam_per_tensor_s"], f"torch AdamW's per-tensor cost (64 x 1024 "
-                                          f"tensors), {together}, {said}", calibrated=True)}
-    if r.get("scores_bytes_per_s"):  # figures stored before these were probed: the layers' mix stands in
-        out["scores_bytes_per_s"] = Rate(r["scores_bytes_per_s"], f"{p} masked_fill + softmax forward and backward "
-                                         f"on [4, 4, 256, 256] scores, {together}, {said}", calibrated=True)
-    if r.get("loss_bytes_per_s"):
-        out["loss_bytes_per_s"] = Rate(r["loss_bytes_per_s"], f"{p} [256, 4, 8192] logits to fp32 + cross-entropy "
-                                       f"forward and backward, {together}, {said}", calibrated=True)
-    if r.get("all_reduce_bytes_per_s"):
-        out["intra_node_bytes_per_s"] = Rate(r["all_reduce_bytes_per_s"], f"gloo all-reduce busbw of 16 MB fp32, "
-                                             f"{together}, {said}", calibrated=True)
-    if r.get("all_gather_bytes_per_s"):
-        out["gather_bytes_per_s"] = Rate(r["all_gather_bytes_per_s"], f"gloo all-gather busbw of 16 MB fp32, "
-                                         f"{together}, {said}", calibrated=True)
-    if r.get("collective_latency_s"):
-        out["collective_latency_s"] = Rate(r["collective_latency_s"], f"gloo one-element all-reduce, {together}, "
-                                           f"{said}", calibrated=True)
+    p = r["precision"]
+    together = f"{r['ranks']} ranks at once, {r['threads']} thread(s) each"
+    out = {field: Rate(r[key], f"{what.format(p=p)}, {together}, {said}", calibrated=True)
+           for key, (field, what) in RANK_PROBES.items() if r.get(key)}
     flops = Rate(r["matmul_flops"], f"{p} F.linear 1024^2, {together}, {said}", calibrated=True)
     return flops, out
 
