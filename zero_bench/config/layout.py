@@ -251,6 +251,11 @@ class RankLayout:
             out.update(pp=self.pp)
         return out
 
+    def stage_of(self, rank: int) -> Optional[int]:
+        """The pipeline stage world rank `rank` runs (megatron's pipeline rank: the ranks laid out tp
+        fastest, then dp, then pp, so each stage holds tp x dp consecutive ranks); None at pp 1."""
+        return rank // (self.tp * self.dp) if self.pp > 1 else None
+
     @property
     def spans(self) -> dict[str, int]:
         """Consecutive ranks each of `groups` spans, the ranks laid out tp fastest, then dp (sp and ep

@@ -12,6 +12,7 @@ import deepspeed
 import torch
 
 from zero_bench.config.schema import BenchConfig, Device, Recompute
+from zero_bench.engines.pipeline import PipelineEngine
 from zero_bench.engines.storages import storage_bytes
 from zero_bench.models.compiled import same_graphs_on_every_rank
 from zero_bench.models.megatron import MpuAdapter, build_gpt, init_parallel, transformer_config
@@ -101,7 +102,7 @@ class DeepSpeedEngine:
         self.engine.compile()
 
 
-class DeepSpeedPipelineEngine(DeepSpeedEngine):
+class DeepSpeedPipelineEngine(PipelineEngine, DeepSpeedEngine):
     """parallel.pp > 1: one DeepSpeed engine over this rank's stages (models/stages.py; a ModuleList
     of its virtual stages), driven by torch's schedule (engines/pipeline.py), ZeRO 0-1.
 
@@ -146,12 +147,6 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         finally:
             self.engine.set_gradient_accumulation_boundary(False)
         return losses
-
-    def shared_losses(self, losses: list[float]) -> list[float]:
-        return self.pipeline.shared(losses)
-
-    def compile(self) -> None:
-        raise NotImplementedError("compile under a pipeline (refused by configure.check_pipeline)")
 
 
 def model_state_bytes(engine) -> ModelStates:

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig, Precision, Recompute, States
 from zero_bench.engines.ds_config import load_template
+from zero_bench.engines.pipeline import PipelineEngine
 from zero_bench.engines.storages import storage_bytes
 from zero_bench.models.compiled import same_graphs_on_every_rank
 from zero_bench.models.megatron import build_gpt, init_parallel, transformer_config
@@ -139,7 +140,7 @@ class Fsdp2Engine:
             layer.compile()
 
 
-class Fsdp2PipelineEngine(Fsdp2Engine):
+class Fsdp2PipelineEngine(PipelineEngine, Fsdp2Engine):
     """parallel.pp > 1, torchtitan's composition: this rank's stages (models/stages.py) each
     fully_shard'ed over the stage's data-parallel mesh (every layer as it is built, then the stage
     itself as the root, the module torch's PipelineStage calls, so that the stage drives FSDP2's
@@ -193,12 +194,6 @@ class Fsdp2PipelineEngine(Fsdp2Engine):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return losses
-
-    def shared_losses(self, losses: list[float]) -> list[float]:
-        return self.pipeline.shared(losses)
-
-    def compile(self) -> None:
-        raise NotImplementedError("compile under a pipeline (refused by configure.check_pipeline)")
 
 
 # -- building --------------------------------------------------------------------------------------

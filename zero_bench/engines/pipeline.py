@@ -28,8 +28,7 @@ import torch.distributed as dist
 
 from zero_bench.config.choices import PipelineSchedule
 from zero_bench.config.schema import BenchConfig
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from zero_bench.models.megatron import DTYPES
 
 
 def schedule_class(kind: str):
@@ -113,3 +112,15 @@ class Pipeline:
         t = torch.tensor(losses if self.has_last else [0.0] * self.n, dtype=torch.float64, device=self.device)
         dist.broadcast(t, src=self.last_rank, group=self.group)
         return t.tolist()
+
+
+class PipelineEngine:
+    """What both engines' pipeline trainers (Fsdp2PipelineEngine, DeepSpeedPipelineEngine) add to
+    their pp = 1 engine beside their own step: the losses shared over the pipeline, no compile."""
+    pipeline: Pipeline
+
+    def shared_losses(self, losses: list[float]) -> list[float]:
+        return self.pipeline.shared(losses)
+
+    def compile(self) -> None:
+        raise NotImplementedError("compile under a pipeline (refused by configure.check_pipeline)")

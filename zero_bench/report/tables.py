@@ -236,13 +236,12 @@ def _pipeline(r: Row) -> dict:
     out = {"pp schedule": str(par.pp_schedule) + (f" vpp={par.vpp}" if par.vpp > 1 else "")}
     if r.measure is not None:
         _, devs = device_memory(r.measure)
-        per = par.world_size // par.pp
         # each rank's stage as its record says (RankRecord.stage), else from the layout (older records)
         recorded = {x.rank: x.stage for x in r.measure.ranks if x.stage is not None}
         if len(devs) == par.world_size:
             peaks = [0] * par.pp
             for i, d in enumerate(devs):
-                st = recorded.get(i, i // per)
+                st = recorded.get(i, s.layout.stage_of(i))
                 peaks[st] = max(peaks[st], d.peak_bytes)
             top = max(range(par.pp), key=lambda i: peaks[i])
             out["stage peaks (MiB)"] = (" | ".join(f"{i}: {p / MiB:,.0f}" for i, p in enumerate(peaks))

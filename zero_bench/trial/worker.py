@@ -386,7 +386,7 @@ class Rank:
                           loss=run.losses[-1], losses=run.losses, grad_norms=run.grad_norms, step_times=run.times,
                           time_per_step=statistics.median(run.times) if run.times else None, time_note=note,
                           peak_live_bytes=peak_live, peak_phase=phase, phase_live_bytes=self.phase_live,
-                          stage=self.stage,
+                          stage=self.cfg.layout.stage_of(self.rank),
                           model_states=self.states.to_dict(),
                           loss_scale=self.engine.loss_scale(), skipped_steps=run.skipped, compile_s=self.compile_s,
                           zero_init=self.engine.zero_init, offloaded=self.engine.offloaded(),
@@ -394,12 +394,6 @@ class Rank:
                           runtime_bytes=self.runtime_bytes, build_bytes=self.build_bytes, marks=self.marks.marks,
                           **self.fixed_terms,
                           **self.memory_now())
-
-    @property
-    def stage(self) -> Optional[int]:
-        """The pipeline stage this rank runs (parallel.pp > 1): megatron's pipeline rank, rank // (world / pp)."""
-        p = self.cfg.parallel
-        return self.rank // (p.world_size // p.pp) if p.pp > 1 else None
 
     def over_capacity(self, rec: RankRecord) -> bool:
         """All ranks agree (max all-reduce) whether any rank's peak passed the capacity."""
