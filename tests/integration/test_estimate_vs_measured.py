@@ -260,7 +260,13 @@ def test_fsdp2_llama_tiny_peaks_near_estimate(measured, name, micro):
     # recompute=full, tests/data/measured/fsdp2_live_peaks.json): a measurement may exceed the
     # formula by that layer too, never fall below it by more than tol (the old formula's misses were
     # over-predictions here, and grad_accum's -15 % / -18 % stay past tol plus a layer)
+    # Those buffers are gloo's: its background thread drops its references to a collective's tensors
+    # when the work completes, so a busy machine raises a rank's measured peak, never lowers it (five
+    # fresh launches of grad_accum 2 at micro 1, 2026-11-28: 59.68 to 64.37 MiB per rank; CI's clone
+    # once read 71.06 on one rank). The formula must not exceed any rank's peak, and must reach the
+    # least of them (both ranks run the same layers on equal shards) within tol plus one layer.
     held = 4 * sum(layer_numels(b.model))
-    for rank in res[micro].ranks:
-        pred, got = e.allocated_bytes(micro), rank.peak_live_bytes
-        assert got * (1 - tol) - held <= pred <= got * (1 + tol), (pred / 2**20, got / 2**20, held / 2**20)
+    pred = e.allocated_bytes(micro)
+    got = [rank.peak_live_bytes for rank in res[micro].ranks]
+    assert pred <= min(got) * (1 + tol), (pred / 2**20, [g / 2**20 for g in got])
+    assert min(got) * (1 - tol) - held <= pred, (pred / 2**20, [g / 2**20 for g in got], held / 2**20)
