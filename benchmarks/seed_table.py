@@ -46,6 +46,7 @@ class Row:
     offload: bool
     batch: Optional[int]  # None: cannot initialize
     memory_mib: Optional[int]  # the largest GPU's "used" figure at the table's batch
+    time_ms: Optional[float] = None  # the table's time/it: one optimizer step over its max global batch
 
     @property
     def name(self) -> str:
@@ -61,7 +62,7 @@ def parse(text: str) -> list[Row]:
         used = [int(m.group(1)) for c in cells[12:20] if (m := re.match(r"(\d+)\s*Mi", c, re.I))]
         rows.append(Row(model=cells[0], gpus=int(cells[4]), dp=int(cells[5]), mp=int(cells[6]), zero=int(cells[7]),
                         offload=cells[8] == "Yes", batch=None if cells[9] == CANNOT else int(cells[9]),
-                        memory_mib=max(used) if used else None))
+                        memory_mib=max(used) if used else None, time_ms=float(cells[10]) if cells[10] else None))
     return rows
 
 
