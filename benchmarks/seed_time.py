@@ -85,6 +85,7 @@ HEADER = (f"{'row':31} {'micro':>5} {'pred ms':>8} {'table ms':>8} {'ratio':>5} 
 def line(row: Row, p: TimePrediction) -> str:
     ratio = p.step_s * 1e3 / row.time_ms
     parts = "".join(f" {v * 1e3:{w}.0f}" for v, w in zip(breakdown(p).values(), (7, 6, 6, 5)))
+    # the table's MFU: the same model FLOPs over its measured time = the predicted MFU x ratio
     mfu = f"{p.mfu:8.1%} {p.mfu * ratio:5.1%}" if p.mfu else f"{'-':>8} {'-':>5}"
     return f"{row.name:31} {p.micro:5d} {p.step_s * 1e3:8.0f} {row.time_ms:8.0f} {ratio:5.2f} {mfu} {parts}"
 
