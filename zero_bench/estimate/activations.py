@@ -361,6 +361,20 @@ def sequence_args(bench) -> dict:
     return out
 
 
+def bench_activations(bench) -> dict:
+    """activation_bytes_per_sample of a BenchConfig at its own keys: what its engine's memory prediction
+    holds (estimate/deepspeed.py, estimate/fsdp2.py) and what the time prediction's checkpoint copies
+    move (estimate/time/offload.py), one call for both. An engine that reads DeepSpeed's JSON takes the
+    composed JSON's activation_checkpointing (partition_activations, cpu_checkpointing); FSDP2 has none."""
+    from zero_bench.engines.specs import spec
+    from zero_bench.estimate.buffers import ds_full
+
+    checkpointing = ds_full(bench).get("activation_checkpointing") if spec(bench.engine).reads_ds_config else None
+    return activation_bytes_per_sample(bench.model, bench.parallel.tp, bench.precision, bench.recompute, checkpointing,
+                                       bench.hardware.device, bench.recompute_layers, bench.loss, bench.fusions,
+                                       **sequence_args(bench))
+
+
 def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str = "bf16", recompute: str = "none",
                                 checkpointing: Optional[Mapping] = None, device: str = "gpu",
                                 recompute_layers: int = 1, loss: str = "megatron", fusions: bool = False,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from zero_bench.config.schema import BenchConfig, Device, Loss
-from zero_bench.estimate.activations import activation_bytes_per_sample, loss_chunk_bytes, sequence_args
+from zero_bench.estimate.activations import bench_activations, loss_chunk_bytes
 from zero_bench.estimate.buffers import deepspeed_buffers, ds_full, init_peak
 from zero_bench.estimate.nvme import nvme_split
 from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction, causal_mask
@@ -33,15 +33,13 @@ GPU_ACTIVATION_FACTOR = 1.0
 def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
     """engine=deepspeed's prediction for one rank (its spec's `predict`). ds: the trial's DeepSpeed
     JSON where the caller has it (its buffers read it), else the composed one's."""
-    m, tp, layout = bench.model, bench.parallel.tp, bench.layout
+    m, layout = bench.model, bench.layout
     P = layout.held_params
     on_cpu = bench.hardware.device == Device.cpu
     states = model_states_bytes(layout.tp_shard_params, bench.zero, layout, bench.precision, bench.offload,
                                 bench.offload_param and bench.zero == 3, states=bench.states,
                                 expert_params=layout.tp_shard_expert_params)
-    checkpointing = ds_full(bench).get("activation_checkpointing") if ds is None else None
-    act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, checkpointing, bench.hardware.device,
-                                      bench.recompute_layers, bench.loss, bench.fusions, **sequence_args(bench))
+    act = bench_activations(bench)  # the composed JSON's activation_checkpointing (`ds` is its zero section)
     factor = CPU_ACTIVATION_FACTOR if on_cpu else GPU_ACTIVATION_FACTOR
     per_sample = int((act["total"] + (act["host"] if on_cpu else 0)) * factor)  # on CPU the host is the device
     b = BYTES[bench.precision]

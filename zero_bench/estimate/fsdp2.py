@@ -71,8 +71,8 @@ from typing import Mapping, Optional
 
 from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig, Device, Loss, Recompute
-from zero_bench.estimate.activations import (activation_bytes_per_sample, loss_chunk_bytes, output_layer_backward,
-                                             sequence_args)
+from zero_bench.estimate.activations import (activation_bytes_per_sample, bench_activations, loss_chunk_bytes,
+                                             output_layer_backward, sequence_args)
 from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction, causal_mask
 from zero_bench.estimate.states import master_bytes, moment_bytes
 from zero_bench.models.params import ROOT, Param
@@ -182,9 +182,7 @@ def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
         largest = max(_shard(p, layout, 0, padded=True) for p in root + layer)
         buffers.append(Buffer("adamw_temporaries", ADAM_TEMPORARIES * w * largest, (Phase.step,),
                               "single-tensor AdamW's temporaries of the largest shard"))
-    act = activation_bytes_per_sample(m, tp, bench.precision, bench.recompute, device=bench.hardware.device,
-                                      recompute_layers=bench.recompute_layers, loss=bench.loss, fusions=bench.fusions,
-                                      **sequence_args(bench))
+    act = bench_activations(bench)
     # recompute_offload: the inputs on the host, which on CPU is the memory measured
     host = act["host"] if on_cpu else 0
     saved = act["saved"] + host
