@@ -29,7 +29,7 @@ from zero_bench.estimate.time import TimePrediction
 
 COMPUTE = ("forward", "backward", "recompute")  # the kernels: matmuls and memory-bound ops, re-run included
 COMM = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "communication beyond compute")
-HOST = ("optimizer step (host", "gradients device->host", "parameters host->device", "NVMe")
+HOST = ("optimizer step (host", "gradients device->host", "parameters host->device", "checkpoints", "NVMe")
 PARTS = ("compute", "comm", "host", "other")
 
 

@@ -174,6 +174,67 @@ def test_offload_is_slower_than_no_offload(stage):
     assert at("zero=3", "offload_device=nvme", micro=2).step_s > at("zero=3", "offload=true", micro=2).step_s
 
 
+# Llama-3-8B's checkpointed layer inputs: 32 layers x 8,192 tokens x 4,096 x 2 bytes a sample
+INPUTS = 32 * 8192 * 4096 * 2
+CHECKPOINTS = ("checkpoints device->host", "checkpoints host->device")
+
+
+def checkpoint_seconds(p):
+    return {t.name: t.seconds for t in p.terms if t.name in CHECKPOINTS}
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
+def test_recompute_offload_copies_the_hosts_checkpoints_down_and_up_every_micro_step(engine):
+    """recompute_offload (models/sequence.py): every checkpointed input down in forward and up in
+    backward, each micro-step, both exposed (on the compute stream): the step grows by exactly
+    bytes / PCIe each way, and the bytes are the ones the memory estimate holds on the host."""
+    keys = [f"engine={engine}", "zero=3", "recompute=full", "batch.grad_accum=2"]
+    off, on = at(*keys, micro=3), at(*keys, "recompute_offload=true", micro=3)
+    moved = INPUTS * 3 * 2
+    assert estimate(bench(*keys, "recompute_offload=true")).activations["host"] == INPUTS
+    assert checkpoint_seconds(off) == {}
+    assert close(on.term("checkpoints device->host").seconds, moved / 53e9)
+    assert close(on.term("checkpoints host->device").seconds, moved / 35e9)
+    assert all(on.term(n).exposed for n in CHECKPOINTS)
+    assert close(on.step_s - off.step_s, moved / 53e9 + moved / 35e9)
+
+
+def test_deepspeeds_cpu_checkpointing_copies_each_inputs_tp_partition():
+    """The megatron_deepspeed preset's offload file turns cpu_checkpointing on beside
+    partition_activations: each input's 1/tp partition goes to the host (checkpointing.py
+    partition_activations); without cpu_checkpointing nothing is copied and the step is shorter by
+    exactly the two copies."""
+    keys = ["parallel.tp=2", "parallel.dp=4", "zero=2", "offload=true", "recompute=full",
+            "ds_preset=megatron_deepspeed", "parallel.sequence_parallel=false"]
+    on = at(*keys, micro=2)
+    off = at(*keys, "+ds.activation_checkpointing.cpu_checkpointing=false", micro=2)
+    moved = INPUTS / 2 * 2  # the tp partition, micro 2
+    assert close(on.term("checkpoints device->host").seconds, moved / 53e9)
+    assert close(on.term("checkpoints host->device").seconds, moved / 35e9)
+    assert "pageable" in on.term("checkpoints device->host").source
+    assert checkpoint_seconds(off) == {}
+    assert close(on.step_s - off.step_s, moved / 53e9 + moved / 35e9)
+
+
+def test_on_cpu_recompute_offload_clones_and_deepspeeds_cpu_checkpointing_copies_nothing():
+    """On CPU recompute_offload's host copy is a clone (read + write at the measured copy rate, which
+    counts bytes moved), its restore a no-op; DeepSpeed's partition.cpu() / .to("cpu") return the
+    tensor itself, so cpu_checkpointing adds no term though the memory estimate holds the bytes."""
+    from zero_bench.devices.rates import cpu_rates
+
+    cpu = ["model=gpt-tiny", "hardware=cpu", "parallel=dp2", "precision=fp32", "zero=2", "recompute=full"]
+    got = {"matmul_flops": {"fp32": 5e10}, "memory_bytes_per_s": 8e9, "said": "in a test"}
+    b = from_cfg(compose([*cpu, "recompute_offload=true"]), here=False)
+    m = b.model
+    inputs = m.num_layers * m.seq_len * m.hidden_size * 4
+    p = predict_time(b, 2, cpu_rates(b, got))
+    assert checkpoint_seconds(p) == {"checkpoints device->host": pytest.approx(2 * inputs * 2 / 8e9, rel=1e-9)}
+    ds = from_cfg(compose([*cpu, "+ds.activation_checkpointing.partition_activations=true",
+                           "+ds.activation_checkpointing.cpu_checkpointing=true"]), here=False)
+    assert estimate(ds).activations["host"] == inputs
+    assert checkpoint_seconds(predict_time(ds, 2, cpu_rates(ds, got))) == {}
+
+
 def test_fsdp2_gathers_bf16_reduces_fp32_and_hides_both_behind_compute():
     p = predict_time(bench("engine=fsdp2", "zero=3"), 1)
     assert close(p.term("parameter all-gather").seconds, 2 * P * 2 * 7 / 8 / NVLS_H100)

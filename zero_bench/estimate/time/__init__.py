@@ -8,7 +8,8 @@ comm.py     one entry per collective an engine issues (ZeRO 0-3, ZeRO++, FSDP2, 
             experts), its algorithm factor, intra- or inter-node bandwidth, overlapped or exposed
 engine.py   the engine's own time (hooks, casts, fetches, waits) per tensor and parameter, measured
             on a calibration model (gpt-tiny) per engine and ZeRO stage; CPU only
-offload.py  PCIe copies, the optimizer step on the host's cores, NVMe reads and writes
+offload.py  PCIe copies, the optimizer step on the host's cores, NVMe reads and writes; the
+            checkpointed layer inputs kept on the host (recompute_offload, cpu_checkpointing)
 pipeline.py parallel.pp > 1: the slowest stage's share of the work, the bubble, the stages' sends
 record.py   the typed records: TimeTerm (name, seconds, exposed, source), TimePrediction
 table.py    `zero_bench estimate`'s time sheet and the JSON's `time`
@@ -35,7 +36,7 @@ from zero_bench.devices.rates import EnginePoint, HardwareRates, rates_for
 from zero_bench.estimate.time.comm import comm_terms
 from zero_bench.estimate.time.compute import compute_terms, optimizer_terms
 from zero_bench.estimate.time.engine import engine_key, engine_size, engine_term
-from zero_bench.estimate.time.offload import offload_terms
+from zero_bench.estimate.time.offload import checkpoint_terms, offload_terms
 from zero_bench.estimate.time.pipeline import pipeline_terms, slowest_stage
 from zero_bench.estimate.time.record import TimePrediction, TimeTerm
 from zero_bench.models.flops import model_flops_per_seq
@@ -70,7 +71,7 @@ def predict_time(bench: BenchConfig, micro: int, rates: Optional[HardwareRates] 
         return None
     staged = slowest_stage(bench)  # pp > 1: the slowest stage's layout (pipeline.py); bench itself at pp 1
     terms = (compute_terms(staged, rates, micro) + optimizer_terms(staged, rates) + comm_terms(staged, rates, micro)
-             + offload_terms(staged, rates))
+             + offload_terms(staged, rates) + checkpoint_terms(staged, rates, micro))
     terms = pipeline_terms(bench, rates, micro, terms)  # pp > 1: the stage's share, the bubble, the sends
     terms.append(overlap_term(terms))
     # the engine's measured time around the kernels (engine.py) holds the step's overhead; else the assumed

@@ -17,14 +17,34 @@ What moves, as DeepSpeed 0.19.8 and torch 2.13 do it:
 - FSDP2's CPUOffloadPolicy: the fp32 shards on the host, copied to the device before each all-gather
   and the gradients back after each reduce-scatter; torch's AdamW steps on the host (DeepSpeed's
   cpu_adam.py says its CPU Adam is "5x to 7x" torch's: TORCH_ADAM_SLOWDOWN, the midpoint).
+- The checkpointed layer inputs kept on the host between forward and backward (checkpoint_terms; any
+  engine, with or without offload): the bytes are the memory estimate's own (bench_activations'
+  `host`, what Estimate.host_bytes counts), copied down in every micro-step's forward and up in its
+  backward, both exposed:
+  - DeepSpeed's cpu_checkpointing with partition_activations (the megatron_deepspeed preset's offload
+    file), runtime/activation_checkpointing/checkpointing.py: partition_activations() copies each
+    checkpoint's 1/tp partition to the host with `partition.cpu()` (or, contiguous_memory_optimization,
+    copy_ into a host buffer from new_empty), pageable memory, a blocking copy on the compute stream;
+    CheckpointFunction.backward brings it back with `saved_data.to(device)`, blocking too, before the
+    recompute. Nothing overlaps them. The rates are nvbandwidth's pinned figures: for pageable memory
+    the term is a lower bound. On CPU both calls return the tensor itself: no copy, no term. (Without
+    partition_activations DeepSpeed 0.19.8 copies asynchronously on a side stream, keeping the last
+    input on the device: the memory estimate holds none of those inputs on the host, so neither
+    does this.)
+  - recompute_offload (models/sequence.py, both engines): to_host copies each chunk's input into
+    pinned memory, non_blocking but on the compute stream, which runs it between the layers'
+    kernels; restore copies it back the same way before the recompute. On CPU to_host is a clone
+    (each byte read and written, at the measured copy rate, which counts bytes moved) and restore's
+    .to("cpu") copies nothing.
 CPU Adam's rate per core is not published (devices/rates.py): the term says so in its source.
 """
 from __future__ import annotations
 
 from zero_bench.config.hosts import local_ranks
-from zero_bench.config.schema import BenchConfig
+from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.devices.rates import HardwareRates
 from zero_bench.engines.specs import load, spec
+from zero_bench.estimate.activations import bench_activations
 from zero_bench.estimate.time.comm import overlap_comm
 from zero_bench.estimate.time.compute import measured_optimizer, partition_params
 from zero_bench.estimate.time.record import TimeTerm
@@ -101,3 +121,30 @@ def nvme_terms(bench: BenchConfig, rates: HardwareRates) -> list[TimeTerm]:
                 TimeTerm("NVMe parameters write", n * b * ranks / wr.value, True,
                          f"the updated {b}-B partition written after the step at {wr.source}")]
     return out
+
+
+def checkpoint_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
+    """The checkpointed layer inputs' copies to the host in forward and back in backward, every
+    micro-step ([] where the memory estimate keeps none on the host, or the copy is none: DeepSpeed's
+    cpu_checkpointing on CPU). Exposed: both run on, or block, the compute stream (module docstring)."""
+    per_sample = bench_activations(bench)["host"]
+    ga, on_cpu = bench.batch.grad_accum, bench.hardware.device == Device.cpu
+    if not per_sample or (on_cpu and not bench.recompute_offload):
+        return []
+    nbytes = per_sample * micro * ga
+    said = (f"the checkpointed layer inputs the memory estimate holds on the host ({per_sample:,} B a sample, "
+            f"estimate/activations.py bench_activations) x micro {micro} x {ga} micro-step(s)")
+    d2h, h2d = rates.device_to_host_bytes_per_s, rates.host_to_device_bytes_per_s
+    if on_cpu:  # recompute_offload's to_host clones: read and write; restore moves nothing
+        return [TimeTerm("checkpoints device->host", 2 * nbytes / d2h.value, True,
+                         f"recompute_offload on CPU: {said}, cloned (each byte read and written) at {d2h.source}")]
+    if bench.recompute_offload:
+        how, bound = "recompute_offload: pinned, non_blocking on the compute stream (models/sequence.py)", ""
+    else:
+        how = ("DeepSpeed cpu_checkpointing + partition_activations: blocking copies to pageable memory "
+               "(checkpointing.py partition_activations, CheckpointFunction.backward)")
+        bound = " (pinned memory's rate: this term is a lower bound)"
+    return [TimeTerm("checkpoints device->host", nbytes / d2h.value, True,
+                     f"{said}, in forward; {how}, at {d2h.source}{bound}"),
+            TimeTerm("checkpoints host->device", nbytes / h2d.value, True,
+                     f"{said}, back before each recompute; {how}, at {h2d.source}{bound}")]
