@@ -15,7 +15,9 @@ copy rate offload's host copies run at. NVMe's bandwidth is not measured: the st
 The engine's own time per step (estimate/time/engine.py) from a timed trial of gpt-tiny (engine_models=,
 never the checked model) at each engine and ZeRO stage the trials use: its time/it less its kernel
 terms at the same rates, per parameter tensor, per parameter and per token-layer (three gpt-tiny
-variants: as is, hidden 256, hidden 256 at micro 16), scaled to each trial's model.
+variants: as is, hidden 256, hidden 256 at micro 16), scaled to each trial's model; for a trial at
+tp > 1, sp > 1 or on another layer than GPT's, CAUSE_MODELS' points at its stage (gpt-tiny at tp=2,
+at sp=2, the trial's own preset at 2 layers) give what each costs per collective call or token-layer.
 Trials: run_launch forked from one pool, steps warmup 1 + timed 5, time/it their median (the trial's
 own measurement, as the store records it): gpt-mini's ZeRO 0-3, offload (CPU and NVMe), recompute
 (full, selective, block, op), grad_accum 2, tp=2, FSDP2, and llama-tiny's Ulysses sp=2. Target (issue

@@ -7,7 +7,9 @@ compute.py  the matmuls (forward, backward = 2 x forward, what recompute re-runs
 comm.py     one entry per collective an engine issues (ZeRO 0-3, ZeRO++, FSDP2, TP/SP, Ulysses,
             experts), its algorithm factor, intra- or inter-node bandwidth, overlapped or exposed
 engine.py   the engine's own time (hooks, casts, fetches, waits) per tensor and parameter, measured
-            on a calibration model (gpt-tiny) per engine and ZeRO stage; CPU only
+            on a calibration model (gpt-tiny) per engine and ZeRO stage; beside it what tp and
+            Ulysses cost per collective call and another layer architecture per token-layer,
+            each measured on calibration points of its own; CPU only
 offload.py  PCIe copies, the optimizer step on the host's cores, NVMe reads and writes
 pipeline.py parallel.pp > 1: the slowest stage's share of the work, the bubble, the stages' sends
 record.py   the typed records: TimeTerm (name, seconds, exposed, source), TimePrediction

@@ -14,9 +14,17 @@ engine; docs/estimate.md). With the term the assumed step overhead goes: the res
 holds it. Where no point was measured for the engine and stage (GPU, or a CPU without them), the
 step overhead stays the stated 10 ms.
 
+What a configuration runs that the stage's points (tp 1, sp 1, GPT's layer) did not, one term per
+cause, each from calibration points of its own (cause_terms): another layer architecture (llama's
+RMSNorm, SwiGLU, RoPE, sdpa: more small ops per token) per token-layer, megatron's tensor-parallel
+collectives and Ulysses' all-to-alls per call (the ranks wait for each other in lockstep at each,
+beyond comm.py's latency and bandwidth). A cause's point (gpt-tiny at tp=2 or sp=2, a 2-layer llama)
+costs its residual less the stage's coefficients at its size; nothing is fitted to a checked trial.
+
 Who measures the points: `zero_bench calibrate` times its own launch (one point for its engine and
-stage, no extra launch), benchmarks/time_vs_cpu_trials.py times gpt-tiny at every engine and stage it
-checks before its trials.
+stage, no extra launch; no cause points: each would need a launch of its own tp / sp layout or model,
+~10 s, and a stage fit of several sizes to subtract), benchmarks/time_vs_cpu_trials.py times gpt-tiny
+at every engine and stage it checks, and its CAUSE_MODELS, before its trials.
 """
 from __future__ import annotations
 
