@@ -220,3 +220,11 @@ def test_no_cause_terms_without_the_stages_engine_term():
     pts = [x.to_dict() for x in stage("deepspeed zero 2") + [cause_point(tp=2, calls=10, extra=0.05)]]
     p = predict_time(tp, 4, cpu_rates(tp, {**MEASURED, "engine": pts}))  # zero 1 has no stage points
     assert p.term("step overhead") and not any(t.name == TP_TERM for t in p.terms)
+
+
+def test_a_stored_point_at_tp_2_keeps_the_stages_point_of_the_same_model():
+    from zero_bench.devices.calibration import merged_points
+
+    stage_pt, tp_pt = point(key="deepspeed zero 1").to_dict(), cause_point(tp=2, calls=20, model="GPT-tiny").to_dict()
+    assert merged_points([stage_pt], [tp_pt]) == [stage_pt, tp_pt]
+    assert merged_points([stage_pt, tp_pt], [dict(tp_pt, measured_s=1.0)]) == [stage_pt, dict(tp_pt, measured_s=1.0)]
