@@ -15,7 +15,9 @@ copy rate offload's host copies run at. NVMe's bandwidth is not measured: the st
 The engine's own time per step (estimate/time/engine.py) from a timed trial of gpt-tiny (engine_models=,
 never the checked model) at each engine and ZeRO stage the trials use: its time/it less its kernel
 terms at the same rates, per parameter tensor, per parameter and per token-layer (three gpt-tiny
-variants: as is, hidden 256, hidden 256 at micro 16), scaled to each trial's model.
+variants: as is, hidden 256, hidden 256 at micro 16), scaled to each trial's model; for a trial at
+tp > 1, sp > 1 or on another layer than GPT's, CAUSE_MODELS' points at its stage (gpt-tiny at tp=2,
+at sp=2, the trial's own preset at 2 layers) give what each costs per collective call or token-layer.
 Trials: run_launch forked from one pool, steps warmup 1 + timed 5, time/it their median (the trial's
 own measurement, as the store records it): gpt-mini's ZeRO 0-3, offload (CPU and NVMe), recompute
 (full, selective, block, op), grad_accum 2, tp=2, FSDP2, and llama-tiny's Ulysses sp=2. Target (issue
@@ -40,7 +42,8 @@ from zero_bench.devices.rate_probes import cpu_adam_params_per_s, memory_bytes_p
 from zero_bench.devices.rates import cpu_rates
 from zero_bench.estimate.time import predict_time
 from zero_bench.estimate.time import calibration_point
-from zero_bench.estimate.time.engine import engine_key
+from zero_bench.estimate.time.engine import (ARCH_TERM, REFERENCE_ARCH, TP_TERM, ULYSSES_TERM, engine_key,
+                                             layer_arch)
 from zero_bench.records import Entry, Mode
 from zero_bench.trial.launch import LaunchOptions, run_launch
 from zero_bench.trial.machine import machine_lock
@@ -53,6 +56,17 @@ MODEL_DEFAULT = "gpt-mini"
 # the checked gpt-mini
 ENGINE_STEPS = StepsConfig(warmup=2, timed=15)  # their steps take 30-250 ms: more of them, a steadier median
 ENGINE_MODELS = "gpt-tiny,gpt-tiny:model.hidden_size=256,gpt-tiny:model.hidden_size=256:batch.micro=16"
+# what a case runs beyond its stage's points (estimate/time/engine.py cause_terms), each measured on
+# calibration models of its own at the case's stage, never the checked model at its checked
+# configuration: megatron's tensor-parallel collectives on gpt-tiny at tp=2, Ulysses' all-to-alls on
+# gpt-tiny at sp=2 (two widths each), another layer architecture on the case's own preset at 2 layers
+# ("{model}": llama-tiny's RMSNorm / SwiGLU / RoPE / sdpa layer; the checked llama-tiny has 4) at two micros
+CAUSE_MODELS = {
+    "tp": ["gpt-tiny:parallel.tp=2:parallel.dp=1", "gpt-tiny:model.hidden_size=256:parallel.tp=2:parallel.dp=1"],
+    "sp": ["gpt-tiny:parallel.sp=2", "gpt-tiny:model.hidden_size=256:parallel.sp=2"],
+    "arch": ["{model}:model.num_layers=2", "{model}:model.num_layers=2:batch.micro=16"],
+}
+CAUSE_TERMS = (ARCH_TERM, TP_TERM, ULYSSES_TERM)
 BUSY_LIMIT = 0.10  # others' share of the CPUs beyond which the run measured them too
 CONFIGS = {
     "zero0": ["zero=0"], "zero1": ["zero=1"], "zero2": ["zero=2"], "zero3": ["zero=3"],
@@ -87,28 +101,47 @@ def others_busy(seconds: float = 2.0) -> float:
     return (b1 - b0) / max(1, t1 - t0)
 
 
-def engine_benches(names: list[str], micro: int, models: list[str]) -> dict[str, list[BenchConfig]]:
+def causes(b: BenchConfig) -> list[str]:
+    """Which CAUSE_MODELS a checked trial needs: tp > 1, sp > 1, a layer other than GPT's."""
+    return [c for c, needed in (("tp", b.parallel.tp > 1), ("sp", b.parallel.sp > 1),
+                                ("arch", layer_arch(b.model) != REFERENCE_ARCH)) if needed]
+
+
+def calibration_bench(spec: str, micro: int, keep: list[str]) -> BenchConfig:
+    """A calibration trial of `spec` (name[:override...]) at the checked case's engine and stage."""
+    name, *more = spec.split(":")
+    return dataclasses.replace(bench(name, micro, [*more, *keep]), steps=ENGINE_STEPS)
+
+
+def engine_benches(names: list[str], micro: int, models: list[str], model: str = MODEL_DEFAULT) -> dict[str, list[BenchConfig]]:
     """The calibration trials of the engine term (estimate/time/engine.py): for each engine and stage
     the checked trials use, the same engine and stage on each calibration model (gpt-tiny; never the
-    checked model), at the same micro, no offload, recompute, tp or sp."""
+    checked model), at the same micro, no offload, recompute, tp or sp; and for a case with tp or sp
+    > 1 or another layer, CAUSE_MODELS' trials at its stage."""
     out: dict[str, list[BenchConfig]] = {}
     for name in names:
         keep = [o for o in CONFIGS[name] if o.startswith(("engine=", "zero="))]
-        key = engine_key(bench(MODEL_DEFAULT, micro, CONFIGS[name]))
-        if key not in out:
-            out[key] = [dataclasses.replace(bench(m.split(":")[0], micro, [*m.split(":")[1:], *keep]),
-                                            steps=ENGINE_STEPS) for m in models]
+        checked = bench(model, micro, CONFIGS[name])
+        key = engine_key(checked)
+        out.setdefault(key, [calibration_bench(m, micro, keep) for m in models])
+        own = next((o.split("=", 1)[1] for o in CONFIGS[name] if o.startswith("model=")), model)
+        for cause in causes(checked):
+            cal = [calibration_bench(m.format(model=own), micro, keep) for m in CAUSE_MODELS[cause]]
+            # never the checked model at its checked size
+            assert all(c.model != checked.model or c.parallel != checked.parallel for c in cal), name
+            out.setdefault(f"{key} {cause} ({own})", cal)
     return out
 
 
-def engine_points(names: list[str], micro: int, models: list[str], measured: dict, tmp: Path, pools) -> list[dict]:
+def engine_points(names: list[str], micro: int, models: list[str], measured: dict, tmp: Path, pools,
+                  model: str = MODEL_DEFAULT) -> list[dict]:
     """Time each calibration trial and keep its EnginePoint (its time/it against its kernel terms at
     the rates just measured)."""
     points = []
-    for key, benches in engine_benches(names, micro, models).items():
+    for key, benches in engine_benches(names, micro, models, model).items():
         for i, b in enumerate(benches):
             m = b.batch.micro  # the calibration model's own (an override may set it)
-            (res,) = run_launch(b, [Entry(m, Mode.MEASURE)], tmp / f"e-{key.replace(' ', '')}-{i}",
+            (res,) = run_launch(b, [Entry(m, Mode.MEASURE)], tmp / f"e-{''.join(filter(str.isalnum, key))}-{i}",
                                 LaunchOptions(pools=pools))
             if res.status == "ok" and res.time_per_step_s:
                 points.append(calibration_point(b, m, res.time_per_step_s, cpu_rates(b, measured)).to_dict())
@@ -148,7 +181,7 @@ def main() -> int:
             busy = [others_busy()]
             measured = measured_rates(str(first.precision))
             t0 = time.perf_counter()
-            measured["engine"] = engine_points(names, micro, models, measured, Path(tmp), pools)
+            measured["engine"] = engine_points(names, micro, models, measured, Path(tmp), pools, model)
             measured["engine_s"] = time.perf_counter() - t0
             print(f"engine calibration: {len(measured['engine'])} trial(s) of {', '.join(models)} in "
                   f"{measured['engine_s']:.0f} s", file=sys.stderr)
@@ -177,7 +210,8 @@ def main() -> int:
         print(f"engine term calibration ({pt['key']}): {pt['model']} time/it {pt['measured_s']:.4f} s measured, "
               f"kernel terms {pt['kernels_s']:.4f} s: {1e3 * (pt['measured_s'] - pt['kernels_s']):.1f} ms beyond, "
               f"{pt['tensors']} tensors, {pt['params']:,.0f} params, micro {pt.get('micro')}, "
-              f"{pt.get('token_layers', 0):,.0f} token-layers")
+              f"{pt.get('token_layers', 0):,.0f} token-layers, tp {pt.get('tp', 1)} sp {pt.get('sp', 1)}, "
+              f"{pt.get('calls', 0):g} tp/Ulysses calls, layer {pt.get('arch') or REFERENCE_ARCH}")
     if measured.get("ranks_after"):
         a = measured["ranks_after"]
         print(f"the same probes after the trials (not used): matmul {a['matmul_flops'] / 1e9:.1f} GFLOP/s, memory-bound "
@@ -196,7 +230,8 @@ def main() -> int:
             continue
         err = p.step_s / got - 1
         within += abs(err) <= TOLERANCE
-        print(f"{name:>16}{got:>12.4f}{p.step_s:>13.4f}{100 * err:>+9.1f}  {p.dominant.name}")
+        print(f"{name:>16}{got:>12.4f}{p.step_s:>13.4f}{100 * err:>+9.1f}  {p.dominant.name}"
+              + "".join(f"; {t.name} {t.seconds:.3f}" for t in p.terms if t.name in CAUSE_TERMS))
         if "terms" in args:
             print("                  " + ", ".join(f"{t.name} {t.seconds:.3f}{'' if t.exposed else '~'}"
                                                   for t in p.terms if t.seconds >= 0.001))

@@ -10,7 +10,8 @@ from zero_bench.config.configure import compose, from_cfg
 from zero_bench.devices.rate_probes import RankRates
 from zero_bench.devices.rates import cpu_rates
 from zero_bench.estimate.time import calibration_point, predict_time
-from zero_bench.estimate.time.engine import (ENGINE_TERM, EnginePoint, coefficients,
+from zero_bench.estimate.time.engine import (ARCH_TERM, ENGINE_TERM, REFERENCE_ARCH, TP_TERM, ULYSSES_TERM,
+                                             EnginePoint, arch_cost, call_cost, cause_terms, coefficients,
                                              engine_key, engine_size, engine_term)
 
 RANKS = RankRates(2, 1, "bf16", 1e11, 5e9, 4e9, 2e9, 1e9, 5e8, 3e-4, 1e8, 2e-5, 1e-6).to_dict()
@@ -133,3 +134,97 @@ def test_a_pipeline_keeps_the_assumed_overhead():
     b = bench("zero=1")
     b = dataclasses.replace(b, parallel=dataclasses.replace(b.parallel, pp=2, dp=1))
     assert engine_term(b, (point(key="deepspeed zero 1"),)) is None
+
+
+# -- what tp, Ulysses and another layer cost beyond the stage's points (engine.py cause_terms) ----------
+
+def stage(key="deepspeed zero 1"):
+    """GPT-layer points of one stage whose residuals are exactly 1 ms/tensor + 10 ns/param + 5 us/token-layer."""
+    return [EnginePoint(key, "GPT-tiny", 28, p, 0.02 + 28e-3 + 1e-8 * p + 5e-6 * tl, 0.02, tl, 4)
+            for p, tl in ((2e5, 512), (2e6, 512), (2e6, 2048))]
+
+
+def cause_point(tp=1, sp=1, arch=REFERENCE_ARCH, calls=0.0, extra=0.0, tl=1024.0, model="X"):
+    """A point at tp / sp / another layer whose residual is the stage's fit at its size + `extra`."""
+    base = 28e-3 + 1e-8 * 1e6 + 5e-6 * tl
+    return EnginePoint("deepspeed zero 1", model, 28, 1e6, 0.02 + base + extra, 0.02, tl, 4, tp, sp, arch, calls)
+
+
+def test_a_calibration_point_records_its_tp_sp_layer_and_collective_calls():
+    from zero_bench.estimate.time.comm import tensor_parallel_calls, ulysses_calls
+
+    rates = cpu_rates(bench(), MEASURED)
+    tp = calibration_point(bench("parallel.tp=2", "parallel.dp=1", model="gpt-tiny"), 4, 0.1, rates)
+    # megatron's sequence parallelism (on by default with tp): an all-gather and a reduce-scatter at each
+    # of the 2L+1 points per pass, 2 passes
+    assert (tp.tp, tp.sp, tp.arch, tp.calls) == (2, 1, REFERENCE_ARCH, 2 * (2 * 2 + 1) * 2)
+    sp = calibration_point(bench("parallel.sp=2", model="llama-tiny"), 4, 0.1, rates)
+    assert (sp.tp, sp.sp, sp.arch, sp.calls) == (1, 2, "rmsnorm swiglu rope sdpa", 4 * 4 * 2)  # q, k, v, out
+    assert EnginePoint.from_dict(sp.to_dict()) == sp
+    assert tensor_parallel_calls(bench("parallel.tp=2", "parallel.dp=1", "recompute=full")) == 2 * 9 * 3
+    assert tensor_parallel_calls(bench("parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=false")) == 9 * 2
+    assert ulysses_calls(bench("parallel.sp=2", "batch.grad_accum=2", model="llama-tiny")) == 16 * 2 * 2
+    assert EnginePoint.from_dict({k: v for k, v in point().to_dict().items()
+                                  if k not in ("tp", "sp", "arch", "calls")}).arch == ""  # stored before
+
+
+def test_tp_sp_and_other_layers_points_leave_the_stages_term_alone():
+    b = bench("zero=1")
+    plain = engine_term(b, stage())
+    more = stage() + [cause_point(tp=2, calls=10, extra=0.05), cause_point(sp=2, calls=16, extra=0.08),
+                      cause_point(arch="rmsnorm swiglu rope sdpa", extra=0.03)]
+    assert engine_term(b, more).seconds == pytest.approx(plain.seconds)
+    assert cause_terms(b, more) == []  # gpt-mini at tp 1, sp 1: none of the causes
+
+
+def test_another_layer_costs_its_excess_per_token_layer():
+    llama = "rmsnorm swiglu rope sdpa"
+    pts = stage() + [cause_point(arch=llama, tl=tl, extra=2e-6 * tl, model="Llama 2 layers") for tl in (512, 2048)]
+    b = bench("zero=1", model="llama-tiny")
+    (t,) = cause_terms(b, pts, 4)
+    assert t.name == ARCH_TERM and t.exposed and "Llama 2 layers" in t.source
+    assert t.seconds == pytest.approx(2e-6 * engine_size(b, 4)[2])
+    assert cause_terms(bench("zero=1", "batch.grad_accum=2", model="llama-tiny"), pts, 4)[0].seconds == \
+        pytest.approx(2 * t.seconds)
+    # a layer cheaper than GPT's costs nothing more, never less
+    cheap = stage() + [cause_point(arch=llama, extra=-0.01)]
+    assert cause_terms(b, cheap, 4)[0].seconds == 0.0
+    assert arch_cost(llama, stage()) is None and arch_cost(REFERENCE_ARCH, pts) is None
+
+
+def test_tensor_parallel_and_ulysses_cost_their_excess_per_collective_call():
+    from zero_bench.estimate.time.comm import tensor_parallel_calls, ulysses_calls
+
+    llama = "rmsnorm swiglu rope sdpa"
+    pts = stage() + [cause_point(tp=2, calls=10, extra=10 * 3e-3), cause_point(tp=2, calls=10, extra=10 * 5e-3),
+                     cause_point(sp=2, calls=16, extra=16 * 1e-3)]
+    tp = bench("zero=1", "parallel.tp=2", "parallel.dp=1")
+    (t,) = cause_terms(tp, pts, 4)
+    assert t.name == TP_TERM and t.seconds == pytest.approx(4e-3 * tensor_parallel_calls(tp))  # the mean slope
+    p = predict_time(tp, 4, cpu_rates(tp, {**MEASURED, "engine": [x.to_dict() for x in pts]}))
+    assert p.term(TP_TERM).seconds == pytest.approx(t.seconds)  # predict_time adds it on the step
+    # llama-tiny at sp 2: its layer's cost per token-layer and Ulysses' per call, each from its own points;
+    # an sp point of the llama layer pays the layer's cost before its calls are counted
+    pts += [cause_point(arch=llama, tl=1024, extra=1024 * 2e-6),
+            cause_point(sp=2, arch=llama, tl=512, calls=16, extra=512 * 2e-6 + 16 * 1e-3)]
+    sp = bench("zero=1", "parallel.sp=2", model="llama-tiny")
+    terms = {t.name: t.seconds for t in cause_terms(sp, pts, 4)}
+    assert terms == {ARCH_TERM: pytest.approx(2e-6 * engine_size(sp, 4)[2]),
+                     ULYSSES_TERM: pytest.approx(1e-3 * ulysses_calls(sp))}
+    # without the stage's GPT points nothing can be subtracted: no per-call cost
+    assert call_cost("tp", [x for x in pts if x.tp > 1]) is None
+
+
+def test_no_cause_terms_without_the_stages_engine_term():
+    tp = bench("zero=1", "parallel.tp=2", "parallel.dp=1")
+    pts = [x.to_dict() for x in stage("deepspeed zero 2") + [cause_point(tp=2, calls=10, extra=0.05)]]
+    p = predict_time(tp, 4, cpu_rates(tp, {**MEASURED, "engine": pts}))  # zero 1 has no stage points
+    assert p.term("step overhead") and not any(t.name == TP_TERM for t in p.terms)
+
+
+def test_a_stored_point_at_tp_2_keeps_the_stages_point_of_the_same_model():
+    from zero_bench.devices.calibration import merged_points
+
+    stage_pt, tp_pt = point(key="deepspeed zero 1").to_dict(), cause_point(tp=2, calls=20, model="GPT-tiny").to_dict()
+    assert merged_points([stage_pt], [tp_pt]) == [stage_pt, tp_pt]
+    assert merged_points([stage_pt, tp_pt], [dict(tp_pt, measured_s=1.0)]) == [stage_pt, dict(tp_pt, measured_s=1.0)]

@@ -232,10 +232,13 @@ def save(cal: Calibration) -> Path:
 
 
 def merged_points(old: list, new: list) -> list:
-    """Engine points (dicts): the new ones, and the old ones of engines, stages and models they do not
-    measure again."""
-    again = {(p["key"], p["model"]) for p in new}
-    return [p for p in old if (p["key"], p["model"]) not in again] + list(new)
+    """Engine points (dicts): the new ones, and the old ones of engines, stages, models and tp / sp
+    degrees they do not measure again (a point at tp=2 measures the tensor-parallel calls, not the
+    stage: estimate/time/engine.py)."""
+    def ident(p: dict) -> tuple:
+        return p["key"], p["model"], p.get("tp", 1), p.get("sp", 1)
+    again = {ident(p) for p in new}
+    return [p for p in old if ident(p) not in again] + list(new)
 
 
 # -- which estimate uses which entry ---------------------------------------------------------------

@@ -64,6 +64,15 @@ class EnginePoint:
     token_layers: float = 0.0
     """Tokens a rank's layers see per micro-step, x layers (engine_size)."""
     micro: int = 0
+    tp: int = 1
+    sp: int = 1
+    """The trial's tensor- and sequence-parallel degrees: points at tp or sp > 1 measure what those
+    collectives cost per call (estimate/time/engine.py), not the stage's own engine time."""
+    arch: str = ""
+    """The model's layer architecture (engine.layer_arch: norm, activation, positions, attention);
+    "" for points stored before it was recorded (all of them gpt-tiny's: GPT's layer)."""
+    calls: float = 0.0
+    """Tensor-parallel or Ulysses collective calls of the trial's optimizer step (comm.py's counts)."""
 
     @property
     def residual_s(self) -> float:
@@ -79,7 +88,8 @@ class EnginePoint:
     @classmethod
     def from_dict(cls, d: dict) -> "EnginePoint":
         return cls(d["key"], d["model"], int(d["tensors"]), float(d["params"]), float(d["measured_s"]),
-                   float(d["kernels_s"]), float(d.get("token_layers", 0.0)), int(d.get("micro", 0)))
+                   float(d["kernels_s"]), float(d.get("token_layers", 0.0)), int(d.get("micro", 0)),
+                   int(d.get("tp", 1)), int(d.get("sp", 1)), str(d.get("arch", "")), float(d.get("calls", 0.0)))
 
 
 @dataclass(frozen=True)

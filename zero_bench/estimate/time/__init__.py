@@ -7,7 +7,9 @@ compute.py  the matmuls (forward, backward = 2 x forward, what recompute re-runs
 comm.py     one entry per collective an engine issues (ZeRO 0-3, ZeRO++, FSDP2, TP/SP, Ulysses,
             experts), its algorithm factor, intra- or inter-node bandwidth, overlapped or exposed
 engine.py   the engine's own time (hooks, casts, fetches, waits) per tensor and parameter, measured
-            on a calibration model (gpt-tiny) per engine and ZeRO stage; CPU only
+            on a calibration model (gpt-tiny) per engine and ZeRO stage; beside it what tp and
+            Ulysses cost per collective call and another layer architecture per token-layer,
+            each measured on calibration points of its own; CPU only
 offload.py  PCIe copies, the optimizer step on the host's cores, NVMe reads and writes; the
             checkpointed layer inputs kept on the host (recompute_offload, cpu_checkpointing)
 pipeline.py parallel.pp > 1: the slowest stage's share of the work, the bubble, the stages' sends
@@ -35,7 +37,8 @@ from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.devices.rates import EnginePoint, HardwareRates, rates_for
 from zero_bench.estimate.time.comm import comm_terms
 from zero_bench.estimate.time.compute import compute_terms, optimizer_terms
-from zero_bench.estimate.time.engine import engine_key, engine_size, engine_term
+from zero_bench.estimate.time.comm import tensor_parallel_calls, ulysses_calls
+from zero_bench.estimate.time.engine import cause_terms, engine_key, engine_size, engine_term, layer_arch
 from zero_bench.estimate.time.offload import checkpoint_terms, offload_terms
 from zero_bench.estimate.time.pipeline import pipeline_terms, slowest_stage
 from zero_bench.estimate.time.record import TimePrediction, TimeTerm
@@ -75,8 +78,10 @@ def predict_time(bench: BenchConfig, micro: int, rates: Optional[HardwareRates] 
     terms = pipeline_terms(bench, rates, micro, terms)  # pp > 1: the stage's share, the bubble, the sends
     terms.append(overlap_term(terms))
     # the engine's measured time around the kernels (engine.py) holds the step's overhead; else the assumed
-    terms.append(engine_term(staged, rates.engine_points, micro)
-                 or TimeTerm("step overhead", rates.step_overhead_s.value, True, rates.step_overhead_s.source))
+    engine = engine_term(staged, rates.engine_points, micro)
+    terms.append(engine or TimeTerm("step overhead", rates.step_overhead_s.value, True, rates.step_overhead_s.source))
+    if engine is not None:  # what tp, Ulysses and another layer cost beyond the stage's points
+        terms += cause_terms(staged, rates.engine_points, micro)
     step = sum(t.seconds for t in terms if t.exposed)
     p = bench.parallel
     sequences = micro * bench.batch.grad_accum * p.dp / p.sp  # per optimizer step, all ranks
@@ -108,4 +113,6 @@ def calibration_point(bench: BenchConfig, micro: int, measured_s: float, rates) 
     p = predict_time(bench, micro, bare)
     kernels = p.step_s - p.seconds("step overhead")
     tensors, params, token_layers = engine_size(bench, micro)
-    return EnginePoint(engine_key(bench), bench.model.name, tensors, params, measured_s, kernels, token_layers, micro)
+    p = bench.parallel
+    return EnginePoint(engine_key(bench), bench.model.name, tensors, params, measured_s, kernels, token_layers, micro,
+                       p.tp, p.sp, layer_arch(bench.model), tensor_parallel_calls(bench) + ulysses_calls(bench))

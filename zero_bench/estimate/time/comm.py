@@ -229,6 +229,25 @@ def passes(bench: BenchConfig) -> float:
     return 2 + recompute_fraction(bench)
 
 
+def tensor_parallel_calls(bench: BenchConfig) -> float:
+    """megatron's TP collective calls of one optimizer step: 2L+1 points per pass (2 per layer, 1 for
+    the embedding / output layer), each an all-reduce, or with sequence parallelism an all-gather one
+    way and a reduce-scatter the other (2 calls); 0 at tp 1."""
+    p, m = bench.parallel, bench.model
+    if p.tp == 1:
+        return 0.0
+    points = (2 * m.num_layers + 1) * passes(bench) * bench.batch.grad_accum
+    return 2 * points if p.sequence_sharded else points
+
+
+def ulysses_calls(bench: BenchConfig) -> float:
+    """DistributedAttention's all-to-all calls of one optimizer step: q, k, v and the output per layer
+    per pass; 0 at sp 1."""
+    if bench.parallel.sp == 1:
+        return 0.0
+    return 4 * bench.model.num_layers * passes(bench) * bench.batch.grad_accum
+
+
 def tensor_parallel_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
     """megatron's TP collectives over the tp group (exposed)."""
     p, m = bench.parallel, bench.model
@@ -239,10 +258,10 @@ def tensor_parallel_terms(bench: BenchConfig, rates: HardwareRates, micro: int) 
     if p.sequence_sharded:  # each of the 2L+1 points is an all-gather one way, a reduce-scatter the other
         return [collective(bench, rates, "tensor-parallel all-gather/reduce-scatter", ALL_GATHER, 2 * count * act,
                            p.tp, p.tp, True, "megatron SP: 2 all-gathers + 2 reduce-scatters of [b, s, h] per layer "
-                           "each way, +1 for the embedding / output layer", calls=2 * count)]
+                           "each way, +1 for the embedding / output layer", calls=tensor_parallel_calls(bench))]
     return [collective(bench, rates, "tensor-parallel all-reduce", ALL_REDUCE, count * act, p.tp, p.tp, True,
                        "megatron TP: 2 all-reduces of [b, s, h] per layer each way, +1 for the embedding / output",
-                       calls=count)]
+                       calls=tensor_parallel_calls(bench))]
 
 
 def ulysses_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:
@@ -256,7 +275,7 @@ def ulysses_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[
     nbytes = tokens * heads * m.kv_channels * BYTES[bench.precision] * m.num_layers * passes(bench)
     return [collective(bench, rates, "Ulysses all-to-all", ALL_TO_ALL, bench.batch.grad_accum * nbytes, p.sp,
                        bench.layout.spans["sp"], True, "DistributedAttention: q, k, v in and the output out per layer each way",
-                       calls=4 * m.num_layers * passes(bench) * bench.batch.grad_accum)]
+                       calls=ulysses_calls(bench))]
 
 
 def expert_terms(bench: BenchConfig, rates: HardwareRates, micro: int) -> list[TimeTerm]:

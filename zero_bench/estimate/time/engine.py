@@ -14,12 +14,21 @@ engine; docs/estimate.md). With the term the assumed step overhead goes: the res
 holds it. Where no point was measured for the engine and stage (GPU, or a CPU without them), the
 step overhead stays the stated 10 ms.
 
+What a configuration runs that the stage's points (tp 1, sp 1, GPT's layer) did not, one term per
+cause, each from calibration points of its own (cause_terms): another layer architecture (llama's
+RMSNorm, SwiGLU, RoPE, sdpa: more small ops per token) per token-layer, megatron's tensor-parallel
+collectives and Ulysses' all-to-alls per call (the ranks wait for each other in lockstep at each,
+beyond comm.py's latency and bandwidth). A cause's point (gpt-tiny at tp=2 or sp=2, a 2-layer llama)
+costs its residual less the stage's coefficients at its size; nothing is fitted to a checked trial.
+
 Who measures the points: `zero_bench calibrate` times its own launch (one point for its engine and
-stage, no extra launch), benchmarks/time_vs_cpu_trials.py times gpt-tiny at every engine and stage it
-checks before its trials.
+stage, no extra launch; no cause points: each would need a launch of its own tp / sp layout or model,
+~10 s, and a stage fit of several sizes to subtract), benchmarks/time_vs_cpu_trials.py times gpt-tiny
+at every engine and stage it checks, and its CAUSE_MODELS, before its trials.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from zero_bench.config.schema import BenchConfig
@@ -82,12 +91,37 @@ def coefficients(points: Sequence[EnginePoint]) -> tuple[float, float, float]:
     return best
 
 
+def layer_arch(model) -> str:
+    """What a layer runs besides its matmuls, as a calibration point records it: the norm, the MLP's
+    activation, the positions, the attention kernel (and qk-norm). Two models of one architecture
+    differ only in sizes, which the engine term's features scale."""
+    return f"{model.normalization} {model.activation} {model.position_embedding} {model.attention}" \
+        + (" qk-norm" if model.qk_norm else "")
+
+
+# GPT's layer (conf/model/gpt-tiny.yaml: description.py's defaults): what the stage's calibration
+# models run; points stored before the architecture was recorded ("") were all gpt-tiny's
+REFERENCE_ARCH = "layernorm gelu learned unfused"
+
+
+def stage_points(key: str, points: Sequence[EnginePoint]) -> list[EnginePoint]:
+    """The points the stage's own coefficients come from: its engine and stage at tp 1 and sp 1, on
+    GPT's layer where there are such (else on whatever layer was measured: then no architecture term)."""
+    plain = [p for p in points if p.key == key and p.tp == 1 and p.sp == 1]
+    return [p for p in plain if p.arch in ("", REFERENCE_ARCH)] or plain
+
+
+def fitted(p: EnginePoint, coef: tuple[float, float, float]) -> float:
+    """What the stage's coefficients give for point p's own size."""
+    return sum(c * x for c, x in zip(coef, p.features()))
+
+
 def engine_term(bench: BenchConfig, points: Sequence[EnginePoint], micro: Optional[int] = None) -> Optional[TimeTerm]:
     """The configuration's engine time per step at `micro` (else batch.micro) from the points
     measured for its engine and stage,
     x grad_accum (each micro-step runs the hooks, casts and waits again; the calibration trials run
     grad_accum 1). None where none was measured, or with a pipeline."""
-    mine = [p for p in points if p.key == engine_key(bench)]
+    mine = stage_points(engine_key(bench), points)
     if not mine or bench.parallel.pp > 1:  # a pipeline's schedule: not what the points measured
         return None
     a, b, c = coefficients(mine)
@@ -100,3 +134,89 @@ def engine_term(bench: BenchConfig, points: Sequence[EnginePoint], micro: Option
                      for p in mine)
     return TimeTerm(ENGINE_TERM, seconds, True, f"{engine_key(bench)}: " + " + ".join(fit)
                     + (f", x {ga} micro-steps" if ga > 1 else "") + f"; measured on {said}")
+
+
+# -- what tp > 1, Ulysses sp > 1 and another layer architecture cost beyond the stage's term ---------
+# One term per cause, each from calibration points of its own (benchmarks/time_vs_cpu_trials.py
+# CAUSE_MODELS: gpt-tiny variants at tp=2 and at sp=2, a 2-layer llama-architecture model), never the
+# checked models: a point's excess is its residual less what the stage's coefficients (and, for a tp or
+# sp point of another architecture, that architecture's cost) give for its size; the cost per unit is
+# the least-squares slope through zero of excess on units, never below zero.
+ARCH_TERM = "layer architecture overhead"
+TP_TERM = "tensor-parallel per-call overhead"
+ULYSSES_TERM = "Ulysses per-call overhead"
+
+
+@dataclass(frozen=True)
+class CauseCost:
+    """One cause's measured cost per unit (seconds per token-layer, per collective call), and the
+    points it was measured on."""
+    per_unit: float
+    points: tuple[EnginePoint, ...]
+
+    def said(self) -> str:
+        return ", ".join(f"{p.model} tp {p.tp} sp {p.sp} micro {p.micro}: {p.measured_s:.3f} s measured - "
+                         f"{p.kernels_s:.3f} s kernels" for p in self.points)
+
+
+def slope(pairs: Sequence[tuple[float, float]]) -> float:
+    """Least squares of y = k x through zero over (x, y), k >= 0 (0 without any x)."""
+    xx = sum(x * x for x, _ in pairs)
+    return max(0.0, sum(x * y for x, y in pairs) / xx) if xx else 0.0
+
+
+def excess(p: EnginePoint, points: Sequence[EnginePoint], arch_cost: float = 0.0) -> Optional[float]:
+    """Point p's residual beyond its stage's engine term at its own size (and arch_cost per
+    token-layer); None where its stage has no GPT-layer points to subtract."""
+    base = stage_points(p.key, points)
+    if not base or any(q.arch not in ("", REFERENCE_ARCH) for q in base):
+        return None
+    return p.residual_s - fitted(p, coefficients(base)) - arch_cost * p.token_layers
+
+
+def arch_cost(arch: str, points: Sequence[EnginePoint]) -> Optional[CauseCost]:
+    """Seconds per token-layer a layer of `arch` spends beyond GPT's (RMSNorm, SwiGLU, RoPE, sdpa run
+    other small ops per token than LayerNorm, GeLU and learned positions), from points of that
+    architecture at tp 1 and sp 1; None for GPT's own layer or where none was measured."""
+    if arch in ("", REFERENCE_ARCH):
+        return None
+    mine = [p for p in points if p.arch == arch and p.tp == 1 and p.sp == 1]
+    pairs = [(p.token_layers, e) for p in mine if (e := excess(p, points)) is not None]
+    return CauseCost(slope(pairs), tuple(mine)) if pairs else None
+
+
+def call_cost(dim: str, points: Sequence[EnginePoint]) -> Optional[CauseCost]:
+    """Seconds per tensor-parallel (dim "tp") or Ulysses ("sp") collective call beyond comm.py's
+    latency and bandwidth: the ranks wait for each other in lockstep at every call, and megatron's /
+    DeepSpeed's layers around it run Python and copies per call. From points at that degree > 1 (the
+    other at 1), their excess less their architecture's cost."""
+    other = "sp" if dim == "tp" else "tp"
+    mine = [p for p in points if getattr(p, dim) > 1 and getattr(p, other) == 1 and p.calls]
+    pairs = []
+    for p in mine:
+        arch = arch_cost(p.arch, points)
+        e = excess(p, points, arch.per_unit if arch else 0.0)
+        if e is not None and (arch is not None or p.arch in ("", REFERENCE_ARCH)):
+            pairs.append((p.calls, e))
+    return CauseCost(slope(pairs), tuple(mine)) if pairs else None
+
+
+def cause_terms(bench: BenchConfig, points: Sequence[EnginePoint], micro: Optional[int] = None) -> list[TimeTerm]:
+    """The terms of what the configuration runs that the stage's points did not: another layer
+    architecture (per token-layer x grad_accum), tensor-parallel and Ulysses collective calls (per
+    call, comm.py's counts). Only beside the stage's engine term (engine_term not None)."""
+    from zero_bench.estimate.time.comm import tensor_parallel_calls, ulysses_calls
+
+    out = []
+    arch = layer_arch(bench.model)
+    got = arch_cost(arch, points)
+    if got is not None:
+        tl = engine_size(bench, micro)[2] * bench.batch.grad_accum
+        out.append(TimeTerm(ARCH_TERM, got.per_unit * tl, True, f"{arch}: {got.per_unit * 1e6:.3f} us/token-layer "
+                            f"beyond GPT's layer x {tl:,.0f}; measured on {got.said()}"))
+    for dim, name, calls in (("tp", TP_TERM, tensor_parallel_calls(bench)), ("sp", ULYSSES_TERM, ulysses_calls(bench))):
+        cost = call_cost(dim, points) if calls else None
+        if cost is not None:
+            out.append(TimeTerm(name, cost.per_unit * calls, True, f"{cost.per_unit * 1e3:.3f} ms/call beyond "
+                                f"latency and bandwidth x {calls:g} calls; measured on {cost.said()}"))
+    return out
