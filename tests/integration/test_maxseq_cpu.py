@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from zero_bench.config.schema import HardwareConfig, ParallelConfig, SearchConfig
+from zero_bench.config.schema import HardwareConfig, ParallelConfig, SearchConfig, StepsConfig
 from zero_bench.devices.capacity import trial_peak
 from zero_bench.estimate.seq import seed_seq
 from zero_bench.records import Dimension, Mode, SearchStatus, Status
@@ -26,7 +26,10 @@ BUDGET_GB = 0.66  # ~676 MiB per rank: Llama-tiny's rank peaks ~615 MiB at 1,536
 
 def test_real_maxseq_search_confirms_the_longest_sequence_fresh(no_leftovers):
     tmp = no_leftovers
-    cfg = cpu_cfg("llama-tiny", zero=1, parallel=ParallelConfig(tp=1, dp=1)).with_micro(1)
+    # one timed step: the peak is steady from the first optimizer step on (docs/verified.md, "Probe
+    # length"), and a step at ~2K tokens takes about a second here
+    cfg = cpu_cfg("llama-tiny", zero=1, parallel=ParallelConfig(tp=1, dp=1),
+                  steps=StepsConfig(warmup=1, timed=1)).with_micro(1)
     cfg = dataclasses.replace(cfg, hardware=HardwareConfig(device="cpu", memory_gb=BUDGET_GB))
     grid, grow = seq_grid(SearchConfig(), cfg.layout), Grow(Dimension.SEQ)
     seed = seed_seq(cfg, 1, grid)
