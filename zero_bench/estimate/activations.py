@@ -309,12 +309,19 @@ def op_kept_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: 
 
 
 def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping, kinds: list,
-            device: str = "gpu", offload: bool = False, sequence_parallel: bool = False) -> tuple:
-    """(bytes the L layers keep, bytes one layer rebuilds in backward (the last layer), bytes on
-    the host) per token. kinds: (number of layers, their terms, MoE or not) per kind of layer
-    (dense, MoE); the last layer's kind is last. sequence_parallel: a layer's input is its shard."""
+            device: str = "gpu", offload: bool = False, sequence_parallel: bool = False,
+            chunk: Optional[Sequence[bool]] = None) -> tuple:
+    """(bytes the L layers keep, bytes the last checkpoint rebuilds in backward, bytes on the host)
+    per token. kinds: (number of layers, their terms, MoE or not) per kind of layer (dense, MoE);
+    the last layer's kind is last. sequence_parallel: a layer's input is its shard. chunk: with
+    recompute=full, the MoE flags of the layers of the last checkpoint (megatron's uniform method
+    checkpoints recompute_layers layers at a time: one input kept per chunk, and the chunk's
+    backward rebuilds all of its layers before the top one's backward runs); None: the last layer."""
     B, h, L = BYTES[precision], m.hidden_size / seq_shard(tp, sequence_parallel), sum(n for n, _, _ in kinds)
-    last = sum(kinds[-1][1].values())
+    chunk = [kinds[-1][2]] if chunk is None else list(chunk)
+    by_kind = {moe: sum(t.values()) for _, t, moe in kinds}
+    last = sum(by_kind[moe] for moe in chunk)  # the layers the last checkpoint rebuilds
+    checkpoints = -(-L // len(chunk))
     if recompute == Recompute.op:
         # the last layer's backward rebuilds what the policy did not keep
         kept = [sum(op_kept_terms(m, tp, precision, device, moe, sequence_parallel).values()) for _, _, moe in kinds]
@@ -322,10 +329,10 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
     if recompute == Recompute.full:
         kept = B * h / (tp if ck.get("partition_activations") else 1)
         if ck.get("partition_activations") and ck.get("cpu_checkpointing"):
-            return 0.0, last - kept, L * kept
+            return 0.0, last - kept, checkpoints * kept
         if offload:  # recompute_offload (models/sequence.py): every input on the host, the last one's back
-            return 0.0, last, L * kept
-        return L * kept, last - kept, 0.0
+            return 0.0, last, checkpoints * kept
+        return checkpoints * kept, last - kept, 0.0
     if recompute == Recompute.selective:
         # the checkpoint's inputs (attention_inputs_bytes) hold the QKV output the key norm pins
         terms = kinds[-1][1]  # Ulysses: the checkpoint wraps the exchanges, its context copy is rebuilt too
@@ -424,6 +431,11 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     kinds = layer_kinds(m, tp, precision, device, fusions, tiles, sp, ulysses_sp, layers)
     terms = kinds[-1][1]  # the last layer's, whose backward the moments below are about
     ck, L = checkpointing or {}, (m.num_layers if layers is None else len(layers))
+    flags = m.moe_layers if layers is None else [m.moe_layers[i] for i in layers]
+    # recompute=full: megatron's uniform method, recompute_layers layers per checkpoint (the last
+    # chunk's flags); block checkpoints one layer at a time
+    k = min(recompute_layers, L) if recompute == Recompute.full else 1
+    chunk = flags[(-(-L // k) - 1) * k:]
     if recompute == Recompute.block and recompute_layers >= L:
         recompute = "full"  # every layer recomputed, one per checkpoint
     block = recompute == Recompute.block
@@ -433,7 +445,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
         kept_inputs, host = kept_inputs * n / L, host * n / L
         layers = kept_inputs + _layers(m, tp, precision, "none", ck, kinds)[0] * (L - n) / L
     else:
-        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds, device, offload, sp)
+        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds, device, offload, sp, chunk)
     head = head_terms(m, tp, precision, device, loss, sp)
     if not last:  # a stage before the last: no final norm, output layer, logits or loss
         head.update(logits_softmax_fp32=0, loss_bookkeeping=0, final_norm=0, output_layer_input=0)
