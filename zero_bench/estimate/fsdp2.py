@@ -46,8 +46,13 @@ attention's scratch buffer), per sample:
 With recompute=block the first recompute_layers (n) layers keep their inputs and are rebuilt in
 their own backward, the others keep everything and rebuild nothing (megatron's block method): a
 layer phase holds min(i+1, n) inputs, max(0, i+1-n) whole layers, and a rebuilt layer for i < n.
+With recompute=full of k layers per checkpoint (megatron's uniform method) layer i holds the inputs
+of checkpoints 0..i//k and its own checkpoint rebuilt less the layers above i in it; at zero=3 those
+rebuilt layers stay gathered too (FSDP2's post_forward reshards nothing during backward's
+recompute: layers k*(i//k)..i, where the formula otherwise counts two).
 Every layer phase is linear in i between the breaks (n-1 | n with block; L-2 | L-1, where the held
-reduce-scatter input ends), so its maximum is at i = L-1, L-2, 1, n-1 or n: only those are kept.
+reduce-scatter input ends; with k per checkpoint, within a checkpoint and from one checkpoint's top
+to the next), so its maximum is at i = L-1, L-2, 1, n-1 or n (k: also L-k and k-1): only those are kept.
 Activations are megatron's, as for ZeRO (estimate/activations.py; measured per-sample slopes equal
 ZeRO-3's), FSDP2's bf16 (fp32 shards, MixedPrecisionPolicy) keeping what DeepSpeed's bf16 module
 keeps: the logits follow the `loss` recipe as there (megatron: the fp32 softmax 4V and at the end
