@@ -129,6 +129,32 @@ def test_recompute_by_hand():
     assert hst["layers"] == 0 and hst["host"] == 4 * h * s and hst["total"] == t["total"] - t["layers"]
 
 
+def test_full_recompute_keeps_one_input_per_checkpoint_of_recompute_layers():
+    """megatron-core 0.16.1's uniform method (transformer_block.py _checkpointed_forward) checkpoints
+    recompute_layers layers at a time: L / k inputs kept, and a chunk's backward rebuilds its k layers
+    before the top one's backward runs. The formula counted L inputs and one rebuilt layer whatever k
+    (-18 % at k 2, -41 % at k 4 against the trace: tests/unit/test_traced.py). FLOPs: every layer's
+    forward re-run once, whatever k. The host's inputs (cpu_checkpointing, recompute_offload) follow."""
+    from zero_bench.models.flops import hardware_flops_per_seq
+
+    m = bench("gpt-mini").model  # 4 layers
+    s, h = 256, 256
+    none = activation_bytes_per_sample(m, 1, "bf16")
+    for k in (2, 4):
+        f = activation_bytes_per_sample(m, 1, "bf16", "full", recompute_layers=k)
+        assert f["layers"] == (4 // k) * 2 * h * s
+        assert f["recomputed"] == k * none["per_layer"] - 2 * h * s
+        assert f["mlp_backward"] - f["layers"] > activation_bytes_per_sample(m, 1, "bf16", "full")["mlp_backward"]
+        assert hardware_flops_per_seq(m, "full", k) == hardware_flops_per_seq(m, "full")
+    hst = activation_bytes_per_sample(m, 2, "bf16", "full", {"partition_activations": True, "cpu_checkpointing": True},
+                                      recompute_layers=2)
+    assert hst["layers"] == 0 and hst["host"] == 2 * h * s  # 2 checkpoints, each input split over tp 2
+    off = activation_bytes_per_sample(m, 1, "bf16", "full", recompute_layers=2, offload=True)
+    assert off["host"] == 2 * 2 * h * s and off["recomputed"] == 2 * none["per_layer"]  # the input back too
+    # block checkpoints one layer each, whatever recompute_layers says
+    assert activation_bytes_per_sample(m, 1, "bf16", "block", recompute_layers=4)["layers"] == 4 * 2 * h * s
+
+
 def test_modern_terms_by_hand():
     """llama-tiny (GQA 8 heads / 2 groups, SwiGLU f=704, RMSNorm, RoPE, untied, sdpa), bf16 on GPU
     with megatron's fusions off (the formula's default; fused: tests/unit/test_jit_fusions.py):

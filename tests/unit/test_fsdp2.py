@@ -180,6 +180,9 @@ def test_peak_phases_and_max_micro():
     assert layer_phases(12, 4) == {"layer_last": 11, "layer_next": 10, "layer_first": 1,
                                    "layer_recomputed_top": 3, "layer_kept_lowest": 4}
     assert layer_phases(4, 2) == {"layer_last": 3, "layer_next": 2, "layer_first": 1}  # 1 and 2 kept already
+    # recompute=full, 3 layers per checkpoint: the top checkpoint's lowest layer, the lowest one's top
+    assert layer_phases(12, 0, 3) == {"layer_last": 11, "layer_next": 10, "layer_first": 1,
+                                      "layer_chunk_lowest": 9, "layer_first_chunk_top": 2}
     z3, z2 = (estimate(cpu_cfg("gpt-small", engine="fsdp2", zero=z)) for z in (3, 2))
     # zero=2 holds every layer gathered at the end of forward: more memory, same states
     assert z2.peak_bytes(2) > z3.peak_bytes(2) and z2.persistent == z3.persistent

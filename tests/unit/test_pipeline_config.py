@@ -79,3 +79,13 @@ def test_the_command_line_exits_2_before_launching(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "zero=2: under a pipeline (parallel.pp=2) DeepSpeed trains ZeRO 0-1" in r.stderr
     assert "launch" not in r.stdout.lower()
+
+
+def test_the_estimate_refuses_recompute_layers_that_do_not_divide_a_stage():
+    """megatron's uniform recompute loops over one model chunk's layers k at a time (transformer_block.py
+    _checkpointed_forward): 4 layers over pp 2 are 2 per stage, and k 4 would index past them. The
+    estimate (which answers for recompute under a pipeline) took it and counted a chunk of 2."""
+    with pytest.raises(ConfigError, match=r"^recompute_layers=4: must divide the 2 layers of each pipeline chunk "
+                                          r"\(model.num_layers=4 / parallel.pp=2 x parallel.vpp=1"):
+        from_cfg(compose([*PP2, "recompute=full", "recompute_layers=4"]), here=False, training=False)
+    assert from_cfg(compose([*PP2, "recompute=full", "recompute_layers=2"]), here=False, training=False)

@@ -451,6 +451,12 @@ def validate_static(b: BenchConfig, training: bool = True) -> None:
     if b.recompute == Recompute.full and m.num_layers % b.recompute_layers:
         raise ConfigError(f"recompute_layers={b.recompute_layers}: must divide model.num_layers={m.num_layers} "
                           "(megatron's uniform recompute)")
+    chunk = layout.layers_per_chunk  # megatron's uniform loop runs over one model chunk's layers
+    if b.recompute == Recompute.full and chunk % b.recompute_layers:
+        raise ConfigError(f"recompute_layers={b.recompute_layers}: must divide the {chunk} layers of each pipeline "
+                          f"chunk (model.num_layers={m.num_layers} / parallel.pp={layout.pp} x parallel.vpp="
+                          f"{layout.vpp}: megatron's uniform recompute checkpoints a chunk's layers "
+                          f"{b.recompute_layers} at a time); allowed: a divisor of {chunk}")
     if b.recompute == Recompute.block and b.recompute_layers > m.num_layers:
         raise ConfigError(f"recompute_layers={b.recompute_layers}: with recompute=block at most "
                           f"model.num_layers={m.num_layers} layers are recomputed")

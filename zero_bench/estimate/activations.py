@@ -34,7 +34,11 @@ per token, B bytes per element (fp32 4, bf16 2), q = a*d/t, kv = g*d/t, f = ffn/
 m is 1 byte on GPU (native_dropout's bool mask) and B on CPU (torch's CPU dropout keeps a scaled
 noise tensor of the input's dtype). selective (megatron's core_attn): the core attention's inputs
 stay alive in the checkpoint (with RoPE: the rotated Q, K and the whole QKV output V is a view of),
-its internals are recomputed in backward. full: each layer keeps its input B*h.
+its internals are recomputed in backward. full (megatron-core's uniform method,
+transformer_block.py _checkpointed_forward): recompute_layers (k) layers per checkpoint, each
+checkpoint keeps its input B*h (L/k of them), and its backward rebuilds all k layers before the top
+one's backward runs (DeepSpeed's checkpoint, which the engine installs in megatron's place, is
+called per chunk the same way: partition_activations and cpu_checkpointing act on L/k inputs).
 Outside the layers: token ids, embedding dropout mask, the final norm, the output layer's input
 B*h, the logits' fp32 softmax 4V/t (the vocab-parallel cross entropy works on an fp32 copy; in
 fp32 on the logits themselves) and 13 bytes of loss bookkeeping; unfused attention also keeps one
@@ -71,7 +75,7 @@ buffer unfused attention's scores use (one s x h tensor per sample, or the score
 Long sequences (models/sequence.py): tiled_mlp (DeepSpeed's TiledMLP) keeps no MLP intermediates,
 only fc1's input; its backward holds one tile's intermediates and gradients (1/tiles of the
 sequence's) and the input's whole gradient B*h. recompute_offload: the checkpointed inputs B*h per
-layer are counted in `host`, not on the device (on CPU, where the host is the device, the estimate
+checkpoint are counted in `host`, not on the device (on CPU, where the host is the device, the estimate
 adds them back). Measured on CPU: tests/unit/test_sequence.py (the saved storages, to the byte) and
 tests/integration/test_long_sequence.py (the peak drop of tiling at 8192 tokens).
 Measured against live tensors on CPU (benchmarks/activation_memory.py, docs/verified.md,
@@ -309,12 +313,19 @@ def op_kept_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: 
 
 
 def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping, kinds: list,
-            device: str = "gpu", offload: bool = False, sequence_parallel: bool = False) -> tuple:
-    """(bytes the L layers keep, bytes one layer rebuilds in backward (the last layer), bytes on
-    the host) per token. kinds: (number of layers, their terms, MoE or not) per kind of layer
-    (dense, MoE); the last layer's kind is last. sequence_parallel: a layer's input is its shard."""
+            device: str = "gpu", offload: bool = False, sequence_parallel: bool = False,
+            chunk: Optional[Sequence[bool]] = None) -> tuple:
+    """(bytes the L layers keep, bytes the last checkpoint rebuilds in backward, bytes on the host)
+    per token. kinds: (number of layers, their terms, MoE or not) per kind of layer (dense, MoE);
+    the last layer's kind is last. sequence_parallel: a layer's input is its shard. chunk: with
+    recompute=full, the MoE flags of the layers of the last checkpoint (megatron's uniform method
+    checkpoints recompute_layers layers at a time: one input kept per chunk, and the chunk's
+    backward rebuilds all of its layers before the top one's backward runs); None: the last layer."""
     B, h, L = BYTES[precision], m.hidden_size / seq_shard(tp, sequence_parallel), sum(n for n, _, _ in kinds)
-    last = sum(kinds[-1][1].values())
+    chunk = [kinds[-1][2]] if chunk is None else list(chunk)
+    by_kind = {moe: sum(t.values()) for _, t, moe in kinds}
+    last = sum(by_kind[moe] for moe in chunk)  # the layers the last checkpoint rebuilds
+    checkpoints = -(-L // len(chunk))
     if recompute == Recompute.op:
         # the last layer's backward rebuilds what the policy did not keep
         kept = [sum(op_kept_terms(m, tp, precision, device, moe, sequence_parallel).values()) for _, _, moe in kinds]
@@ -322,10 +333,10 @@ def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping
     if recompute == Recompute.full:
         kept = B * h / (tp if ck.get("partition_activations") else 1)
         if ck.get("partition_activations") and ck.get("cpu_checkpointing"):
-            return 0.0, last - kept, L * kept
+            return 0.0, last - kept, checkpoints * kept
         if offload:  # recompute_offload (models/sequence.py): every input on the host, the last one's back
-            return 0.0, last, L * kept
-        return L * kept, last - kept, 0.0
+            return 0.0, last, checkpoints * kept
+        return checkpoints * kept, last - kept, 0.0
     if recompute == Recompute.selective:
         # the checkpoint's inputs (attention_inputs_bytes) hold the QKV output the key norm pins
         terms = kinds[-1][1]  # Ulysses: the checkpoint wraps the exchanges, its context copy is rebuilt too
@@ -388,10 +399,12 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     total: the step's peak, the largest of three moments:
       end_of_forward      saved + the 16-bit logits before their fp32 copy (or the incoming gradient)
       mlp_backward        the last layer's MLP backward: the output layer, final norm and logits are
-                          freed by then; full recompute has rebuilt the layer; + the incoming
+                          freed by then; full recompute has rebuilt the last checkpoint's k layers
+                          (the ones below are freed only by their own backward); + the incoming
                           gradient B*h and the MLP's gradients
-      attention_backward  the last layer's attention backward: its MLP part is freed too; selective
-                          recompute has rebuilt the core attention; + the attention's gradients
+      attention_backward  the last layer's attention backward: its MLP part is freed too (the rest
+                          of a rebuilt chunk is not); selective recompute has rebuilt the core
+                          attention; + the attention's gradients
       loss_backward       loss=bf16 / fp32: the start of backward, torch's cross entropy holding
                           the gradients of its log-probabilities and of the logits beside them
       block_rebuild       recompute=block: the backward of the last recomputed layer (the first
@@ -399,14 +412,16 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
                           above are those of recompute=none): the recomputed layers' inputs, that
                           layer rebuilt, its incoming gradient and the MLP's gradients
     checkpointing: ds_config's activation_checkpointing (recompute=full through DeepSpeed:
-    partition_activations keeps 1/t of each input, cpu_checkpointing moves them to the host).
+    partition_activations keeps 1/t of each checkpoint's input, cpu_checkpointing moves them to the host).
+    recompute_layers: with full, the layers per checkpoint (k: L/k inputs kept, k layers rebuilt at
+    once); with block, how many layers, from the first, are checkpointed one by one.
     device: "cpu" or "gpu" (torch keeps different tensors: RMSNorm, dropout masks, sdpa's kernel).
     fusions: BenchConfig.fusions, megatron's jit fusions asked for (on GPU a fused SwiGLU keeps 3f
     where the eager one keeps 5f: swiglu_fused); False, the default here, counts the eager ops.
     tiles: tiled_mlp's tiles per sequence (models/sequence.py mlp_tiles; 0 untiled): the MLP keeps
     nothing but its input, and its backward one tile's intermediates (backward_transients).
     offload: recompute_offload with full/block: the checkpointed inputs counted in `host`, not on
-    the device; in backward the last layer's input is back on the device.
+    the device; in backward the last checkpoint's input is back on the device.
     sequence_parallel: megatron's sequence parallelism at tp > 1 (RankLayout.sequence_parallel):
     the terms outside the tp-split regions divided by t (the module docstring).
     ulysses_sp: Ulysses' degree (parallel.sp): seq_len / sp tokens of each sequence per rank, the same bytes
@@ -416,7 +431,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     loss (last); a stage's input, received from the stage before, is its first layer's input (the
     input norm's term). One micro-batch's bytes: the micro-batches in flight are pipeline.py's.
     Returns bytes: per_layer (one layer, no recompute), layers (L layers through the forward),
-    recomputed (what one layer rebuilds in backward), embedding, logits, logits_transient, scratch
+    recomputed (what the last checkpoint rebuilds in backward: one layer, or recompute=full's k), embedding, logits, logits_transient, scratch
     (unfused attention's buffer), host (cpu_checkpointing), saved, the three moments and total.
     """
     m, s, B, h = model, model.seq_len, BYTES[precision], model.hidden_size
@@ -424,6 +439,11 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     kinds = layer_kinds(m, tp, precision, device, fusions, tiles, sp, ulysses_sp, layers)
     terms = kinds[-1][1]  # the last layer's, whose backward the moments below are about
     ck, L = checkpointing or {}, (m.num_layers if layers is None else len(layers))
+    flags = m.moe_layers if layers is None else [m.moe_layers[i] for i in layers]
+    # recompute=full: megatron's uniform method, recompute_layers layers per checkpoint (the last
+    # chunk's flags); block checkpoints one layer at a time
+    k = min(recompute_layers, L) if recompute == Recompute.full else 1
+    chunk = flags[(-(-L // k) - 1) * k:]
     if recompute == Recompute.block and recompute_layers >= L:
         recompute = "full"  # every layer recomputed, one per checkpoint
     block = recompute == Recompute.block
@@ -433,7 +453,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
         kept_inputs, host = kept_inputs * n / L, host * n / L
         layers = kept_inputs + _layers(m, tp, precision, "none", ck, kinds)[0] * (L - n) / L
     else:
-        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds, device, offload, sp)
+        layers, recomputed, host = _layers(m, tp, precision, recompute, ck, kinds, device, offload, sp, chunk)
     head = head_terms(m, tp, precision, device, loss, sp)
     if not last:  # a stage before the last: no final norm, output layer, logits or loss
         head.update(logits_softmax_fp32=0, loss_bookkeeping=0, final_norm=0, output_layer_input=0)

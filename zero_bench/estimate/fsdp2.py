@@ -46,8 +46,13 @@ attention's scratch buffer), per sample:
 With recompute=block the first recompute_layers (n) layers keep their inputs and are rebuilt in
 their own backward, the others keep everything and rebuild nothing (megatron's block method): a
 layer phase holds min(i+1, n) inputs, max(0, i+1-n) whole layers, and a rebuilt layer for i < n.
+With recompute=full of k layers per checkpoint (megatron's uniform method) layer i holds the inputs
+of checkpoints 0..i//k and its own checkpoint rebuilt less the layers above i in it; at zero=3 those
+rebuilt layers stay gathered too (FSDP2's post_forward reshards nothing during backward's
+recompute: layers k*(i//k)..i, where the formula otherwise counts two).
 Every layer phase is linear in i between the breaks (n-1 | n with block; L-2 | L-1, where the held
-reduce-scatter input ends), so its maximum is at i = L-1, L-2, 1, n-1 or n: only those are kept.
+reduce-scatter input ends; with k per checkpoint, within a checkpoint and from one checkpoint's top
+to the next), so its maximum is at i = L-1, L-2, 1, n-1 or n (k: also L-k and k-1): only those are kept.
 Activations are megatron's, as for ZeRO (estimate/activations.py; measured per-sample slopes equal
 ZeRO-3's), FSDP2's bf16 (fp32 shards, MixedPrecisionPolicy) keeping what DeepSpeed's bf16 module
 keeps: the logits follow the `loss` recipe as there (megatron: the fp32 softmax 4V and at the end
@@ -132,13 +137,18 @@ def model_states(layout: RankLayout, precision: str = "fp32", offload: bool = Fa
     return dataclasses.replace(out, host=out.total if offload else 0)
 
 
-def layer_phases(L: int, block: int = 0) -> dict[Phase, int]:
+def layer_phases(L: int, block: int = 0, chunk: int = 1) -> dict[Phase, int]:
     """The layer phases kept (phase -> i): the top layer, the one below it, and layer 1; with
-    recompute=block of `block` layers also the top recomputed layer and the lowest kept one."""
+    recompute=block of `block` layers also the top recomputed layer and the lowest kept one; with
+    recompute=full of `chunk` layers per checkpoint also the lowest layer of the top checkpoint and
+    the top layer of the lowest one (a layer phase is linear in i within a checkpoint and from one
+    checkpoint's top to the next: its maximum is at one of these)."""
     out: dict[Phase, int] = {}
     named = [(Phase.layer_last, L - 1), (Phase.layer_next, L - 2), (Phase.layer_first, 1)]
     if 0 < block < L:
         named += [(Phase.layer_recomputed_top, block - 1), (Phase.layer_kept_lowest, block)]
+    if 1 < chunk < L:
+        named += [(Phase.layer_chunk_lowest, L - chunk), (Phase.layer_first_chunk_top, chunk - 1)]
     for name, i in named:
         if 1 <= i <= L - 1 and i not in out.values():
             out[name] = i
@@ -169,7 +179,7 @@ def predict(bench: BenchConfig, ds: Optional[Mapping] = None) -> Prediction:
     w = master_bytes(bench.states)  # sharded parameters, gradients and the update: fp32 or pure bf16
     layer_grads = dev_grads * w * sum(_shard(p, layout, 0, padded=True) for p in layer)
     block = bench.recompute_layers if bench.recompute == Recompute.block and bench.recompute_layers < L else 0
-    layers = layer_phases(L, block)
+    layers = layer_phases(L, block, chunk_layers(bench, L))
     torch_loss = bench.loss in (Loss.bf16, Loss.fp32)  # activations.py's loss_backward moment
     head = (Phase.forward_end,) + ((Phase.loss_backward,) if torch_loss else ()) + (Phase.backward_start,)
     buffers = _buffers(bench, b, R, G, layers, on_cpu, head)
@@ -257,6 +267,13 @@ def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[Phase, int
         # the root's pre-backward prefetches the top layer: its all-gather output from the loss's backward on
         out.append(Buffer("layer_gathered", bG, after_forward + names, "the layer in backward"))
         out.append(Buffer("layer_prefetched", bG, names, "the layer FSDP2 prefetches"))
+        k = chunk_layers(bench, L)
+        for n, i in layers.items():
+            if i % k >= 2:  # layers k*c..i gathered: two counted above (i and the prefetched i - 1)
+                out.append(Buffer(f"rebuilt_chunk_gathered_{i}", (i % k - 1) * bG, (n,),
+                                  "recompute=full, recompute_layers > 2: FSDP2 reshards nothing in backward's "
+                                  "recompute (post_forward under is_bw), the rebuilt checkpoint's layers below "
+                                  "stay gathered to their own backward"))
         # FSDP2 skips the all-gather over a shard group of one rank (FSDPParamGroup._all_gather's
         # world_size == 1 branch: the unsharded parameters are copied from the sharded ones), so gloo
         # copies nothing there (measured under a pipeline at dp 1: estimate/pipeline.py)
@@ -277,18 +294,38 @@ def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[Phase, int
     return out
 
 
+def chunk_layers(bench: BenchConfig, L: int) -> int:
+    """Layers per checkpoint: recompute=full's recompute_layers (megatron's uniform method), else 1."""
+    return min(bench.recompute_layers, L) if bench.recompute == Recompute.full else 1
+
+
+def _whole_layer(bench: BenchConfig, L: int) -> float:
+    """Activation bytes per sample one layer keeps without recompute (the mean over the stage's layers)."""
+    a = activation_bytes_per_sample(bench.model, bench.parallel.tp, bench.precision, Recompute.none,
+                                    device=bench.hardware.device, loss=bench.loss, fusions=bench.fusions,
+                                    **sequence_args(bench))
+    return a["layers"] / L
+
+
 def _layer_activations(bench: BenchConfig, act: dict, host: int, block: int):
     """i -> the activation bytes per sample of layers 0..i in layer i's backward, the layer it
     rebuilds included. recompute=block (`block` layers, megatron's block method: the first ones are
     checkpointed): min(i+1, block) inputs, the layers above whole, a rebuilt layer only for i <
     block. Otherwise every layer keeps what recompute leaves (evenly) and one is rebuilt (none: 0)."""
     L = len(bench.layout.stage_layers())
-    # recompute_offload on CPU: the rebuilt layer's input, brought back for a GPU, is among the kept
-    # inputs already (the host is the device)
-    rebuilt = act["recomputed"] - (host / (block or L) if host else 0)
+    k = chunk_layers(bench, L)
+    checkpoints = block or -(-L // k)
+    # recompute_offload on CPU: the rebuilt checkpoint's input, brought back for a GPU, is among the
+    # kept inputs already (the host is the device)
+    rebuilt = act["recomputed"] - (host / checkpoints if host else 0)
     if not block:
-        kept = (act["layers"] + host) / L
-        return lambda i: (i + 1) * kept + rebuilt
+        kept = (act["layers"] + host) / checkpoints  # one per layer, or per checkpoint of k layers
+        if k == 1:
+            return lambda i: (i + 1) * kept + rebuilt
+        # layer i is layer i % k of checkpoint i // k: the inputs of checkpoints 0..i // k, and the
+        # rebuilt chunk less its layers above i, freed by their own backward
+        whole = _whole_layer(bench, L)
+        return lambda i: (i // k + 1) * kept + rebuilt - (k - 1 - i % k) * whole
     per_layer = {}
     for kind in (Recompute.full, Recompute.none):  # the layers' inputs; the layers whole
         a = activation_bytes_per_sample(bench.model, bench.parallel.tp, bench.precision, kind,

@@ -38,6 +38,12 @@ class Phase(StrEnum):
     """FSDP2, recompute=block: the pre-backward of the top recomputed layer (recompute_layers - 1)."""
     layer_kept_lowest = "layer_kept_lowest"
     """FSDP2, recompute=block: the pre-backward of the lowest layer that keeps everything (recompute_layers)."""
+    layer_chunk_lowest = "layer_chunk_lowest"
+    """FSDP2, recompute=full with recompute_layers k > 1: the pre-backward of the lowest layer of the top
+    checkpoint (L - k), the rebuilt chunk's other layers freed."""
+    layer_first_chunk_top = "layer_first_chunk_top"
+    """FSDP2, recompute=full with recompute_layers k > 1: the pre-backward of the top layer of the
+    lowest checkpoint (k - 1), its whole chunk rebuilt."""
     pipeline_backward = "pipeline_backward"
     """FSDP2 under a pipeline: a micro-batch's backward after the stage's first one, beside the unsharded
     gradients the backwards before it accumulated (estimate/pipeline.py)."""
