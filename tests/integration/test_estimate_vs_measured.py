@@ -55,6 +55,15 @@ FLAT_TOL = 0.125
 # as 3-9 MiB per sample. Such a configuration also runs LATE_MICROS, where activations decide.
 LATE_MICROS = (6, 9)
 MARGIN_SAMPLES = 0.5
+# steps.probe=0: a probe after a trial's first profiles its first step at its size (the optimizer
+# states exist from the first probe's step), not a second one. Measured against steps.probe=1
+# (2026-11-28, one run each, every configuration here): live tensor peaks at the later sizes within
+# 0.75 MiB (GPT-small, every engine: +0.75 MiB at micro 4, +0.0 at 6 and 9; llama-tiny up to +0.7),
+# each in the same phase (llama-tiny bf16 at micro 4 aside: forward and backward within 0.5 MiB
+# there); peak RSS within 1 % (llama-tiny bf16 at micro 4: -6 MiB of 536; GPT-small ZeRO-2 at micro
+# 9: +13 of 1,733). That leaves 14 of the module's 52 steps out, ~50 s of GPT-small at micro 4, 6
+# and 9 (the probe steps' times).
+PROBE_STEPS = 0
 
 
 def with_formula(e, formula: int):
@@ -93,17 +102,21 @@ def measured(tmp_path_factory, pools):
     the pool (conftest.pools: one deepspeed launch for the seven, as a search runs its trials): a forked
     child's figures are a launch of its own's (tests/integration/test_pool_cpu.py: peak RSS within 1 %,
     live tensors within 0.1 %, model states and losses identical), and the pool saves six launches'
-    start-up (~9 s of imports each) that none of these figures depends on."""
+    start-up (~9 s of imports each) that none of these figures depends on. Each probe after a
+    trial's first profiles its first step at its size (PROBE_STEPS)."""
     out = {}
     configs = {z: cpu_cfg("gpt-small", zero=z) for z in range(4)}
     configs.update({name: cpu_cfg("gpt-small", zero=int(name[-1]), engine="fsdp2") for name in FSDP2})
     configs["llama"] = cpu_cfg("llama-tiny", zero=2)
     configs.update({name: cpu_cfg("llama-tiny", zero=3, engine="fsdp2", **kw) for name, kw in FSDP2_LLAMA.items()})
     for key, b in configs.items():
+        b = dataclasses.replace(b, steps=dataclasses.replace(b.steps, probe=PROBE_STEPS))
         micros = sorted(set(MICROS) | set(slope_micros(b)))
         res = run_launch(b, [Entry(m, "probe") for m in micros], tmp_path_factory.mktemp(f"z{key}"),
                          LaunchOptions(pools=pools))
         assert [r.status for r in res] == ["ok"] * len(micros), [(r.status, r.reason) for r in res]
+        # the first probe's step that allocates the optimizer states, then one profiled step each
+        assert [len(r.ranks[0].losses) for r in res] == [2] + [1] * (len(micros) - 1), key
         out[key] = (b, dict(zip(micros, res)))
     return out
 
