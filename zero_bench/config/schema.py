@@ -142,7 +142,8 @@ class StepsConfig:
     """Optimizer steps of a memory probe before its profiled step (optimizer state is allocated
     lazily at the first step; docs/verified.md, "Probe length", says how many steps the peak needs
     to settle). 0: a probe after another entry of its launch profiles its first step at its size
-    (the launch's first entry still runs the one step that allocates the optimizer state)."""
+    (the launch's first entry still runs the one step that allocates the optimizer state; what
+    that changes: docs/measuring.md)."""
 
 
 @dataclass
