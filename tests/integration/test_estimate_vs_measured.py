@@ -55,6 +55,22 @@ FLAT_TOL = 0.125
 # as 3-9 MiB per sample. Such a configuration also runs LATE_MICROS, where activations decide.
 LATE_MICROS = (6, 9)
 MARGIN_SAMPLES = 0.5
+# steps.probe=0: a probe after a trial's first profiles its first step at its size (the optimizer
+# states exist from the first probe's step), not a second one. Measured against steps.probe=1
+# (2026-11-28, two runs each, every configuration here): live tensor peaks at the later sizes within
+# 0.75 MiB, each in the same phase (in one run GPT-small ZeRO-2 rank 0 +27.8 MiB at micro 4, in its
+# step phase, which moves as much from run to run with either: micro 1, run alike by both, read
+# 1059.5 to 1107.5 MiB over the four runs; llama-tiny FSDP2 rank 0 up to 2.7 MiB lower in one run,
+# the fp32 layer gloo holds or not from run to run; llama-tiny bf16 at micro 4: forward and backward
+# within 0.5 MiB); peak RSS within 1 % (llama-tiny bf16 at micro 4: -6 MiB of 536; GPT-small ZeRO-2
+# at micro 9: +13 of 1,733). The 0.75 MiB is GPT-small's at micro 4, every engine: micro 1's
+# attention scores in megatron's global memory buffer, which the first step at 4 regrows; that
+# block came from the first probe's unprofiled step, so the profiler never sees it freed (at 6 and
+# 9, +0.0: the block it drops there was allocated under the profiler). llama-tiny's sdpa keeps no
+# such buffer (test_activations_vs_measured.py's unfused variants do). That leaves 14 of the
+# module's 52 steps out: 47.6 s of the 170 s the module took with them (the probe steps' times),
+# 128 s without, back to back on a busy 2-core machine.
+PROBE_STEPS = 0
 
 
 def with_formula(e, formula: int):
@@ -93,17 +109,21 @@ def measured(tmp_path_factory, pools):
     the pool (conftest.pools: one deepspeed launch for the seven, as a search runs its trials): a forked
     child's figures are a launch of its own's (tests/integration/test_pool_cpu.py: peak RSS within 1 %,
     live tensors within 0.1 %, model states and losses identical), and the pool saves six launches'
-    start-up (~9 s of imports each) that none of these figures depends on."""
+    start-up (~9 s of imports each) that none of these figures depends on. Each probe after a
+    trial's first profiles its first step at its size (PROBE_STEPS)."""
     out = {}
     configs = {z: cpu_cfg("gpt-small", zero=z) for z in range(4)}
     configs.update({name: cpu_cfg("gpt-small", zero=int(name[-1]), engine="fsdp2") for name in FSDP2})
     configs["llama"] = cpu_cfg("llama-tiny", zero=2)
     configs.update({name: cpu_cfg("llama-tiny", zero=3, engine="fsdp2", **kw) for name, kw in FSDP2_LLAMA.items()})
     for key, b in configs.items():
+        b = dataclasses.replace(b, steps=dataclasses.replace(b.steps, probe=PROBE_STEPS))
         micros = sorted(set(MICROS) | set(slope_micros(b)))
         res = run_launch(b, [Entry(m, "probe") for m in micros], tmp_path_factory.mktemp(f"z{key}"),
                          LaunchOptions(pools=pools))
         assert [r.status for r in res] == ["ok"] * len(micros), [(r.status, r.reason) for r in res]
+        # the first probe's step that allocates the optimizer states, then one profiled step each
+        assert [len(r.ranks[0].losses) for r in res] == [2] + [1] * (len(micros) - 1), key
         out[key] = (b, dict(zip(micros, res)))
     return out
 

@@ -48,6 +48,12 @@ def test_seed_table_models_have_the_published_shapes():
     assert num_params(bench("model=gpt345m").model) == pytest.approx(355e6, rel=0.02)
 
 
+def test_a_probe_may_profile_its_first_step():
+    # steps.probe=0: an entry after the launch's first profiles its first step at its size
+    # (tests/integration/test_estimate_vs_measured.py measures so); the first entry still steps once
+    assert bench("steps.probe=0").steps.probe == 0
+
+
 def test_offload_true_moves_params_too_only_with_zero3():
     assert (bench("zero=3", "offload=true").offload_param, bench("zero=2", "offload=true").offload_param) == (True, False)
 
@@ -64,7 +70,7 @@ def test_offload_true_moves_params_too_only_with_zero3():
     (["model.seq_len=0"], "model.seq_len=0: must be an integer >= 1"),
     (["model.vocab_size=-5"], "model.vocab_size=-5: must be an integer >= 1"),
     (["steps.timed=0"], "steps.timed=0: must be an integer >= 1"),
-    (["steps.probe=0"], "steps.probe=0: must be an integer >= 1"),
+    (["steps.probe=-1"], "steps.probe=-1: must be an integer >= 0"),
     (["timeout_s=0"], "timeout_s=0: must be a number > 0"),
     (["hardware.memory_gb=-1"], "hardware.memory_gb=-1: must be a number > 0"),
     (["zero=true"], "zero=true: must be an integer"),

@@ -216,7 +216,7 @@ def check_bench(b: BenchConfig) -> None:
     integer("batch.grad_accum", b.batch.grad_accum)
     integer("steps.warmup", b.steps.warmup, lo=0)
     integer("steps.timed", b.steps.timed)
-    integer("steps.probe", b.steps.probe)
+    integer("steps.probe", b.steps.probe, lo=0)
     number("timeout_s", b.timeout_s)
     integer("seed", b.seed, lo=0, hi=SEED_MAX)
 

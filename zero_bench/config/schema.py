@@ -141,7 +141,9 @@ class StepsConfig:
     probe: int = 1
     """Optimizer steps of a memory probe before its profiled step (optimizer state is allocated
     lazily at the first step; docs/verified.md, "Probe length", says how many steps the peak needs
-    to settle)."""
+    to settle). 0: a probe after another entry of its launch profiles its first step at its size
+    (the launch's first entry still runs the one step that allocates the optimizer state; what
+    that changes: docs/measuring.md)."""
 
 
 @dataclass
