@@ -26,7 +26,12 @@ from conftest import worker_processes
 pytestmark = pytest.mark.slow
 # precision=fp32: auto is bf16 on a CPU with native bf16 and fp32 elsewhere; this test is about the
 # jobs, not the precision, and runs the same trials everywhere.
-GRID = ["model=gpt-tiny", "precision=fp32", "zero=1,2", "hardware.memory_gb=4", "search.max=8", "steps.timed=2",
+# Every size fits gpt-tiny in 4 GB (~420 MiB per rank at micro 8): the fit strategy would go straight
+# to search.max, one trial, over before a kill could land in it. Doubling, one size per launch, runs
+# SIZES, each a trial of its own, on any machine: a kill after the first leaves a search to resume.
+SIZES = (1, 2, 4)
+GRID = ["model=gpt-tiny", "precision=fp32", "zero=1,2", "hardware.memory_gb=4", f"search.max={SIZES[-1]}",
+        "search.strategy=doubling", "search.multi=false", "steps.timed=2",
         "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=30"]
 
 
@@ -36,20 +41,35 @@ def sweep(tmp: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def trials(db: Path) -> list:
-    """The store's trials; [] before the job created it (any other error fails: a check of "nothing
+def query(db: Path, sql: str) -> list:
+    """The rows; [] before the job created the store (any other error fails: a check of "nothing
     lost" must not pass on an unreadable store)."""
     if not db.exists():
         return []
     for attempt in range(50):
         try:
             with sqlite3.connect(db, timeout=10) as c:
-                return c.execute("SELECT id, search_key, micro, mode, status FROM trials").fetchall()
+                return c.execute(sql).fetchall()
         except sqlite3.OperationalError as exc:
             if "no such table" not in str(exc) and "locked" not in str(exc) or attempt == 49:
                 raise
             time.sleep(0.2)  # the job is creating its tables, or writing
     raise AssertionError("unreachable")
+
+
+def trials(db: Path) -> list:
+    return query(db, "SELECT id, search_key, micro, mode, status FROM trials")
+
+
+def finished(db: Path) -> list:
+    """The sizes of the trials that decided something (a killed trial leaves no row)."""
+    return sorted(m for _, _, m, _, st in trials(db) if st in ("ok", "oom"))
+
+
+def writer(db: Path) -> int | None:
+    """The pid of the job writing the store's search (its claim), None when none is."""
+    rows = query(db, "SELECT pid FROM claims")
+    return rows[0][0] if rows else None
 
 
 def lock_holder() -> int | None:
@@ -83,22 +103,26 @@ def test_killed_job_resumes_and_the_merged_report_has_every_configuration(tmp_pa
     log = tmp_path / "sweep.log"
     proc = sweep(tmp_path)
     # both jobs start at once; they take the machine in turn. Kill the one running trials once it has
-    # one: the holder of the lock, a job of this sweep (not another zero_bench on the machine).
-    deadline, victim = time.time() + 600, None
+    # finished its first, with the others to run (each takes seconds; the poll 0.3 s): the holder of
+    # the lock, a job of this sweep (not another zero_bench on the machine), the writer of its store.
+    deadline, victim, killed = time.time() + 600, None, None
     while time.time() < deadline and victim is None:
         holder = lock_holder()
-        if (holder and descends_from(holder, proc.pid) and any(len(trials(s)) >= 1 for s in stores)
-                and psutil.pid_exists(holder)):
-            victim = holder
-        if proc.poll() is not None:
+        mid = [s for s in stores if writer(s) == holder and len(finished(s)) == 1]
+        if holder and mid and descends_from(holder, proc.pid) and psutil.pid_exists(holder):
+            victim, (killed,) = holder, mid
+        elif proc.poll() is not None:
             skip_if_another_holds_the_machine(proc, log)
-            pytest.fail(log.read_text()[-3000:])
-        time.sleep(0.3)
+            pytest.fail("the sweep ended before a job was seen with one finished trial of "
+                        f"{len(SIZES)}: {log.read_text()[-3000:]}")
+        else:
+            time.sleep(0.3)
     assert victim, "no job ran a trial"
-    killed = next(s for s in stores if trials(s))
     os.kill(victim, signal.SIGKILL)
     before = {s: trials(s) for s in stores}
-    assert before[killed], "the killed job's store has no trial: nothing to lose, nothing checked"
+    # the kill landed mid-search: trials stored (something to lose) and trials left (a resume to run)
+    assert 1 <= len(finished(killed)) < len(SIZES), finished(killed)
+    assert not query(killed, "SELECT status FROM searches"), "the killed job had ended its search"
     # the sweep ends with an error for the killed job; the other job has finished or, if submitit
     # ended it with the sweep, is left part-way: either way nothing is done twice on the re-run
     proc.wait(timeout=900)
@@ -118,8 +142,11 @@ def test_killed_job_resumes_and_the_merged_report_has_every_configuration(tmp_pa
     assert {r.state for r in sweep_status(tmp_path / "sweep")} == {"done"}
     for s in stores:
         assert set(before[s]) <= set(trials(s)), f"a finished trial of {s} was lost"
-    finished = [(k, m, mode) for _, k, m, mode, st in trials(killed) if st in ("ok", "oom")]
-    assert len(finished) == len(set(finished)), "a finished trial was run again"
+    done = [(k, m, mode) for _, k, m, mode, st in trials(killed) if st in ("ok", "oom")]
+    assert len(done) == len(set(done)), "a finished trial was run again"
+    # the resumed search ran the sizes left, each once, and counts the stored ones as its own
+    assert finished(killed) == list(SIZES), trials(killed)
+    assert Store(killed).searches()[-1].trials == len(SIZES)
     assert all(Store(s).searches()[-1].status == "done" for s in stores)
 
     # the report in this process (what `zero_bench report report.runs=<sweep dir>` runs): an
