@@ -35,9 +35,8 @@ from typing import Optional
 
 from zero_bench.config.schema import BenchConfig, Device
 from zero_bench.devices.rates import EnginePoint, HardwareRates, rates_for
-from zero_bench.estimate.time.comm import comm_terms
+from zero_bench.estimate.time.comm import comm_terms, tensor_parallel_calls, ulysses_calls
 from zero_bench.estimate.time.compute import compute_terms, optimizer_terms
-from zero_bench.estimate.time.comm import tensor_parallel_calls, ulysses_calls
 from zero_bench.estimate.time.engine import cause_terms, engine_key, engine_size, engine_term, layer_arch
 from zero_bench.estimate.time.offload import checkpoint_terms, offload_terms
 from zero_bench.estimate.time.pipeline import pipeline_terms, slowest_stage
@@ -110,9 +109,9 @@ def calibration_point(bench: BenchConfig, micro: int, measured_s: float, rates) 
     """The EnginePoint of a timed trial of `bench` at `micro`: its time/it against what the kernel
     terms predict at `rates` (with no engine points, less the assumed step overhead)."""
     bare = replace(rates, engine_points=())
-    p = predict_time(bench, micro, bare)
-    kernels = p.step_s - p.seconds("step overhead")
+    bare_prediction = predict_time(bench, micro, bare)
+    kernels = bare_prediction.step_s - bare_prediction.seconds("step overhead")
     tensors, params, token_layers = engine_size(bench, micro)
-    p = bench.parallel
+    par = bench.parallel
     return EnginePoint(engine_key(bench), bench.model.name, tensors, params, measured_s, kernels, token_layers, micro,
-                       p.tp, p.sp, layer_arch(bench.model), tensor_parallel_calls(bench) + ulysses_calls(bench))
+                       par.tp, par.sp, layer_arch(bench.model), tensor_parallel_calls(bench) + ulysses_calls(bench))

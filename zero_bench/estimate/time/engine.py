@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 from zero_bench.config.schema import BenchConfig
 from zero_bench.devices.rates import EnginePoint  # the measured record lives with the rates that carry it
+from zero_bench.estimate.time.comm import tensor_parallel_calls, ulysses_calls
 from zero_bench.estimate.time.record import TimeTerm
 
 ENGINE_TERM = "engine overhead"
@@ -205,8 +206,6 @@ def cause_terms(bench: BenchConfig, points: Sequence[EnginePoint], micro: Option
     """The terms of what the configuration runs that the stage's points did not: another layer
     architecture (per token-layer x grad_accum), tensor-parallel and Ulysses collective calls (per
     call, comm.py's counts). Only beside the stage's engine term (engine_term not None)."""
-    from zero_bench.estimate.time.comm import tensor_parallel_calls, ulysses_calls
-
     out = []
     arch = layer_arch(bench.model)
     got = arch_cost(arch, points)
