@@ -241,6 +241,22 @@ def no_leftovers(tmp_path):
     assert not left, f"processes left behind: {[' '.join(p.cmdline()) for p in left]}"
 
 
+def profiled_allocations(gpt, step, micro: int, **kw) -> list:
+    """The net allocations (bytes, + allocated / - freed, in order) of one profiled `step(micro, **kw)`
+    of a megatron model on one CPU rank, after a warm-up step at the same size (the gradients exist,
+    zeroed in place; lazily built state too) and with megatron's global memory buffer emptied."""
+    from megatron.core import parallel_state
+    from torch.profiler import ProfilerActivity, profile
+
+    step(micro)
+    gpt.zero_grad(set_to_none=False)
+    parallel_state.get_global_memory_buffer().buffer.clear()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(micro, **kw)
+    return [n for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                                 if e.name() == "[memory]")]
+
+
 @contextlib.contextmanager
 def megatron_one_rank(store: Path):
     """megatron's parallel state on a real one-rank gloo group (rendezvous file `store`), with the

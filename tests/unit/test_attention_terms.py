@@ -16,7 +16,7 @@ from zero_bench.models.megatron import build_gpt, fusion_args, softmax_in_fp32, 
 from zero_bench.models.shims import seed_cpu_rng
 from zero_bench.units import BYTES
 
-from conftest import megatron_one_rank, model
+from conftest import megatron_one_rank, model, profiled_allocations
 
 BATCH = 2
 
@@ -110,9 +110,6 @@ def test_gpu_figures_move_only_where_the_softmax_runs_in_16_bits():
 def peak_per_sample(m, upcast: bool) -> float:
     """The step's peak of net allocations (torch.profiler's memory events, every allocation of a
     bf16 forward and backward in view), bytes one more sample adds (micro 1 -> 2)."""
-    from megatron.core import parallel_state
-    from torch.profiler import ProfilerActivity, profile
-
     seed_cpu_rng(1)
     cfg = BenchConfig(model=m, hardware=HardwareConfig(device="cpu"), precision="bf16")
     config = transformer_config(cfg, on_cpu=True)
@@ -126,14 +123,8 @@ def peak_per_sample(m, upcast: bool) -> float:
 
     peaks = []
     for micro in (1, 2):
-        step(micro)  # warm-up: the gradients exist (zeroed in place below), lazily built state too
-        gpt.zero_grad(set_to_none=False)
-        parallel_state.get_global_memory_buffer().buffer.clear()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step(micro)
         cur = peak = 0
-        for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                           if e.name() == "[memory]"):
+        for n in profiled_allocations(gpt, step, micro):
             cur += n
             peak = max(peak, cur)
         peaks.append(peak)

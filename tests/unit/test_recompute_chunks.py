@@ -18,7 +18,7 @@ from zero_bench.estimate.activations import activation_bytes_per_sample
 from zero_bench.models.megatron import build_gpt, transformer_config
 from zero_bench.models.shims import seed_cpu_rng
 
-from conftest import megatron_one_rank, model
+from conftest import megatron_one_rank, model, profiled_allocations
 
 SENTINEL = 7_777_777  # bytes no tensor of the model has: allocated and freed at the forward's end
 
@@ -55,9 +55,6 @@ def checkpoint_function(request, monkeypatch):
 
 def per_sample(gpt, m) -> dict:
     """{"saved", "peak"}: what one more sample adds to the net bytes after the forward and at the peak."""
-    from megatron.core import parallel_state
-    from torch.profiler import ProfilerActivity, profile
-
     def step(micro: int, sentinel: bool = False) -> None:
         tok = torch.randint(0, m.vocab_size, (micro, m.seq_len + 1), generator=torch.Generator().manual_seed(micro))
         pos = torch.arange(m.seq_len).unsqueeze(0).expand(micro, -1)
@@ -68,15 +65,9 @@ def per_sample(gpt, m) -> dict:
 
     out = []
     for micro in (1, 2):
-        step(micro)  # warm-up: the gradients exist (zeroed in place below), lazily built state too
-        gpt.zero_grad(set_to_none=False)
-        parallel_state.get_global_memory_buffer().buffer.clear()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step(micro, sentinel=True)
         cur = peak = 0
         saved = None
-        for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                           if e.name() == "[memory]"):
+        for n in profiled_allocations(gpt, step, micro, sentinel=True):
             if abs(n) == SENTINEL:
                 saved = cur if saved is None else saved
                 continue
