@@ -17,6 +17,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import yaml
 
 from zero_bench.config.configure import resolve
 from zero_bench.config.schema import BenchConfig, HardwareConfig, ModelConfig, ParallelConfig, StepsConfig
+from zero_bench.devices.toolkit import extensions_dir
 from zero_bench.errors import MachineBusy
 from zero_bench.trial.machine import machine_lock
 
@@ -38,6 +40,12 @@ LOCK_WAIT_S = float(os.environ.get("ZERO_BENCH_LOCK_WAIT_S") or 1200)
 # cores. One compile thread: the same kernels and losses; the five compiled trials 131 -> 103 s here.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ["ZERO_BENCH_LOCK_WAIT_S"] = str(LOCK_WAIT_S)
+# DeepSpeed ops loaded in a test's own process (deepspeed.init_distributed builds the CPU
+# shared-memory collective) come from the cache `make test` built them into, with the venv's ninja,
+# as the ranks' do (trial/launcher.py trial_env): torch's default cache (~/.cache) is empty on a fresh
+# machine, and a unit test compiled the op there first (49 s of the unit tests' 167).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+os.environ["PATH"] = os.pathsep.join([os.path.join(sys.prefix, "bin"), os.environ.get("PATH", "")])
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 BUSY = "another zero_bench is running trials on this machine"  # MachineBusy's message, also on a CLI's stderr
 _waited = [0.0]  # seconds this session has waited for the lock
