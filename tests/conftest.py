@@ -327,20 +327,53 @@ def pools(session_pools):
     return session_pools
 
 
+_four_slot: list = []  # the session's 4-rank PoolSlot, once a module asked for `pools4`
+
+
+@pytest.fixture(scope="session")
+def pools4(tmp_path_factory):
+    """One pool of 4 ranks for the modules whose trials run on 4 (tp x dp, pp x dp, dp_shard): its start
+    (~12 s here, 4 ranks importing on 2 cores) paid once for all of them, not once per module. Those
+    modules run one after another (pytest_collection_modifyitems), and the slot is closed after the
+    last test that asks for it (pytest_runtest_teardown), before another pool or command takes the
+    machine lock."""
+    from zero_bench.trial.pool import PoolSlot
+
+    with PoolSlot(tmp_path_factory.mktemp("pool4")) as slot:
+        _four_slot.append(slot)
+        yield slot
+
+
+def _uses(item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(session, config, items):
     """The modules on the session's pool (a test asks for `pools`) run one after another, after the
     others (each module's tests keep their order): the pool's start (~10 s here) is paid once for
-    the run of them instead of once per module that follows one without it."""
-    first, on_pool = {}, set()
+    the run of them instead of once per module that follows one without it. The modules on the
+    4-rank pool (`pools4`) run one after another too, where the two groups meet: last of the
+    others, first of those on `pools`."""
+    first, on_pool, on_four = {}, set(), set()
     for i, item in enumerate(items):
         module = getattr(item, "module", None)
         first.setdefault(module, i)
-        if "pools" in getattr(item, "fixturenames", ()):
+        if _uses(item, "pools"):
             on_pool.add(module)
-    items.sort(key=lambda item: (getattr(item, "module", None) in on_pool, first[getattr(item, "module", None)]))
+        if _uses(item, "pools4"):
+            on_four.add(module)
+
+    def order(item):
+        module = getattr(item, "module", None)
+        pooled = module in on_pool
+        return pooled, (module not in on_four) if pooled else (module in on_four), first[module]
+
+    items.sort(key=order)
 
 
 def pytest_runtest_teardown(item, nextitem):
+    if _four_slot and (nextitem is None or (nextitem.module is not item.module and not _uses(nextitem, "pools4"))):
+        _four_slot[0].close()
     if _session_slot and (nextitem is None or (nextitem.module is not item.module
                                                and "pools" not in nextitem.fixturenames)):
         _session_slot[0].close()

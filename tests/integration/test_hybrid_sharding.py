@@ -8,7 +8,6 @@ from zero_bench.config.schema import ParallelConfig
 from zero_bench.estimate import estimate
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg
 
@@ -16,16 +15,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """llama-tiny, fp32, FSDP2 zero=3, dp 4: sharded over all 4, and over pairs (HSDP)."""
+def runs(tmp_path_factory, pools4):
+    """llama-tiny, fp32, FSDP2 zero=3, dp 4: sharded over all 4, and over pairs (HSDP); children of the
+    session's 4-rank pool (conftest.pools4)."""
     tmp = tmp_path_factory.mktemp("hsdp")
     out = {}
-    with PoolSlot(tmp / "pool") as pools:
-        for name, par in {"fsdp": ParallelConfig(tp=1, dp=4), "hsdp": ParallelConfig(tp=1, dp=4, dp_shard=2)}.items():
-            cfg = cpu_cfg("llama-tiny", engine="fsdp2", zero=3, parallel=par)
-            (res,) = run_launch(cfg, [Entry(2, "measure")], tmp / name, LaunchOptions(pools=pools))
-            assert res.status == "ok", (name, res.reason)
-            out[name] = (cfg, res)
+    for name, par in {"fsdp": ParallelConfig(tp=1, dp=4), "hsdp": ParallelConfig(tp=1, dp=4, dp_shard=2)}.items():
+        cfg = cpu_cfg("llama-tiny", engine="fsdp2", zero=3, parallel=par)
+        (res,) = run_launch(cfg, [Entry(2, "measure")], tmp / name, LaunchOptions(pools=pools4))
+        assert res.status == "ok", (name, res.reason)
+        out[name] = (cfg, res)
     return out
 
 

@@ -84,17 +84,22 @@ def config(engine: str, pp: int, dp: int, schedule: str = "1f1b", vpp: int = 1, 
 
 
 @pytest.fixture(scope="module")
-def trials(tmp_path_factory, pools):
-    """One pool per world size (conftest.pools), each trial a fresh child: the two references (pp=1,
-    dp=2) and every case, at micro 1."""
+def trials(tmp_path_factory, pools4, pools):
+    """Each trial a fresh child of a pool: the two references (pp=1, dp=2) and every case, at micro 1.
+    The 4-rank cases first, on the session's 4-rank pool (conftest.pools4: this module follows the
+    others on it), which is then closed before the 2-rank trials start the session's pool."""
     t0 = time.time()
     out = {}
     refs = [(f"ref_{e}", config(e, 1, 2)) for e in sorted(set(REFERENCE.values()))]
     refs += [(f"ref_{e}_tp2", config(e, 1, 1, tp=2)) for e in sorted({c[0] for c in CASES.values() if c[5:] == (2,)})]
     runs = refs + [(n, config(*c)) for n, c in CASES.items()]
+    runs.sort(key=lambda run: run[1].parallel.world_size != 4)  # stable: each group keeps its order
     for name, b in runs:
+        if b.parallel.world_size != 4:
+            pools4.close()  # no-op once closed: its lock goes before the 2-rank pool takes it
         plan = [Entry(1, "measure")] + ([Entry(2, "measure")] if name == GROWS or name in PEAKS else [])
-        out[name], *more = run_launch(b, plan, tmp_path_factory.mktemp(name), LaunchOptions(pools=pools))
+        slot = pools4 if b.parallel.world_size == 4 else pools
+        out[name], *more = run_launch(b, plan, tmp_path_factory.mktemp(name), LaunchOptions(pools=slot))
         if more:
             out[name, 2] = more[0]
     _wall["trials_s"] = time.time() - t0

@@ -3,7 +3,7 @@ sequence parallelism on (its default at tp > 1), llama-tiny ZeRO-1 fp32. At sp=2
 ranks of each tensor rank split one sequence, Megatron splits each rank's share again over tp in the
 norms, and attention's all-to-all runs over heads / tp / sp (llama-tiny's 2 key/value groups leave one
 per tensor rank, replicated over the 2 sequence ranks as DeepSpeed does); the losses and gradient norms
-equal sp=1's at every step. One pool of 4 ranks (the session's has 2), each trial a forked child."""
+equal sp=1's at every step. The session's 4-rank pool (conftest.pools4), each trial a forked child."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,6 @@ import pytest
 from zero_bench.config.schema import ParallelConfig
 from zero_bench.records import Entry
 from zero_bench.trial.launch import LaunchOptions, run_launch
-from zero_bench.trial.pool import PoolSlot
 
 from conftest import cpu_cfg
 
@@ -19,14 +18,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(tmp_path_factory, pools4):
     out = {}
-    with PoolSlot(tmp_path_factory.mktemp("pool4")) as slot:
-        for sp in (1, 2):
-            b = cpu_cfg("llama-tiny", parallel=ParallelConfig(tp=2, dp=2, sp=sp), zero=1)
-            assert b.layout.sequence_parallel and b.layout.sp == sp
-            (out[sp],) = run_launch(b, [Entry(1, "measure")], tmp_path_factory.mktemp(f"tp2sp{sp}"),
-                                    LaunchOptions(pools=slot))
+    for sp in (1, 2):
+        b = cpu_cfg("llama-tiny", parallel=ParallelConfig(tp=2, dp=2, sp=sp), zero=1)
+        assert b.layout.sequence_parallel and b.layout.sp == sp
+        (out[sp],) = run_launch(b, [Entry(1, "measure")], tmp_path_factory.mktemp(f"tp2sp{sp}"),
+                                LaunchOptions(pools=pools4))
     return out
 
 
