@@ -353,7 +353,8 @@ def pytest_collection_modifyitems(session, config, items):
     others (each module's tests keep their order): the pool's start (~10 s here) is paid once for
     the run of them instead of once per module that follows one without it. The modules on the
     4-rank pool (`pools4`) run one after another too, where the two groups meet: last of the
-    others, first of those on `pools`."""
+    others, first of those on `pools`. A module that closes the session's pool to run a command
+    (CLOSES_POOL = True) runs last of those on `pools`, so that no module after it starts it again."""
     first, on_pool, on_four = {}, set(), set()
     for i, item in enumerate(items):
         module = getattr(item, "module", None)
@@ -366,7 +367,8 @@ def pytest_collection_modifyitems(session, config, items):
     def order(item):
         module = getattr(item, "module", None)
         pooled = module in on_pool
-        return pooled, (module not in on_four) if pooled else (module in on_four), first[module]
+        group = ((module not in on_four) + getattr(module, "CLOSES_POOL", False)) if pooled else (module in on_four)
+        return pooled, group, first[module]
 
     items.sort(key=order)
 

@@ -27,6 +27,7 @@ from zero_bench.trial.launch import run_launch
 from conftest import FRESH_MICROS, cpu_cfg, worker_processes
 
 pytestmark = pytest.mark.slow
+CLOSES_POOL = True  # test_same_answer_resumed_after_sigkill: last of the modules on the session's pool (conftest)
 QUIET = SearchOptions(progress=lambda s: None)
 
 
