@@ -177,7 +177,10 @@ def test_no_rank_ever_holds_the_unsharded_model(runs):
     _, pools, tmp, _ = runs
     wide = dataclasses.replace(model("gpt-tiny"), hidden_size=1024, num_heads=8, num_layers=8, name="GPT-wide")
     cfg = cpu_cfg(engine="fsdp2", zero=3, model=wide)
-    (res,) = run_launch(cfg, [Entry(1, "probe")], tmp / "wide", LaunchOptions(pools=pools))
+    # what is checked is measured before the first step: the probe's one profiled step, no optimizer
+    # step before it (steps.probe=0; one step of this model ~5 s here)
+    (res,) = run_launch(dataclasses.replace(cfg, steps=dataclasses.replace(cfg.steps, probe=0)), [Entry(1, "probe")],
+                        tmp / "wide", LaunchOptions(pools=pools))
     assert res.status == "ok", res.reason
     whole = 4 * num_params(wide)
     for r in res.ranks:
