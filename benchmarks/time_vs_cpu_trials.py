@@ -19,8 +19,8 @@ variants: as is, hidden 256, hidden 256 at micro 16), scaled to each trial's mod
 tp > 1, sp > 1 or on another layer than GPT's, CAUSE_MODELS' points at its stage (gpt-tiny at tp=2,
 at sp=2, the trial's own preset at 2 layers) give what each costs per collective call or token-layer.
 Trials: run_launch forked from one pool, steps warmup 2 + timed 10, time/it their median (the trial's
-own measurement, as the store records it), each trial run twice, the second pass in reverse order,
-keeping the faster pass (others' work only slows a trial; the calibration trials alike): gpt-mini's ZeRO 0-3, offload (CPU and NVMe), recompute
+own measurement, as the store records it), each trial run twice, a whole pass apart, keeping the
+faster pass (others' work only slows a trial; the calibration trials alike): gpt-mini's ZeRO 0-3, offload (CPU and NVMe), recompute
 (full, selective, block, op), grad_accum 2, tp=2, FSDP2, and llama-tiny's Ulysses sp=2. Target (issue
 52, item 4): the prediction within 15 % of the measured time/it for at least 90 % of the trials; the
 script exits 1 when that does not hold. save=FILE keeps the rates and the times; replay=FILE predicts a
@@ -60,7 +60,7 @@ ENGINE_STEPS = StepsConfig(warmup=2, timed=15)  # their steps take 30-250 ms: mo
 # gpt-mini trial's first steps after one warm-up still read 0.9-1.06 s against a 0.6-0.65 s median
 # (/work/notes/s5/diag_z12.json); 10 timed, so two such steps cannot move the median.
 CHECKED_STEPS = StepsConfig(warmup=2, timed=10)
-# Every trial (calibration and checked) runs PASSES times, the passes in alternate order, and keeps the
+# Every trial (calibration and checked) runs PASSES times, the passes one after the other, and keeps the
 # fastest pass's time/it: other processes on this shared 2-core machine only ever slow a trial, and
 # one pass of gpt-mini ZeRO-1 read 0.57 s and the next 0.74 s minutes apart, each a steady median
 # over 15 steps (diag_z12.json): the shift is between trials, which no longer median within one removes.
@@ -149,12 +149,14 @@ def engine_benches(names: list[str], micro: int, models: list[str], model: str =
 
 
 def timed_passes(jobs: list[tuple[str, BenchConfig]], tmp: Path, pools, passes: int = PASSES) -> dict[str, dict]:
-    """Each (label, bench) trial run `passes` times, every other pass in reverse order (a drift of the
-    machine over the run then touches every trial alike); per label the passes' time/it (None: failed),
-    each rank's step times and the fastest pass's time/it ("best"; None where every pass failed)."""
+    """Each (label, bench) trial run `passes` times, the passes one after the other in the same order,
+    so a trial's repeats lie a whole pass apart (a reversed second pass ran the last trials' repeats
+    back to back, and one slow spell of the machine took both: /work/notes/s5/native1.log, ZeRO-2
+    recompute=op 0.727 and 0.886 s against ZeRO-2's 0.563); per label the passes' time/it (None:
+    failed), each rank's step times and the fastest pass's time/it ("best"; None where every pass failed)."""
     out = {label: {"passes": [], "step_times": [], "status": "", "reason": ""} for label, _ in jobs}
     for k in range(passes):
-        for i, (label, b) in (list(enumerate(jobs)) if k % 2 == 0 else list(enumerate(jobs))[::-1]):
+        for i, (label, b) in enumerate(jobs):
             (res,) = run_launch(b, [Entry(b.batch.micro, Mode.MEASURE)], tmp / f"p{k}-{i}", LaunchOptions(pools=pools))
             ok = res.status == "ok" and res.time_per_step_s
             row = out[label]
