@@ -7,7 +7,8 @@ measured time/it of a few 2-rank gloo trials, with the rates measured here first
 
 Rates, measured here before the trials (so every figure in the table comes from this machine, and
 nothing is fitted to the trials): devices/rate_probes.rank_rates, what `zero_bench calibrate` stores,
-in two spawned processes busy at once as the trial's two ranks are: the bf16 matmul rate, the
+in two spawned processes busy at once as the trial's two ranks are (two rounds back to back, each
+rate its better round's: PROBE_ROUNDS): the bf16 matmul rate, the
 memory-bound op mixes (the layers' norm/activation/softmax/residual, unfused attention's scores, the
 loss), gloo's all-reduce and all-gather bandwidth and latency, torch AdamW per parameter and per
 tensor; beside them one rank's matmul rate alone (metrics.cpu_peak_flops, the rate MFU uses) and the
