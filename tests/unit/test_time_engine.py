@@ -228,3 +228,38 @@ def test_a_stored_point_at_tp_2_keeps_the_stages_point_of_the_same_model():
     stage_pt, tp_pt = point(key="deepspeed zero 1").to_dict(), cause_point(tp=2, calls=20, model="GPT-tiny").to_dict()
     assert merged_points([stage_pt], [tp_pt]) == [stage_pt, tp_pt]
     assert merged_points([stage_pt, tp_pt], [dict(tp_pt, measured_s=1.0)]) == [stage_pt, dict(tp_pt, measured_s=1.0)]
+
+
+def test_a_grad_accum_point_measures_which_share_of_the_per_parameter_time_each_micro_step_repeats():
+    # the stage (1 ms/tensor + 10 ns/param + 5 us/token-layer) and a point of it at grad_accum 2 whose
+    # residual repeats the token-layers' time and a quarter of the per-tensor and per-parameter time
+    once, tl = 28e-3 + 1e-8 * 2e6, 512
+    ga2 = EnginePoint("deepspeed zero 1", "GPT-tiny", 28, 2e6, 0.02 + 2 * 5e-6 * tl + 1.25 * once, 0.02, tl, 4,
+                      grad_accum=2)
+    pts = stage() + [ga2]
+    b = bench("zero=1", "batch.grad_accum=3")
+    tensors, params, token_layers = engine_size(b, 4)
+    per_param = 1e-3 * tensors + 1e-8 * params
+    t = engine_term(b, pts, 4)
+    assert t.seconds == pytest.approx((1 + 0.25 * 2) * per_param + 3 * 5e-6 * token_layers)
+    assert "0.25" in t.source
+    # the grad_accum point is not one of the stage's own: grad_accum 1 is fitted as before
+    assert engine_term(bench("zero=1"), pts, 4).seconds == pytest.approx(engine_term(bench("zero=1"), stage(), 4).seconds)
+    # without such a point every micro-step repeats all of it
+    assert engine_term(b, stage(), 4).seconds == pytest.approx(3 * (per_param + 5e-6 * token_layers))
+    assert EnginePoint.from_dict(ga2.to_dict()) == ga2
+
+
+def test_tp_points_of_two_depths_separate_a_cost_per_call_from_one_per_micro_step():
+    # gpt-tiny at tp=2 with 2 layers (20 calls) and 4 layers (36 calls): the same excess at both depths
+    # is no per-call cost but one per micro-step (the vocab-parallel cross-entropy's all-reduces)
+    pts = stage() + [cause_point(tp=2, calls=20, extra=0.05), cause_point(tp=2, calls=36, extra=0.05)]
+    tp = bench("zero=1", "parallel.tp=2", "parallel.dp=1")
+    (t,) = cause_terms(tp, pts, 4)
+    assert t.name == TP_TERM and t.seconds == pytest.approx(0.05)
+    assert cause_terms(bench("zero=1", "parallel.tp=2", "parallel.dp=1", "batch.grad_accum=2"), pts, 4)[0].seconds \
+        == pytest.approx(0.10)
+    # an excess that grows with the calls is a cost per call (2 ms), with 10 ms a micro-step beside it
+    pts = stage() + [cause_point(tp=2, calls=c, extra=0.01 + 2e-3 * c) for c in (20, 36)]
+    from zero_bench.estimate.time.comm import tensor_parallel_calls
+    assert cause_terms(tp, pts, 4)[0].seconds == pytest.approx(0.01 + 2e-3 * tensor_parallel_calls(tp))

@@ -236,7 +236,7 @@ def merged_points(old: list, new: list) -> list:
     degrees they do not measure again (a point at tp=2 measures the tensor-parallel calls, not the
     stage: estimate/time/engine.py)."""
     def ident(p: dict) -> tuple:
-        return p["key"], p["model"], p.get("tp", 1), p.get("sp", 1)
+        return p["key"], p["model"], p.get("tp", 1), p.get("sp", 1), p.get("grad_accum", 1)
     again = {ident(p) for p in new}
     return [p for p in old if ident(p) not in again] + list(new)
 

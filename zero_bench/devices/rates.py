@@ -73,6 +73,9 @@ class EnginePoint:
     "" for points stored before it was recorded (all of them gpt-tiny's: GPT's layer)."""
     calls: float = 0.0
     """Tensor-parallel or Ulysses collective calls of the trial's optimizer step (comm.py's counts)."""
+    grad_accum: int = 1
+    """The trial's micro-steps per optimizer step: a point at grad_accum > 1 measures which share of
+    the stage's per-tensor and per-parameter time repeats every micro-step (estimate/time/engine.py)."""
 
     @property
     def residual_s(self) -> float:
@@ -89,7 +92,8 @@ class EnginePoint:
     def from_dict(cls, d: dict) -> "EnginePoint":
         return cls(d["key"], d["model"], int(d["tensors"]), float(d["params"]), float(d["measured_s"]),
                    float(d["kernels_s"]), float(d.get("token_layers", 0.0)), int(d.get("micro", 0)),
-                   int(d.get("tp", 1)), int(d.get("sp", 1)), str(d.get("arch", "")), float(d.get("calls", 0.0)))
+                   int(d.get("tp", 1)), int(d.get("sp", 1)), str(d.get("arch", "")), float(d.get("calls", 0.0)),
+                   int(d.get("grad_accum", 1)))
 
 
 @dataclass(frozen=True)

@@ -114,4 +114,5 @@ def calibration_point(bench: BenchConfig, micro: int, measured_s: float, rates) 
     tensors, params, token_layers = engine_size(bench, micro)
     par = bench.parallel
     return EnginePoint(engine_key(bench), bench.model.name, tensors, params, measured_s, kernels, token_layers, micro,
-                       par.tp, par.sp, layer_arch(bench.model), tensor_parallel_calls(bench) + ulysses_calls(bench))
+                       par.tp, par.sp, layer_arch(bench.model), tensor_parallel_calls(bench) + ulysses_calls(bench),
+                       bench.batch.grad_accum)

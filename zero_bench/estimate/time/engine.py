@@ -106,9 +106,10 @@ REFERENCE_ARCH = "layernorm gelu learned unfused"
 
 
 def stage_points(key: str, points: Sequence[EnginePoint]) -> list[EnginePoint]:
-    """The points the stage's own coefficients come from: its engine and stage at tp 1 and sp 1, on
-    GPT's layer where there are such (else on whatever layer was measured: then no architecture term)."""
-    plain = [p for p in points if p.key == key and p.tp == 1 and p.sp == 1]
+    """The points the stage's own coefficients come from: its engine and stage at tp 1, sp 1 and
+    grad_accum 1, on GPT's layer where there are such (else on whatever layer was measured: then no
+    architecture term)."""
+    plain = [p for p in points if p.key == key and p.tp == 1 and p.sp == 1 and p.grad_accum == 1]
     return [p for p in plain if p.arch in ("", REFERENCE_ARCH)] or plain
 
 
@@ -117,24 +118,51 @@ def fitted(p: EnginePoint, coef: tuple[float, float, float]) -> float:
     return sum(c * x for c, x in zip(coef, p.features()))
 
 
+def repeated_share(key: str, points: Sequence[EnginePoint], coef: tuple[float, float, float]) -> Optional[float]:
+    """Of the stage's per-tensor and per-parameter time, the share each further micro-step runs again,
+    from the stage's points at grad_accum > 1 (GPT's layer, tp 1, sp 1); None where none was measured.
+    The per-token-layer time (autograd's and the hooks' work on activations) is every micro-step's;
+    the per-parameter time mixes what every micro-step does (ZeRO-2's reduce hooks and bucket copies,
+    stage_1_and_2.py reduce_independent_p_g_buckets_and_remove_grads) with what only the step does
+    (flattening the partition's gradients, their fp32 cast and clip, the 16-bit copy and all-gather of
+    the updated partition, zero_grad). A point's share: its residual less grad_accum x its token-layer
+    time less one step's per-tensor and per-parameter time, over (grad_accum - 1) x the latter;
+    the points' mean, within [0, 1]."""
+    a, b, c = coef
+    shares = []
+    for p in points:
+        if p.key != key or p.grad_accum < 2 or p.tp != 1 or p.sp != 1 or p.arch not in ("", REFERENCE_ARCH):
+            continue
+        once = a * p.tensors + b * p.params
+        if once > 0:
+            shares.append((p.residual_s - p.grad_accum * c * p.token_layers - once) / ((p.grad_accum - 1) * once))
+    return min(1.0, max(0.0, sum(shares) / len(shares))) if shares else None
+
+
 def engine_term(bench: BenchConfig, points: Sequence[EnginePoint], micro: Optional[int] = None) -> Optional[TimeTerm]:
     """The configuration's engine time per step at `micro` (else batch.micro) from the points
-    measured for its engine and stage,
-    x grad_accum (each micro-step runs the hooks, casts and waits again; the calibration trials run
-    grad_accum 1). None where none was measured, or with a pipeline."""
-    mine = stage_points(engine_key(bench), points)
+    measured for its engine and stage: the per-token-layer time x grad_accum, the per-tensor and
+    per-parameter time once plus, for each further micro-step, the share a grad_accum > 1 point of the
+    stage measured repeating (repeated_share; all of it where no such point was measured). None where
+    none was measured, or with a pipeline."""
+    key = engine_key(bench)
+    mine = stage_points(key, points)
     if not mine or bench.parallel.pp > 1:  # a pipeline's schedule: not what the points measured
         return None
     a, b, c = coefficients(mine)
     tensors, params, token_layers = engine_size(bench, micro)
     ga = bench.batch.grad_accum
-    seconds = ga * (a * tensors + b * params + c * token_layers)
+    measured_share = repeated_share(key, points, (a, b, c)) if ga > 1 else None
+    share = 1.0 if measured_share is None else measured_share
+    seconds = (1 + share * (ga - 1)) * (a * tensors + b * params) + ga * c * token_layers
     fit = [f"{a * 1e3:.3f} ms/tensor x {tensors}"] + ([f"{b * 1e9:.2f} ns/param x {params:,.0f}"] if b else []) \
         + ([f"{c * 1e6:.2f} us/token-layer x {token_layers:,.0f}"] if c else [])
     said = ", ".join(f"{p.model} micro {p.micro} {p.measured_s:.3f} s measured - {p.kernels_s:.3f} s kernels"
                      for p in mine)
-    return TimeTerm(ENGINE_TERM, seconds, True, f"{engine_key(bench)}: " + " + ".join(fit)
-                    + (f", x {ga} micro-steps" if ga > 1 else "") + f"; measured on {said}")
+    repeat = "" if ga == 1 else (f", x {ga} micro-steps" if measured_share is None else
+                                 f", token-layers x {ga} micro-steps, tensors and params x (1 + {share:.2f} x {ga - 1}) "
+                                 f"(the share a grad_accum > 1 point repeats)")
+    return TimeTerm(ENGINE_TERM, seconds, True, f"{key}: " + " + ".join(fit) + repeat + f"; measured on {said}")
 
 
 # -- what tp > 1, Ulysses sp > 1 and another layer architecture cost beyond the stage's term ---------
@@ -150,10 +178,11 @@ ULYSSES_TERM = "Ulysses per-call overhead"
 
 @dataclass(frozen=True)
 class CauseCost:
-    """One cause's measured cost per unit (seconds per token-layer, per collective call), and the
-    points it was measured on."""
+    """One cause's measured cost per unit (seconds per token-layer, per collective call), per
+    micro-step where its points separate one (call_cost), and the points it was measured on."""
     per_unit: float
     points: tuple[EnginePoint, ...]
+    per_micro_step: float = 0.0
 
     def said(self) -> str:
         return ", ".join(f"{p.model} tp {p.tp} sp {p.sp} micro {p.micro}: {p.measured_s:.3f} s measured - "
@@ -186,20 +215,43 @@ def arch_cost(arch: str, points: Sequence[EnginePoint]) -> Optional[CauseCost]:
     return CauseCost(slope(pairs), tuple(mine)) if pairs else None
 
 
+def per_call_and_micro_step(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(seconds per call, seconds per micro-step) from (calls, micro-steps, excess) rows: least squares
+    of excess = k calls + k0 micro-steps, both >= 0, where the rows differ in calls per micro-step
+    (else, or where the pair fit goes negative, the better of the two alone)."""
+    import numpy as np
+
+    x = np.array([[c, m] for c, m, _ in rows], dtype=float)
+    y = np.array([e for *_, e in rows], dtype=float)
+    fits = [(slope([(c, e) for c, _, e in rows]), 0.0), (0.0, slope([(m, e) for _, m, e in rows]))]
+    if len({round(c / m, 9) for c, m, _ in rows}) > 1:
+        sol, *_ = np.linalg.lstsq(x, y, rcond=None)
+        if (sol >= 0).all():
+            fits.insert(0, (float(sol[0]), float(sol[1])))
+    return min(fits, key=lambda f: float(((x @ np.array(f) - y) ** 2).sum()))
+
+
 def call_cost(dim: str, points: Sequence[EnginePoint]) -> Optional[CauseCost]:
     """Seconds per tensor-parallel (dim "tp") or Ulysses ("sp") collective call beyond comm.py's
-    latency and bandwidth: the ranks wait for each other in lockstep at every call, and megatron's /
-    DeepSpeed's layers around it run Python and copies per call. From points at that degree > 1 (the
-    other at 1), their excess less their architecture's cost."""
+    latency and bandwidth - the ranks wait for each other in lockstep at every call, and megatron's /
+    DeepSpeed's layers around it run Python and copies per call - and, where the points differ in
+    layers (calls per micro-step), what the degree costs per micro-step whatever the layers: at tp > 1
+    megatron's vocab-parallel cross-entropy all-reduces the logits' max, the target's logit and the
+    sum of exponentials across the tp ranks in every forward (tensor_parallel/cross_entropy.py), none
+    of them among comm.py's 2L+1 points. From points at that degree > 1 (the other at 1), their excess
+    less their architecture's cost."""
     other = "sp" if dim == "tp" else "tp"
     mine = [p for p in points if getattr(p, dim) > 1 and getattr(p, other) == 1 and p.calls]
-    pairs = []
+    rows = []
     for p in mine:
         arch = arch_cost(p.arch, points)
         e = excess(p, points, arch.per_unit if arch else 0.0)
         if e is not None and (arch is not None or p.arch in ("", REFERENCE_ARCH)):
-            pairs.append((p.calls, e))
-    return CauseCost(slope(pairs), tuple(mine)) if pairs else None
+            rows.append((p.calls, float(p.grad_accum), e))
+    if not rows:
+        return None
+    per_call, per_micro_step = per_call_and_micro_step(rows)
+    return CauseCost(per_call, tuple(mine), per_micro_step)
 
 
 def cause_terms(bench: BenchConfig, points: Sequence[EnginePoint], micro: Optional[int] = None) -> list[TimeTerm]:
@@ -213,9 +265,12 @@ def cause_terms(bench: BenchConfig, points: Sequence[EnginePoint], micro: Option
         tl = engine_size(bench, micro)[2] * bench.batch.grad_accum
         out.append(TimeTerm(ARCH_TERM, got.per_unit * tl, True, f"{arch}: {got.per_unit * 1e6:.3f} us/token-layer "
                             f"beyond GPT's layer x {tl:,.0f}; measured on {got.said()}"))
+    ga = bench.batch.grad_accum
     for dim, name, calls in (("tp", TP_TERM, tensor_parallel_calls(bench)), ("sp", ULYSSES_TERM, ulysses_calls(bench))):
         cost = call_cost(dim, points) if calls else None
         if cost is not None:
-            out.append(TimeTerm(name, cost.per_unit * calls, True, f"{cost.per_unit * 1e3:.3f} ms/call beyond "
-                                f"latency and bandwidth x {calls:g} calls; measured on {cost.said()}"))
+            step = f" + {cost.per_micro_step * 1e3:.3f} ms/micro-step x {ga}" if cost.per_micro_step else ""
+            out.append(TimeTerm(name, cost.per_unit * calls + cost.per_micro_step * ga, True,
+                                f"{cost.per_unit * 1e3:.3f} ms/call beyond latency and bandwidth x {calls:g} calls"
+                                f"{step}; measured on {cost.said()}"))
     return out
