@@ -21,7 +21,9 @@ tp > 1, sp > 1 or on another layer than GPT's, CAUSE_MODELS' points at its stage
 at sp=2, the trial's own preset at 2 layers) give what each costs per collective call or token-layer.
 Trials: run_launch forked from one pool, steps warmup 2 + timed 10, time/it their median (the trial's
 own measurement, as the store records it), each trial run twice, a whole pass apart, keeping the
-faster pass (others' work only slows a trial; the calibration trials alike): gpt-mini's ZeRO 0-3, offload (CPU and NVMe), recompute
+faster pass (others' work only slows a trial; the calibration trials alike); within a pass each checked
+trial runs right after the calibration trials it is predicted from (schedule: the machine's speed
+drifts over minutes): gpt-mini's ZeRO 0-3, offload (CPU and NVMe), recompute
 (full, selective, block, op), grad_accum 2, tp=2, FSDP2, and llama-tiny's Ulysses sp=2. Target (issue
 52, item 4): the prediction within 15 % of the measured time/it for at least 90 % of the trials; the
 script exits 1 when that does not hold. save=FILE keeps the rates and the times; replay=FILE predicts a
@@ -171,15 +173,35 @@ def timed_passes(jobs: list[tuple[str, BenchConfig]], tmp: Path, pools, passes: 
     return out
 
 
-def engine_points(names: list[str], micro: int, models: list[str], measured: dict, tmp: Path, pools,
-                  model: str = MODEL_DEFAULT) -> list[dict]:
-    """Time each calibration trial (timed_passes: the fastest of PASSES) and keep its EnginePoint (its
-    time/it against its kernel terms at the rates just measured), with its passes."""
-    jobs = [(f"{key}#{i}", b) for key, benches in engine_benches(names, micro, models, model).items()
-            for i, b in enumerate(benches)]
-    timed = timed_passes(jobs, tmp / "engine", pools)
+def schedule(names: list[str], micro: int, models: list[str], model: str = MODEL_DEFAULT,
+             checked: bool = True) -> list[tuple[str, BenchConfig]]:
+    """Every trial of the run, (label, bench), in the order they run in each pass: the checked cases
+    grouped by engine and stage (CONFIGS' order within), each right after the calibration trials of
+    its stage and causes that no earlier case needed. The machine's speed drifts by 10-45 % over
+    spells of minutes here (/work/notes/s5: a pass of the checked trials 9-25 % slower than the
+    calibration pass before it, minutes apart), so a checked trial runs within a minute or two of the
+    points it is predicted from, and a spell slows both alike, not one of them. A calibration label
+    is "{key}#{i}" (engine_benches), a checked one the case's name."""
+    cases = {n: bench(model, micro, CONFIGS[n]) for n in names}
+    keys = list(dict.fromkeys(engine_key(b) for b in cases.values()))
+    jobs, seen = [], set()
+    for name in sorted(names, key=lambda n: keys.index(engine_key(cases[n]))):
+        for key, benches in engine_benches([name], micro, models, model).items():
+            if key not in seen:
+                seen.add(key)
+                jobs += [(f"{key}#{i}", b) for i, b in enumerate(benches)]
+        if checked:
+            jobs.append((name, cases[name]))
+    return jobs
+
+
+def engine_points(jobs: list[tuple[str, BenchConfig]], timed: dict, measured: dict) -> list[dict]:
+    """Each calibration trial's EnginePoint (its fastest pass's time/it against its kernel terms at
+    the rates measured before the trials), with its passes."""
     points = []
     for label, b in jobs:
+        if label in CONFIGS:  # a checked case, not a calibration trial
+            continue
         row = timed[label]
         if row["best"]:
             pt = calibration_point(b, b.batch.micro, row["best"], cpu_rates(b, measured)).to_dict()
@@ -240,15 +262,16 @@ def main() -> int:
             busy = [others_busy()]
             measured = measured_rates(str(first.precision))
             t0 = time.perf_counter()
-            measured["engine"] = engine_points(names, micro, models, measured, Path(tmp), pools, model)
-            measured["engine_s"] = time.perf_counter() - t0
-            print(f"engine calibration: {len(measured['engine'])} trial(s) of {', '.join(models)} in "
-                  f"{measured['engine_s']:.0f} s", file=sys.stderr)
-            jobs = [(name, bench(model, micro, CONFIGS[name])) for name in (names if "engine_only" not in args else [])]
-            timed = timed_passes(jobs, Path(tmp) / "checked", pools)
+            jobs = schedule(names, micro, models, model, checked="engine_only" not in args)
+            timed = timed_passes(jobs, Path(tmp) / "trials", pools)
+            measured["engine"] = engine_points(jobs, timed, measured)
+            measured["trials_s"] = time.perf_counter() - t0
+            print(f"{len(jobs)} trials x {PASSES} passes in {measured['trials_s']:.0f} s, "
+                  f"{len(measured['engine'])} of them calibration points", file=sys.stderr)
             for name, b in jobs:
-                rows.append((name, timed[name]["best"], predict_time(b, micro, cpu_rates(b, measured)),
-                             timed[name]["status"]))
+                if name in CONFIGS:
+                    rows.append((name, timed[name]["best"], predict_time(b, micro, cpu_rates(b, measured)),
+                                 timed[name]["status"]))
             busy.append(others_busy())
             # the same probes again after the trials: how far the machine drifted while they ran
             measured["ranks_after"] = rank_rates(2, rank_threads(), str(first.precision)).to_dict()
