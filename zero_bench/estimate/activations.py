@@ -312,6 +312,11 @@ def op_kept_terms(m: ModelConfig, tp: int = 1, precision: str = "bf16", device: 
             "attention_output": x["q"] * B + 4 * x["heads"] if flash else 0, "fc1_output": fc1}
 
 
+def layers_per_checkpoint(recompute: str, recompute_layers: int, L: int) -> int:
+    """Layers per checkpoint of L: recompute=full's recompute_layers (megatron's uniform method), else 1."""
+    return min(recompute_layers, L) if recompute == Recompute.full else 1
+
+
 def _layers(m: ModelConfig, tp: int, precision: str, recompute: str, ck: Mapping, kinds: list,
             device: str = "gpu", offload: bool = False, sequence_parallel: bool = False,
             chunk: Optional[Sequence[bool]] = None) -> tuple:
@@ -442,7 +447,7 @@ def activation_bytes_per_sample(model: ModelConfig, tp: int = 1, precision: str 
     flags = m.moe_layers if layers is None else [m.moe_layers[i] for i in layers]
     # recompute=full: megatron's uniform method, recompute_layers layers per checkpoint (the last
     # chunk's flags); block checkpoints one layer at a time
-    k = min(recompute_layers, L) if recompute == Recompute.full else 1
+    k = layers_per_checkpoint(recompute, recompute_layers, L)
     chunk = flags[(-(-L // k) - 1) * k:]
     if recompute == Recompute.block and recompute_layers >= L:
         recompute = "full"  # every layer recomputed, one per checkpoint

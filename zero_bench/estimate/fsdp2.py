@@ -76,8 +76,8 @@ from typing import Mapping, Optional
 
 from zero_bench.config.layout import RankLayout
 from zero_bench.config.schema import BenchConfig, Device, Loss, Recompute
-from zero_bench.estimate.activations import (activation_bytes_per_sample, bench_activations, loss_chunk_bytes,
-                                             output_layer_backward, sequence_args)
+from zero_bench.estimate.activations import (activation_bytes_per_sample, bench_activations, layers_per_checkpoint,
+                                             loss_chunk_bytes, output_layer_backward, sequence_args)
 from zero_bench.estimate.prediction import Buffer, Phase, PhaseBytes, Prediction, causal_mask
 from zero_bench.estimate.states import master_bytes, moment_bytes
 from zero_bench.models.params import ROOT, Param
@@ -295,8 +295,8 @@ def _buffers(bench: BenchConfig, b: int, R: int, G: int, layers: dict[Phase, int
 
 
 def chunk_layers(bench: BenchConfig, L: int) -> int:
-    """Layers per checkpoint: recompute=full's recompute_layers (megatron's uniform method), else 1."""
-    return min(bench.recompute_layers, L) if bench.recompute == Recompute.full else 1
+    """Layers per checkpoint of the stage's L (activations.layers_per_checkpoint)."""
+    return layers_per_checkpoint(bench.recompute, bench.recompute_layers, L)
 
 
 def _whole_layer(bench: BenchConfig, L: int) -> float:
